@@ -1,0 +1,143 @@
+import torch
+from hypothesis import given, settings, strategies as st
+from transformers.generation.logits_process import (
+    LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+    TopKLogitsWarper, TopPLogitsWarper)
+
+from pdpool.engine.sampler import Sampler, apply_penalties, filtered_probs, make_generator
+from pdpool.engine.sampling_params import SamplingParams
+
+VOCAB = 64
+
+
+def make_batch(rows, vocab=VOCAB, seed=0, history=12):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    prompts = [torch.randint(0, vocab, (history,), generator=gen).tolist() for _ in range(rows)]
+    outputs = [torch.randint(0, vocab, (i % history,), generator=gen).tolist() for i in range(rows)]
+    return logits, prompts, outputs
+
+
+def hf_processed(logits_row, prompt, output, p):
+    """The HF logits-processor chain for one request: [1, V] processed logits."""
+    chain = LogitsProcessorList()
+    if p.repetition_penalty != 1.0:
+        chain.append(RepetitionPenaltyLogitsProcessor(p.repetition_penalty))
+    chain.append(TemperatureLogitsWarper(p.temperature))
+    if p.top_k > 0:
+        chain.append(TopKLogitsWarper(p.top_k))
+    if p.top_p < 1.0:
+        chain.append(TopPLogitsWarper(p.top_p))
+    if p.min_p > 0:
+        chain.append(MinPLogitsWarper(p.min_p))
+    return chain(torch.tensor([prompt + output]), logits_row[None].clone())
+
+
+params_strategy = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.3, 0.7, 1.0, 1.8]),
+    top_k=st.sampled_from([-1, 0, 2, 5, 20, VOCAB, VOCAB + 10]),
+    top_p=st.sampled_from([0.05, 0.5, 0.8, 0.9, 0.95, 1.0]),
+    min_p=st.sampled_from([0.0, 0.02, 0.1, 0.5]),
+    repetition_penalty=st.sampled_from([0.5, 1.0, 1.3, 2.0]),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(params_strategy, min_size=1, max_size=6), st.integers(0, 2**16))
+def test_filtered_distribution_matches_hf_logits_processors(batch_params, seed):
+    logits, prompts, outputs = make_batch(len(batch_params), seed=seed)
+    processed = logits.clone()
+    if any(p.has_penalties for p in batch_params):
+        apply_penalties(processed, batch_params, prompts, outputs)
+    probs = filtered_probs(processed, batch_params)
+    for i, p in enumerate(batch_params):
+        expected = hf_processed(logits[i], prompts[i], outputs[i], p)[0]
+        assert torch.equal(probs[i] == 0, expected == float("-inf")), p
+        torch.testing.assert_close(probs[i], expected.softmax(-1), rtol=1e-5, atol=1e-7)
+
+
+def test_presence_and_frequency_follow_the_openai_formula():
+    logits, prompts, outputs = make_batch(3)
+    params = [SamplingParams(presence_penalty=0.5, frequency_penalty=-0.25), SamplingParams(),
+              SamplingParams(presence_penalty=-1.5, frequency_penalty=2.0)]
+    penalized = apply_penalties(logits.clone(), params, prompts, outputs)
+    for i, p in enumerate(params):
+        # OpenAI: mu[j] -= c[j] * alpha_frequency + (c[j] > 0) * alpha_presence, c over generated tokens only
+        counts = torch.bincount(torch.tensor(outputs[i], dtype=torch.long), minlength=VOCAB).float()
+        expected = logits[i] - counts * p.frequency_penalty - (counts > 0).float() * p.presence_penalty
+        torch.testing.assert_close(penalized[i], expected)
+
+
+def test_penalties_apply_before_greedy_argmax():
+    logits = torch.tensor([[5.0, 4.0, 0.0]])
+    out = Sampler().sample(logits, [SamplingParams(temperature=0, repetition_penalty=2.0)], [[0]], [[]], [None])
+    assert out.token_ids == [1]
+    out = Sampler().sample(logits, [SamplingParams(temperature=0, presence_penalty=1.5)], [[]], [[0]], [None])
+    assert out.token_ids == [1]
+    assert logits.tolist() == [[5.0, 4.0, 0.0]]  # the caller's logits are left untouched
+
+
+def test_greedy_is_argmax_and_logprobs_are_raw_log_softmax():
+    logits, prompts, outputs = make_batch(8)
+    params = [SamplingParams(temperature=0, logprobs=5 if i % 2 else None) for i in range(4)] + \
+             [SamplingParams(top_k=1, logprobs=3), SamplingParams(temperature=0.5, top_p=0.5, logprobs=0),
+              SamplingParams(temperature=1.5, repetition_penalty=1.5, presence_penalty=1.0, logprobs=20),
+              SamplingParams(seed=3, min_p=0.1)]
+    out = Sampler(seed=0).sample(logits, params, prompts, outputs, [None] * 7 + [make_generator(3)])
+    assert out.token_ids[:5] == logits[:5].argmax(-1).tolist()
+    raw = logits.log_softmax(-1)
+    torch.testing.assert_close(torch.tensor(out.logprobs), raw[torch.arange(8), out.token_ids])
+    for i, p in enumerate(params):
+        n = p.logprobs or 0
+        values, indices = raw[i].topk(n) if n else (torch.empty(0), torch.empty(0, dtype=torch.long))
+        assert [t for t, _ in out.top_logprobs[i]] == indices.tolist()
+        torch.testing.assert_close(torch.tensor([v for _, v in out.top_logprobs[i]]), values)
+    greedy_only = Sampler().sample(logits, [SamplingParams(temperature=0)] * 8, prompts, outputs, [None] * 8)
+    assert greedy_only.top_logprobs is None and greedy_only.token_ids == logits.argmax(-1).tolist()
+
+
+def test_seeded_request_is_independent_of_batch_composition():
+    vocab, steps = 1000, 6
+    seeded = SamplingParams(seed=1234, temperature=0.9, top_p=0.95, top_k=200, repetition_penalty=1.2)
+
+    def run(batch):  # rows with `seeded` see the same logits in every run, the others vary from run to run
+        sampler = Sampler()
+        gens = [make_generator(p.seed) if p.seed is not None else None for p in batch]
+        outputs = [[] for _ in batch]
+        rng = torch.Generator().manual_seed(99)
+        for _ in range(steps):
+            logits = torch.randn(len(batch), vocab) * 5
+            logits[[p is seeded for p in batch]] = torch.randn(vocab, generator=rng)
+            out = sampler.sample(logits, batch, [[1, 2, 3]] * len(batch), outputs, gens)
+            for o, t in zip(outputs, out.token_ids):
+                o.append(t)
+        return outputs
+
+    alone = run([seeded])[0]
+    mixed = run([seeded, SamplingParams(temperature=0), SamplingParams(), SamplingParams(seed=5, min_p=0.2),
+                 seeded, SamplingParams(top_k=3, frequency_penalty=1.0)])
+    assert mixed[0] == alone and mixed[4] == alone
+    assert run([seeded, SamplingParams(temperature=1.3)] * 3)[0] == alone
+    assert len(set(alone)) > 1  # it really samples
+
+
+def test_sampling_frequencies_follow_the_filtered_distribution():
+    rows = 20000
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -8.0]]).expand(rows, -1)
+    params = [SamplingParams(temperature=0.8, top_p=0.9)] * rows
+    out = Sampler(seed=0).sample(logits, params, [[]] * rows, [[]] * rows, [None] * rows)
+    expected = filtered_probs(logits[:1], params[:1])[0]
+    freq = torch.bincount(torch.tensor(out.token_ids), minlength=6).float() / rows
+    assert expected[-1] == 0 and freq[-1] == 0  # top-p removed the tail
+    torch.testing.assert_close(freq, expected, atol=0.015, rtol=0)
+
+
+def test_min_tokens_masks_eos_and_stop_token_ids():
+    logits = torch.tensor([[0.0, 9.0, 8.0, 1.0]]).repeat(3, 1)
+    params = [SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2]),
+              SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2]),
+              SamplingParams(temperature=0, min_tokens=2, ignore_eos=True)]
+    out = Sampler(eos_token_id=1).sample(logits, params, [[0]] * 3, [[3], [3, 3], [3]], [None] * 3)
+    assert out.token_ids == [3, 1, 1]
+    assert out.logprobs[0] == logits.log_softmax(-1)[0, 3].item()  # logprobs stay raw
