@@ -80,6 +80,8 @@ class DeviceConfig:
     device: str = opt("cpu", "Where the engine runs.", choices=DEVICES, crd="engine.device")
     enforce_eager: bool = opt(False, "Disable CUDA graphs.")
     num_threads: int | None = opt(None, "torch intra-op threads on CPU (default: torch's).", ge=1)
+    attention_backend: str = opt("auto", "Attention implementation; auto is triton on CUDA, torch on CPU.",
+                                 choices=("auto", "torch", "triton"))
 
 
 @dataclass
@@ -93,7 +95,7 @@ class ServerConfig:
 
 @dataclass
 class DisaggConfig:
-    redis: str | None = opt(None, "Redis URL for block ownership and peer discovery.")
+    redis: str | None = opt(None, "Redis URL for block ownership and peer discovery.", crd="redis.url")
     redis_password: str | None = opt(None, "Redis password.", secret=True)
     pool: str = opt("default", "Pool name; Redis keys are namespaced by it.")
     namespace: str = opt("default", "Kubernetes namespace of the pool.")
@@ -111,6 +113,11 @@ class DisaggConfig:
     internal_token: str | None = opt(None, "Token the router and peers present to each other.", secret=True)
     heartbeat_seconds: float = opt(2.0, "Seconds between heartbeats to Redis.", ge=0.05)
     ucx_tls: str | None = opt(None, "UCX_TLS for the NIXL agent.", crd="kvTransfer.ucxTls")
+    ucx_net_devices: str | None = opt(None, "UCX_NET_DEVICES for the NIXL agent (e.g. mlx5_0:1).",
+                                      crd="kvTransfer.ucxNetDevices")
+    kv_transfer_backend: str = opt("nixl", "How KV blocks move between nodes.", choices=("nixl", "tcp"),
+                                   crd="kvTransfer.backend")
+    nixl_port: int = opt(5600, "Port of the NIXL agent's side channel (metadata exchange).", ge=1, le=65535)
 
 
 @dataclass
@@ -135,8 +142,37 @@ class NodeConfig:
         return self.disagg.node_id or f"{socket.gethostname()}:{self.server.port}"
 
 
+@dataclass
+class RouterConfig:
+    """The OpenAI gateway in front of a pool: picks a prefill and a decode node per request."""
+    host: str = opt("0.0.0.0", "Address to listen on.")
+    port: int = opt(8000, "HTTP port of the router.", ge=1, le=65535, crd="router.port")
+    api_key: str | None = opt(None, "Bearer key clients must present.", secret=True)
+    internal_token: str | None = opt(None, "Token the router presents to the nodes.", secret=True)
+    redis: str | None = opt(None, "Redis URL where nodes heartbeat and publish block ownership.", crd="redis.url")
+    redis_password: str | None = opt(None, "Redis password.", secret=True)
+    pool: str = opt("default", "Pool name; Redis keys are namespaced by it.")
+    namespace: str = opt("default", "Kubernetes namespace of the pool.")
+    prefix_weight: float = opt(3.0, "Weight of the prefix-cache-hit scorer.", ge=0, crd="router.weights.prefix")
+    queue_weight: float = opt(2.0, "Weight of the queue-depth scorer.", ge=0, crd="router.weights.queue")
+    kv_usage_weight: float = opt(2.0, "Weight of the KV-cache-usage scorer.", ge=0, crd="router.weights.kvUsage")
+    disagg_min_tokens: int = opt(0, "Prompts shorter than this skip prefill and go to a decode node (0: never).",
+                                 ge=0, crd="kvTransfer.disaggMinTokens")
+    request_timeout: float = opt(600.0, "Seconds before a proxied request is abandoned.", ge=1)
+
+
+@dataclass
+class RouterCommandConfig:
+    """Everything ``pdpool router`` takes."""
+    router: RouterConfig = field(default_factory=RouterConfig)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
 SECTIONS = {
     "serve": NodeConfig,
+    "router": RouterCommandConfig,
 }
 
 

@@ -1,0 +1,235 @@
+"""The model runner: loads the model, owns the KV cache, runs one scheduled step.
+
+``execute`` = prepare inputs -> forward -> logits -> sample. ``compute_logits_for`` stops after the logits, so
+tests can compare them with a reference. Only this file (in the engine) creates device tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdpool.config import NodeConfig
+from pdpool.engine.attention import AttentionBackend, AttentionMetadata, get_backend, reset_context, set_context
+from pdpool.engine.sampler import Sampler, make_generator
+from pdpool.models.demo import resolve_model
+from pdpool.models.loader import load_hf_config, load_model
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelInfo:
+    """What the rest of the engine needs to know about the model."""
+    path: Path
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: list[int]
+    dtype: torch.dtype
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] | None  # when the request asked for logprobs
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    sample_indices: torch.Tensor  # [R_s] int64, last token of each sampling request
+    sampling: list  # ScheduledRequest of each sampling row, in scheduled order
+
+
+class ModelRunner:
+    def __init__(self, node_config: NodeConfig):
+        self.config = node_config
+        dev = node_config.device
+        self.device = torch.device(dev.device)
+        if dev.num_threads:
+            torch.set_num_threads(dev.num_threads)
+        dtype_name = node_config.model.dtype
+        if dtype_name == "auto":
+            dtype_name = "bfloat16" if self.device.type == "cuda" else "float32"
+        self.dtype = DTYPES[dtype_name]
+        path = resolve_model(node_config.model.model)
+        hf_config = load_hf_config(path)
+        self.model = load_model(path, hf_config, dtype=self.dtype, device=self.device,
+                                load_format=node_config.model.load_format, seed=node_config.model.seed)
+        self.model_config = _model_info(path, hf_config, self.model, self.dtype)
+        self.max_model_len = node_config.scheduler.max_model_len or self.model_config.max_position_embeddings
+        self.block_size = node_config.cache.block_size
+        info = self.model_config
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        self.block_bytes = info.num_layers * 2 * self.block_size * info.num_kv_heads * info.head_dim * itemsize
+        self.backend = _pick_backend(dev.attention_backend, self.device)
+        self.num_blocks = self._num_blocks()
+        # kv_cache: [num_blocks, num_layers, 2, block_size, Hkv, D]; one block = one contiguous region
+        self.kv_cache = torch.zeros(self.num_blocks, info.num_layers, 2, self.block_size, info.num_kv_heads,
+                                    info.head_dim, dtype=self.dtype, device=self.device)
+        self.model.bind_kv_cache(self.kv_cache, self.backend)
+        self.generators: dict[str, torch.Generator] = {}
+        self.sampler = Sampler(eos_token_id=info.eos_token_ids[0] if info.eos_token_ids else None,
+                               seed=node_config.model.seed)
+        log.info("model %s (%s, %s) on %s: %d KV blocks of %d tokens, %d bytes each, attention %s", path,
+                 info.architecture, dtype_name, self.device, self.num_blocks, self.block_size, self.block_bytes,
+                 self.backend.name)
+
+    def _num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_kv_blocks:
+            return cache.num_kv_blocks
+        if self.device.type != "cuda":
+            return max(1, int(cache.kv_cache_memory_gb * 2**30) // self.block_bytes)
+        _, total = torch.cuda.mem_get_info(self.device)
+        peak = self._profile_peak_bytes()
+        budget = total * cache.gpu_memory_utilization - peak
+        if budget < self.block_bytes:
+            raise RuntimeError(f"no GPU memory left for the KV cache (peak {peak / 2**30:.1f} GiB of "
+                               f"{total / 2**30:.1f} GiB, utilization {cache.gpu_memory_utilization})")
+        return int(budget // self.block_bytes)
+
+    @torch.inference_mode()
+    def _profile_peak_bytes(self) -> int:
+        """Peak GPU memory of a forward over a full token budget (weights + activations), with a scratch cache."""
+        n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        blocks = -(-n // self.block_size)
+        info = self.model_config
+        scratch = torch.zeros(blocks, info.num_layers, 2, self.block_size, info.num_kv_heads, info.head_dim,
+                              dtype=self.dtype, device=self.device)
+        self.model.bind_kv_cache(scratch, self.backend)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        meta = AttentionMetadata.build([n], [n], [list(range(blocks))], self.block_size, self.device)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        set_context(meta)
+        try:
+            self.model.compute_logits(self.model(ids, torch.arange(n, device=self.device))[-1:])
+        finally:
+            reset_context()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - scratch.numel() * scratch.element_size()
+        del scratch
+        torch.cuda.empty_cache()
+        return peak
+
+    def prepare_inputs(self, scheduler_output) -> StepInputs:
+        ids: list[int] = []
+        positions: list[int] = []
+        query_lens, seq_lens, block_ids, sample_rows, sampling = [], [], [], [], []
+        for sr in scheduler_output.scheduled:
+            start, n = sr.request.num_computed_tokens, sr.num_new_tokens
+            tokens = sr.request.all_token_ids
+            ids += tokens[start:start + n]
+            positions += range(start, start + n)
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            block_ids.append(sr.block_ids)
+            if start + n == len(tokens):
+                sample_rows.append(len(ids) - 1)
+                sampling.append(sr)
+        dev = self.device
+        meta = AttentionMetadata.build(query_lens, seq_lens, block_ids, self.block_size, dev)
+        return StepInputs(torch.tensor(ids, dtype=torch.long, device=dev),
+                          torch.tensor(positions, dtype=torch.long, device=dev), meta,
+                          torch.tensor(sample_rows, dtype=torch.long, device=dev), sampling)
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Forward the step (writing its KV) -> float32 logits [R_s, V] of the sampling requests."""
+        set_context(inputs.meta)
+        try:
+            hidden = self.model(inputs.input_ids, inputs.positions)  # [T, H]
+        finally:
+            reset_context()
+        return self.model.compute_logits(hidden[inputs.sample_indices])
+
+    def compute_logits_for(self, scheduler_output) -> torch.Tensor:
+        """Logits [R_s, V] float32, one row per sampling request in scheduled order; the step's KV is written."""
+        return self.run(self.prepare_inputs(scheduler_output))
+
+    def execute(self, scheduler_output) -> dict[str, SampledToken]:
+        if not scheduler_output.scheduled:
+            return {}
+        inputs = self.prepare_inputs(scheduler_output)
+        logits = self.run(inputs)
+        if not inputs.sampling:
+            return {}
+        requests = [sr.request for sr in inputs.sampling]
+        params = [r.sampling_params for r in requests]
+        out = self.sampler.sample(logits, params, [list(r.prompt_token_ids) for r in requests],
+                                  [list(r.output_token_ids) for r in requests],
+                                  [self._generator(r) for r in requests])
+        return {r.request_id: SampledToken(out.token_ids[i], out.logprobs[i],
+                                           out.top_logprobs[i] if out.top_logprobs is not None else None)
+                for i, r in enumerate(requests)}
+
+    def _generator(self, request) -> torch.Generator | None:
+        seed = request.sampling_params.seed
+        if seed is None:
+            return None
+        if request.request_id not in self.generators:
+            self.generators[request.request_id] = make_generator(seed, self.device)
+        return self.generators[request.request_id]
+
+    def forget(self, request_id: str) -> None:
+        """Drop per-request state (the seeded generator) of a finished or aborted request."""
+        self.generators.pop(request_id, None)
+
+
+def _pick_backend(name: str, device: torch.device) -> AttentionBackend:
+    """'auto' is triton on CUDA (torch if the kernels cannot be imported), torch elsewhere."""
+    if name != "auto":
+        return get_backend(name)
+    if device.type == "cuda":
+        try:
+            return get_backend("triton")
+        except ImportError as e:
+            log.warning("triton attention backend unavailable (%s); using torch", e)
+    return get_backend("torch")
+
+
+def _model_info(path: Path, hf_config, model, dtype: torch.dtype) -> ModelInfo:
+    attn = model.model.layers[0].self_attn
+    eos: list[int] = []
+    sources = [getattr(hf_config, "eos_token_id", None)]
+    if (path / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        sources.insert(0, GenerationConfig.from_pretrained(str(path)).eos_token_id)
+    for value in sources:
+        for token in ([value] if isinstance(value, int) else value or []):
+            if token not in eos:
+                eos.append(token)
+    max_positions = getattr(hf_config, "max_position_embeddings", 4096)
+    window = _sliding_window(hf_config, model.arch)
+    if window is not None and window < max_positions:
+        log.warning("%s: sliding-window attention (%d) is not implemented; serving up to %d positions, where "
+                    "full attention is exact", path, window, window)
+        max_positions = window
+    return ModelInfo(path=path, architecture=model.arch, num_layers=len(model.model.layers),
+                     num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+                     hidden_size=hf_config.hidden_size, vocab_size=hf_config.vocab_size,
+                     max_position_embeddings=max_positions, eos_token_ids=eos,
+                     dtype=dtype)
+
+
+def _sliding_window(hf_config, arch: str) -> int | None:
+    """The attention window where the config turns one on (Mistral always, Qwen only with use_sliding_window)."""
+    window = getattr(hf_config, "sliding_window", None)
+    if arch.startswith("Qwen") and not getattr(hf_config, "use_sliding_window", False):
+        return None
+    return window or None

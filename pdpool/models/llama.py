@@ -1,0 +1,178 @@
+"""One Llama-family decoder: Llama 2/3 (llama3 rope scaling), SmolLM, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+
+GQA, tied or untied embeddings. ``forward(input_ids [T], positions [T]) -> hidden [T, H]`` over the step's packed
+tokens; attention layers read the step's metadata from ``get_context()`` and the KV cache views bound by
+``bind_kv_cache``. Fused projections: ``qkv_proj`` = q|k|v and ``gate_up_proj`` = gate|up along dim 0, with the
+shard offsets the loader needs in ``packed_shards``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdpool.engine.attention import AttentionBackend, get_context
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)  # HF's order: normalize in fp32, cast, then scale
+
+
+def rope_parameters(config) -> tuple[float, dict]:
+    """(theta, scaling dict) from transformers 5 ``rope_parameters`` or the older ``rope_theta``/``rope_scaling``."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    scaling = dict(getattr(config, "rope_scaling", None) or params)
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return float(theta), scaling
+
+
+def inv_frequencies(config, head_dim: int) -> torch.Tensor:
+    """[D/2] float32 rotary inverse frequencies, with 'default', 'linear' or 'llama3' scaling."""
+    theta, scaling = rope_parameters(config)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope type {kind!r} is not supported (default, linear, llama3)")
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, H, D], cos/sin: [T, 1, D]; neox layout (rotate halves)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config, arch: str, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scale = self.head_dim ** -0.5
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = getattr(config, "attention_bias", False)
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size,
+                                  bias=bias or arch == "Qwen2ForCausalLM")
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=bias and arch != "Qwen2ForCausalLM")
+        self.qkv_proj.packed_shards = {"q_proj": (0, q_size), "k_proj": (q_size, kv_size),
+                                       "v_proj": (q_size + kv_size, kv_size)}
+        self.qk_norm = arch == "Qwen3ForCausalLM"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.backend: AttentionBackend | None = None
+        self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D] strided view
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, H]
+        T = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)  # q: [T, Hq, D]
+        k = k.view(T, self.num_kv_heads, self.head_dim)  # k, v: [T, Hkv, D]
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        meta = get_context()
+        self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        o = self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(o.reshape(T, q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
+        self.gate_up_proj.packed_shards = {"gate_proj": (0, inter), "up_proj": (inter, inter)}
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (silu)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, arch: str, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(config, arch, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, config, arch: str):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, arch, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Our model for every architecture in ``pdpool.models.registry``; ``arch`` switches the few differences."""
+
+    def __init__(self, config, arch: str = "LlamaForCausalLM"):
+        super().__init__()
+        self.config, self.arch = config, arch
+        self.model = Backbone(config, arch)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        head_dim = self.model.layers[0].self_attn.head_dim
+        self.register_buffer("inv_freq", inv_frequencies(config, head_dim), persistent=False)  # [D/2] fp32
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor, backend: AttentionBackend) -> None:
+        """kv_cache: [num_blocks, num_layers, 2, block_size, Hkv, D]; each layer keeps its strided K and V views."""
+        for i, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            attn.k_cache, attn.v_cache, attn.backend = kv_cache[:, i, 0], kv_cache[:, i, 1], backend
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # input_ids, positions: [T] -> hidden [T, H]
+        x = self.model.embed_tokens(input_ids)
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, D/2] fp32, as HF computes
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [R, H] -> logits [R, V] float32
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,80 @@
+"""The demo model: GGUF -> bf16 safetensors conversion, and our float32 model against HF on the converted folder."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from pdpool.engine.attention import AttentionMetadata, get_backend, reset_context, set_context
+from pdpool.models import demo
+from pdpool.models.loader import load_model
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
+           "<|im_start|>user\nWhat is 12 times 7?<|im_end|>\n<|im_start|>assistant\n"]
+
+
+def test_converted_folder_is_a_plain_bf16_llama_checkpoint(demo_model_dir):
+    from transformers import AutoTokenizer
+
+    cfg = json.loads((demo_model_dir / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in cfg
+    with safe_open(str(demo_model_dir / "model.safetensors"), framework="pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    tok = AutoTokenizer.from_pretrained(demo_model_dir)
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nhi<|im_end|>" in text
+    assert tok.convert_ids_to_tokens(cfg["eos_token_id"]) == "<|im_end|>"
+    assert demo.resolve_model("demo") == demo_model_dir  # converted once, found afterwards
+
+
+def test_our_float32_logits_match_hf_on_the_demo_model(demo_model_dir, hf_reference):
+    torch.set_num_threads(1)
+    model = load_model(demo_model_dir, dtype=torch.float32)
+    attn = model.model.layers[0].self_attn
+    kv = torch.zeros(16, len(model.model.layers), 2, 16, attn.num_kv_heads, attn.head_dim)
+    model.bind_kv_cache(kv, get_backend("torch"))
+    for prompt in PROMPTS:
+        ids = hf_reference.encode(prompt)
+        set_context(AttentionMetadata.build([len(ids)], [len(ids)], [[9, 3, 12]], 16))
+        try:
+            with torch.no_grad():
+                ours = model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids))))  # [T, V]
+        finally:
+            reset_context()
+        with torch.no_grad():
+            ref = hf_reference.model(torch.tensor([ids])).logits[0].float()
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_concurrent_conversions_convert_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDPOOL_CACHE", str(tmp_path))
+    calls: list[Path] = []
+    real_convert = demo.convert_gguf
+
+    def counted(gguf, out):
+        calls.append(out)
+        real_convert(gguf, out)
+
+    monkeypatch.setattr(demo, "convert_gguf", counted)
+    results: list[Path] = []
+    threads = [threading.Thread(target=lambda: results.append(demo.resolve_model("demo"))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(results) == 2 and results[0] == results[1]
+    models = tmp_path / "models"
+    assert sorted(p.name for p in models.iterdir() if p.is_dir()) == [demo.DEMO_DIR]  # temp folder renamed away
+    assert (results[0] / "model.safetensors").is_file() and (results[0] / "tokenizer.json").is_file()
+
+
+def test_other_model_names_are_local_folders(tmp_path):
+    with pytest.raises(FileNotFoundError, match="never downloaded"):
+        demo.resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+    (tmp_path / "config.json").write_text("{}")
+    assert demo.resolve_model(str(tmp_path)) == tmp_path
