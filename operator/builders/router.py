@@ -1,0 +1,55 @@
+"""The router: a Deployment running ``pdpool router`` and the pool's Service (its endpoint)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pdpool import config
+from pdpool.operator.builders.common import labels, metadata, selector_labels, with_hash
+from pdpool.operator.builders.nodes import HEALTH_LIVE, HEALTH_READY, common_env, http_probe, pod_placement
+from pdpool.operator.spec import Pool
+
+
+def router_config(pool: Pool) -> config.RouterCommandConfig:
+    r = pool.router.router
+    return dataclasses.replace(pool.router, router=dataclasses.replace(
+        r, redis=pool.redis_url, pool=pool.name, namespace=pool.namespace))
+
+
+def router_deployment(pool: Pool) -> dict:
+    cfg = router_config(pool)
+    container = {
+        "name": "router",
+        "image": pool.image,
+        "imagePullPolicy": pool.spec["imagePullPolicy"],
+        "command": ["pdpool"],
+        "args": ["router", *config.to_argv(cfg, config.RouterCommandConfig)],
+        "ports": [{"name": "http", "containerPort": cfg.router.port, "protocol": "TCP"}],
+        "envFrom": [{"configMapRef": {"name": f"{pool.name}-config"}}],
+        "env": common_env(pool) + list(pool.roles["router"].env),
+        "resources": pool.roles["router"].resources,
+        "livenessProbe": http_probe(HEALTH_LIVE, 10, 3),
+        "readinessProbe": http_probe(HEALTH_READY, 5, 2),
+    }
+    spec: dict = {
+        "selector": {"matchLabels": selector_labels(pool, "router")},
+        "template": {"metadata": {"labels": labels(pool, "router")}, "spec": {
+            "enableServiceLinks": False, "automountServiceAccountToken": False, "containers": [container],
+            **pod_placement(pool, "router")}},
+    }
+    if pool.roles["router"].replicas is not None:
+        spec = {"replicas": pool.roles["router"].replicas, **spec}
+    return with_hash({"apiVersion": "apps/v1", "kind": "Deployment",
+                      "metadata": metadata(pool, f"{pool.name}-router", "router"), "spec": spec})
+
+
+def router_service(pool: Pool) -> dict:
+    svc = pool.spec["router"]["service"]
+    return with_hash({"apiVersion": "v1", "kind": "Service", "metadata": metadata(pool, pool.name, "router"),
+                      "spec": {"type": svc["type"], "selector": selector_labels(pool, "router"),
+                               "ports": [{"name": "http", "port": svc["port"], "targetPort": "http",
+                                          "protocol": "TCP"}]}})
+
+
+def endpoint(pool: Pool) -> str:
+    return f"http://{pool.name}.{pool.namespace}.svc:{pool.spec['router']['service']['port']}"

@@ -1,0 +1,163 @@
+"""The InferencePool CustomResourceDefinition, generated from ``pdpool.config`` and ``schema.DEPLOYMENT_FIELDS``.
+
+``operator/crd.yaml`` is the committed rendering (``pdpool operator crd`` prints it); a test fails if it drifts.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import pathlib
+from typing import Any
+
+import yaml
+
+from pdpool import config
+from pdpool.operator import schema
+
+GROUP, VERSION, KIND, PLURAL, SINGULAR = "pdpool.io", "v1alpha1", "InferencePool", "inferencepools", "inferencepool"
+SHORT_NAMES = ["pdpool"]
+API_VERSION = f"{GROUP}/{VERSION}"
+CRD_NAME = f"{PLURAL}.{GROUP}"
+CRD_PATH = pathlib.Path(__file__).with_name("crd.yaml")
+
+# Processes whose settings the spec configures: pdpool serve (prefill, decode) and pdpool router.
+CONFIGURED = (config.NodeConfig, config.RouterCommandConfig)
+
+_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
+
+
+def setting_schema(f: dataclasses.Field) -> dict:
+    m = f.metadata
+    out: dict[str, Any] = {"type": _TYPES[config._base_type(f)], "description": m["help"]}
+    if m.get("choices"):
+        out["enum"] = list(m["choices"])
+    if m.get("ge") is not None:
+        out["minimum"] = m["ge"]
+    if m.get("le") is not None:
+        out["maximum"] = m["le"]
+    if f.default is not dataclasses.MISSING and f.default is not None:
+        out["default"] = f.default
+    return out
+
+
+def config_fields() -> dict[str, list[tuple[type, dataclasses.Field]]]:
+    """crd path → the (composite config, field) pairs it sets; one path may set the same name in two processes."""
+    out: dict[str, list] = {}
+    for cfg_cls in CONFIGURED:
+        for _, f in config.all_options(cfg_cls):
+            if f.metadata.get("crd"):
+                out.setdefault(f.metadata["crd"], []).append((cfg_cls, f))
+    return out
+
+
+def spec_leaves() -> dict[str, dict]:
+    """Every leaf path of the spec and its schema."""
+    leaves = {}
+    for path, users in config_fields().items():
+        schemas = [setting_schema(f) for _, f in users]
+        shapes = [{k: v for k, v in s.items() if k != "description"} for s in schemas]
+        if any(shape != shapes[0] for shape in shapes):
+            raise AssertionError(f"{path}: declared differently by {[c.__name__ for c, _ in users]}")
+        leaves[path] = schemas[0]
+    overlap = set(leaves) & set(schema.DEPLOYMENT_FIELDS)
+    if overlap:
+        raise AssertionError(f"both a config setting and a deployment field: {sorted(overlap)}")
+    leaves.update(schema.DEPLOYMENT_FIELDS)
+    return leaves
+
+
+def spec_schema() -> dict:
+    root: dict = {"type": "object", "properties": {}}
+    for path, leaf in sorted(spec_leaves().items()):
+        node, parts = root, path.split(".")
+        for i, part in enumerate(parts[:-1]):
+            prefix = ".".join(parts[: i + 1])
+            node = node["properties"].setdefault(part, {
+                "type": "object", "description": schema.SECTION_DESCRIPTIONS.get(prefix, ""),
+                "default": {}, "properties": {}})
+        node["properties"][parts[-1]] = copy.deepcopy(leaf)
+    root["description"] = "An LLM serving pool with prefill/decode disaggregation."
+    return root
+
+
+def _condition_schema() -> dict:
+    s = {"type": "string"}
+    return {"type": "object", "required": ["type", "status"], "properties": {
+        "type": s, "status": {"type": "string", "enum": ["True", "False", "Unknown"]}, "reason": s, "message": s,
+        "lastTransitionTime": {"type": "string", "format": "date-time"},
+        "observedGeneration": {"type": "integer"}}}
+
+
+def _role_status() -> dict:
+    i = {"type": "integer"}
+    return {"type": "object", "properties": {"desired": i, "ready": i, "updated": i, "summary": {"type": "string"}}}
+
+
+def status_schema() -> dict:
+    return {"type": "object", "x-kubernetes-preserve-unknown-fields": True, "properties": {
+        "observedGeneration": {"type": "integer"},
+        "phase": {"type": "string", "enum": ["Pending", "Progressing", "Ready", "Degraded"]},
+        "endpoint": {"type": "string", "description": "URL of the router's Service."},
+        "replicas": {"type": "object", "properties": {r: _role_status() for r in ("prefill", "decode", "router")}},
+        "conditions": {"type": "array", "items": _condition_schema(),
+                       "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    }}
+
+
+PRINTER_COLUMNS = [
+    {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
+    {"name": "Prefill", "type": "string", "jsonPath": ".status.replicas.prefill.summary"},
+    {"name": "Decode", "type": "string", "jsonPath": ".status.replicas.decode.summary"},
+    {"name": "Router", "type": "string", "jsonPath": ".status.replicas.router.summary"},
+    {"name": "Ready", "type": "string", "jsonPath": ".status.conditions[?(@.type==\"Ready\")].status"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+
+def build_crd() -> dict:
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": CRD_NAME, "labels": {"app.kubernetes.io/name": "pdpool",
+                                                  "app.kubernetes.io/component": "operator"}},
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {"kind": KIND, "plural": PLURAL, "singular": SINGULAR, "shortNames": SHORT_NAMES,
+                      "listKind": KIND + "List", "categories": ["pdpool"]},
+            "versions": [{
+                "name": VERSION, "served": True, "storage": True,
+                "subresources": {"status": {}},
+                "additionalPrinterColumns": PRINTER_COLUMNS,
+                "schema": {"openAPIV3Schema": {
+                    "type": "object", "required": ["spec"],
+                    "description": "InferencePool (pdpool.io): prefill, decode and router Deployments around one "
+                                   "model. Not the Gateway API's inferencepools.inference.networking.k8s.io.",
+                    "properties": {
+                        "apiVersion": {"type": "string"}, "kind": {"type": "string"},
+                        "metadata": {"type": "object"},
+                        "spec": spec_schema(),
+                        "status": status_schema(),
+                    }}},
+            }],
+        },
+    }
+
+
+def render_crd() -> str:
+    header = "# Generated by `pdpool operator crd` from pdpool/config.py and operator/schema.py. Do not edit.\n"
+    return header + yaml.safe_dump(build_crd(), sort_keys=False, width=120)
+
+
+def apply_defaults(value: Any, node_schema: dict) -> Any:
+    """Apply the schema's defaults as the API server does (a missing object with ``default: {}`` recurses)."""
+    if node_schema.get("type") != "object" or not isinstance(value, dict):
+        return value
+    out = dict(value)
+    for name, sub in node_schema.get("properties", {}).items():
+        if name not in out and "default" in sub:
+            out[name] = copy.deepcopy(sub["default"])
+        if name in out:
+            out[name] = apply_defaults(out[name], sub)
+    return out

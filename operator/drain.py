@@ -1,0 +1,36 @@
+"""preStop hook of a node: mark it draining, then outlive the KV leases it granted.
+
+Runs inside the node's container as ``python -m pdpool.operator.drain --port 8000 --wait 30`` (stdlib only).
+``POST /admin/drain`` (bearer: ``PDPOOL_INTERNAL_TOKEN``) turns ``/health/ready`` false, so the Service and the
+router stop sending work, while leases already granted are honoured until they expire.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pdpool.operator.drain")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--wait", type=float, default=30.0, help="seconds to wait after draining (the KV lease)")
+    args = parser.parse_args(argv)
+    request = urllib.request.Request(f"http://127.0.0.1:{args.port}/admin/drain", method="POST", data=b"")
+    token = os.environ.get("PDPOOL_INTERNAL_TOKEN")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        urllib.request.urlopen(request, timeout=5).close()
+    except (urllib.error.URLError, OSError) as exc:  # the node may already be gone; still wait out the leases
+        print(f"drain: {exc}", file=sys.stderr)
+    time.sleep(args.wait)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""``pdpool operator [--namespace NS] …``: kopf behind a Lease elector. ``pdpool operator crd`` prints the CRD."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import logging
+import os
+import sys
+
+import kopf
+
+from pdpool.operator import crd
+from pdpool.operator.handlers import Options, configure, register
+from pdpool.operator.kube import Kube, login
+from pdpool.operator.leader import LeaseElector, default_identity
+
+log = logging.getLogger("pdpool.operator")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdpool operator", description="Run the InferencePool operator. "
+                                "`pdpool operator crd` prints the CustomResourceDefinition.")
+    p.add_argument("--namespace", "-n", action="append", default=[],
+                   help="Namespace to watch (repeatable; default: every namespace).")
+    p.add_argument("--status-interval", type=float, default=5.0, help="Seconds between status refreshes.")
+    p.add_argument("--leader-election", action=argparse.BooleanOptionalAction, default=True,
+                   help="Lead through a coordination.k8s.io Lease before reconciling.")
+    p.add_argument("--lease-name", default="pdpool-operator")
+    p.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE"),
+                   help="Namespace of the Lease (default: $POD_NAMESPACE, else the first --namespace, else default).")
+    p.add_argument("--lease-seconds", type=float, default=15.0, help="Lease duration.")
+    p.add_argument("--identity", default=None, help="Holder identity (default: $POD_NAME or host_pid).")
+    p.add_argument("--managed-redis-url", default=None,
+                   help="Reach managed Redis at this URL ({name}, {namespace} filled in), e.g. when the operator "
+                        "runs outside the cluster.")
+    p.add_argument("--verbose", "-v", action="store_true")
+    return p
+
+
+class _QuietTimers(logging.Filter):
+    """kopf logs every successful handler run; a status timer would flood the log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.getMessage().startswith("Timer ") and record.getMessage().endswith(" succeeded."))
+
+
+async def run(args: argparse.Namespace) -> int:
+    connection = login()
+    registry = kopf.OperatorRegistry()
+    register(registry, Options(status_interval=args.status_interval, managed_redis_url=args.managed_redis_url))
+    settings = kopf.OperatorSettings()
+    configure(settings)
+    elector = None
+    identity = args.identity or default_identity()
+    if args.leader_election:
+        ns = args.lease_namespace or (args.namespace[0] if args.namespace else "default")
+        elector = LeaseElector(Kube(connection, user_agent=f"pdpool-operator/{identity}/lease"), ns,
+                               args.lease_name, identity, args.lease_seconds)
+        identity = elector.identity
+        log.info(f"{identity}: waiting for Lease {ns}/{args.lease_name}")
+        await elector.acquire()
+        log.info(f"{identity}: leading")
+    kube = Kube(connection, user_agent=f"pdpool-operator/{identity}")
+    if elector:
+        kube.fence = elector.is_leader  # a leader that may have lost the Lease writes nothing
+    stop = asyncio.Event()
+    operator = asyncio.create_task(kopf.operator(
+        registry=registry, settings=settings, standalone=True, clusterwide=not args.namespace,
+        namespaces=args.namespace, stop_flag=stop, memo=kopf.Memo(kube=kube, connection=connection,
+                                                   locks=collections.defaultdict(asyncio.Lock))))
+    holding = asyncio.create_task(elector.hold()) if elector else None
+    done, _ = await asyncio.wait({t for t in (operator, holding) if t}, return_when=asyncio.FIRST_COMPLETED)
+    if holding in done:
+        # Lost the Lease: exit at once, as client-go's elector does; kopf's graceful stop would let queued
+        # handlers run for seconds. The Deployment restarts this process as a candidate.
+        logging.shutdown()
+        os._exit(1)
+    if holding:
+        holding.cancel()
+        await elector.release()
+        await elector.kube.close()
+    await kube.close()
+    operator.result()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["crd"]:
+        sys.stdout.write(crd.render_crd())
+        return 0
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kopf.objects").addFilter(_QuietTimers())
+    return asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Reconcile by diff: each child carries the hash of what the operator wants (``pdpool.io/spec-hash``).
+
+- absent → create;
+- hash equal → nothing (a restart, a resync or a re-apply of the same spec writes nothing);
+- hash differs → one JSON merge patch of the desired fields, plus ``null`` for fields the operator set before
+  and no longer wants. Fields the operator never sets (defaults the API server fills in, a Deployment's
+  ``replicas`` when an autoscaler owns them, a Service's ``clusterIP``) are never in the patch;
+- Secrets are create-only: a generated password is never rotated by a reconcile.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+from pdpool.operator.builders.common import SPEC_HASH
+from pdpool.operator.kube import ApiError
+
+CREATE_ONLY = {"Secret"}
+# Optional pod-spec fields the builders may stop setting; a merge patch must null them out explicitly.
+OWNED_OPTIONAL_POD_FIELDS = ("nodeSelector", "tolerations", "volumes")
+
+
+class ChildConflict(Exception):
+    """A child's name is taken by an object this pool does not own."""
+
+
+@dataclass
+class Result:
+    created: list[str] = field(default_factory=list)
+    patched: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+
+    @property
+    def writes(self) -> int:
+        return len(self.created) + len(self.patched)
+
+
+def key(obj: dict) -> str:
+    return f"{obj['kind']}/{obj['metadata']['name']}"
+
+
+def is_owned_by(actual: dict, uid: str) -> bool:
+    return any(ref.get("uid") == uid for ref in actual["metadata"].get("ownerReferences") or [])
+
+
+def merge_patch(desired: dict, actual: dict) -> dict:
+    """The merge patch that makes ``actual`` carry ``desired``; removed owned fields become ``null``."""
+    patch = {k: copy.deepcopy(v) for k, v in desired.items() if k not in ("apiVersion", "kind")}
+    patch["metadata"] = {k: copy.deepcopy(v) for k, v in desired["metadata"].items()
+                         if k in ("labels", "annotations", "ownerReferences")}
+    if desired["kind"] == "Deployment":
+        want = patch["spec"]["template"]["spec"]
+        have = ((actual.get("spec") or {}).get("template") or {}).get("spec") or {}
+        for name in OWNED_OPTIONAL_POD_FIELDS:
+            if name in have and name not in want:
+                want[name] = None
+        if isinstance(want.get("nodeSelector"), dict):
+            for label in set(have.get("nodeSelector") or {}) - set(want["nodeSelector"]):
+                want["nodeSelector"][label] = None
+    if desired["kind"] == "ConfigMap":
+        for name in set(actual.get("data") or {}) - set(desired.get("data") or {}):
+            patch["data"][name] = None
+    return patch
+
+
+def _replicas_drifted(desired: dict, actual: dict) -> bool:
+    """Someone scaled a Deployment whose replicas the pool sets (unset in the pool: not ours to fix)."""
+    want = desired.get("spec", {}).get("replicas") if desired["kind"] == "Deployment" else None
+    return want is not None and (actual.get("spec") or {}).get("replicas") != want
+
+
+async def apply(kube, desired: list[dict], uid: str) -> Result:
+    """Bring the children to ``desired``; ``kube`` is a ``pdpool.operator.kube.Kube``."""
+    result = Result()
+    for obj in desired:
+        meta = obj["metadata"]
+        actual = await kube.get(obj["kind"], meta["namespace"], meta["name"])
+        if actual is None:
+            try:
+                await kube.create(obj)
+            except ApiError as exc:
+                if exc.status != 409:  # created meanwhile (by a concurrent handler): compare next time
+                    raise
+                result.unchanged.append(key(obj))
+                continue
+            result.created.append(key(obj))
+            continue
+        if not is_owned_by(actual, uid):
+            raise ChildConflict(f"{key(obj)} exists and is not owned by this InferencePool")
+        have = (actual["metadata"].get("annotations") or {}).get(SPEC_HASH)
+        if obj["kind"] in CREATE_ONLY or (have == meta["annotations"][SPEC_HASH] and not _replicas_drifted(obj, actual)):
+            result.unchanged.append(key(obj))
+            continue
+        await kube.merge_patch(obj["kind"], meta["namespace"], meta["name"], merge_patch(obj, actual))
+        result.patched.append(key(obj))
+    return result

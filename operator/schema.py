@@ -1,0 +1,107 @@
+"""Spec fields that shape the Kubernetes objects, not a process flag.
+
+Every other leaf of the InferencePool spec is a setting of ``pdpool.config`` (its ``crd`` path), so CLI flags and
+CRD cannot drift. ``DEPLOYMENT_FIELDS`` maps each deployment-only path to its OpenAPI schema; the CRD generator
+merges both trees, and a test checks that every leaf is one or the other.
+"""
+
+from __future__ import annotations
+
+DEFAULT_IMAGE = "ghcr.io/pdpool/pdpool:0.1.0"
+DEFAULT_REDIS_IMAGE = "redis:7.4-alpine"
+
+
+def _str(description: str, **kw) -> dict:
+    return {"type": "string", "description": description, **kw}
+
+
+def _int(description: str, **kw) -> dict:
+    return {"type": "integer", "description": description, **kw}
+
+
+def _secret_ref(description: str, default_key: str) -> dict:
+    return {"type": "object", "description": description, "required": ["name"], "properties": {
+        "name": _str("Secret name, in the pool's namespace."),
+        "key": _str("Key in the Secret.", default=default_key),
+    }}
+
+
+_QUANTITIES = {"type": "object", "additionalProperties": {
+    "anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}}
+
+RESOURCES = {"type": "object", "description": "Container resources, e.g. limits: {nvidia.com/gpu: 1}.",
+             "properties": {"requests": _QUANTITIES, "limits": _QUANTITIES}}
+
+TOLERATIONS = {"type": "array", "description": "Pod tolerations (e.g. for GPU node taints).", "items": {
+    "type": "object", "properties": {
+        "key": _str("Taint key."),
+        "operator": _str("Exists or Equal.", enum=["Exists", "Equal"]),
+        "value": _str("Taint value."),
+        "effect": _str("Taint effect.", enum=["NoSchedule", "PreferNoSchedule", "NoExecute"]),
+        "tolerationSeconds": _int("Seconds a NoExecute taint is tolerated."),
+    }}}
+
+ENV = {"type": "array", "description": "Extra environment variables of the container.", "items": {
+    "type": "object", "required": ["name"], "properties": {
+        "name": _str("Variable name."),
+        "value": _str("Value."),
+        "valueFrom": {"type": "object", "description": "As in a Pod's env[].valueFrom.",
+                      "x-kubernetes-preserve-unknown-fields": True},
+    }}}
+
+
+def _role(role: str) -> dict[str, dict]:
+    return {
+        f"{role}.replicas": _int(f"{role} pods. Leave unset when an HPA or KEDA scales them; the operator then "
+                                 "never writes the Deployment's replicas.", minimum=0),
+        f"{role}.resources": RESOURCES,
+        f"{role}.nodeSelector": {"type": "object", "description": "Pod nodeSelector.",
+                                 "additionalProperties": {"type": "string"}},
+        f"{role}.tolerations": TOLERATIONS,
+        f"{role}.env": ENV,
+    }
+
+
+DEPLOYMENT_FIELDS: dict[str, dict] = {
+    "image": _str("Image with the pdpool package, for nodes and router.", default=DEFAULT_IMAGE),
+    "imagePullPolicy": _str("Pull policy of that image.", enum=["Always", "IfNotPresent", "Never"],
+                            default="IfNotPresent"),
+    "model.source": {"type": "object", "description": "Where model.name lives when it is not 'demo' or a path "
+                     "baked into the image: a PersistentVolumeClaim or a host path, mounted at model.mountPath.",
+                     "properties": {
+                         "pvc": {"type": "object", "required": ["claimName"], "properties": {
+                             "claimName": _str("PersistentVolumeClaim name."),
+                             "subPath": _str("Folder inside the volume."),
+                             "readOnly": {"type": "boolean", "default": True, "description": "Mount read-only."},
+                         }},
+                         "hostPath": {"type": "object", "required": ["path"], "properties": {
+                             "path": _str("Folder on the node."),
+                         }},
+                     }},
+    "model.mountPath": _str("Where the model source is mounted; model.name must then lie under it.",
+                            default="/models"),
+    **_role("prefill"),
+    **_role("decode"),
+    "router.replicas": _int("Router pods (unset: an autoscaler owns them).", minimum=0, default=1),
+    "router.resources": RESOURCES,
+    "router.service.type": _str("Service type of the router.", enum=["ClusterIP", "NodePort", "LoadBalancer"],
+                                default="ClusterIP"),
+    "router.service.port": _int("Service port of the router.", minimum=1, maximum=65535, default=80),
+    "router.apiKeySecretRef": _secret_ref("Secret with the API key clients present (PDPOOL_API_KEY).",
+                                          "api-key"),
+    "redis.passwordSecretRef": _secret_ref("Secret with the password of the external Redis at redis.url.",
+                                           "password"),
+    "redis.image": _str("Image of the managed Redis (used when redis.url is unset).", default=DEFAULT_REDIS_IMAGE),
+}
+
+SECTION_DESCRIPTIONS = {
+    "model": "The model every node serves.",
+    "engine": "Engine settings shared by prefill and decode nodes.",
+    "prefill": "The prefill role: nodes that compute prompts' KV and lease it to decode nodes.",
+    "decode": "The decode role: nodes that pull KV and generate tokens.",
+    "router": "The OpenAI gateway in front of the pool.",
+    "router.service": "The router's Service.",
+    "router.weights": "Scorer weights of the router's endpoint picker.",
+    "redis": "Block-ownership index and heartbeats: managed by the operator unless redis.url is set.",
+    "kvTransfer": "KV movement between prefill and decode nodes.",
+}

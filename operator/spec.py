@@ -1,0 +1,138 @@
+"""A pool's body → a typed, validated ``Pool``: the edge where handlers turn YAML into dataclasses.
+
+The API server already enforces the CRD schema; ``SpecError`` is what the schema cannot say (two fields that
+exclude each other, a model path outside its volume, a GPU device without a GPU). The handlers report it as a
+``Degraded`` condition and an Event, and do not retry.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdpool import config
+from pdpool.operator import crd
+
+NODE_ROLES = ("prefill", "decode")
+NODE_HTTP_PORT = 8000
+GPU = "nvidia.com/gpu"
+
+
+class SpecError(ValueError):
+    """The spec passed the schema but cannot be deployed."""
+
+
+@dataclass(frozen=True)
+class SecretRef:
+    name: str
+    key: str
+
+
+@dataclass
+class RoleSpec:
+    replicas: int | None
+    resources: dict = field(default_factory=dict)
+    node_selector: dict = field(default_factory=dict)
+    tolerations: list = field(default_factory=list)
+    env: list = field(default_factory=list)
+
+
+@dataclass
+class Pool:
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    spec: dict                      # with defaults applied
+    node: config.NodeConfig         # the settings every node shares (role, port, redis set per Deployment)
+    router: config.RouterCommandConfig
+    roles: dict[str, RoleSpec]      # prefill, decode, router
+
+    @property
+    def image(self) -> str:
+        return self.spec["image"]
+
+    @property
+    def managed_redis(self) -> bool:
+        return not self.spec["redis"].get("url")
+
+    @property
+    def redis_password(self) -> SecretRef:
+        if self.managed_redis:
+            return SecretRef(f"{self.name}-redis", "password")
+        ref = self.spec["redis"]["passwordSecretRef"]
+        return SecretRef(ref["name"], ref.get("key", "password"))
+
+    @property
+    def api_key(self) -> SecretRef | None:
+        ref = self.spec["router"].get("apiKeySecretRef")
+        return SecretRef(ref["name"], ref.get("key", "api-key")) if ref else None
+
+    @property
+    def redis_url(self) -> str:
+        return self.spec["redis"].get("url") or f"redis://{self.name}-redis.{self.namespace}.svc:6379/0"
+
+    @property
+    def termination_grace_seconds(self) -> int:
+        """Longer than a KV lease, so a draining prefill node outlives every lease it granted."""
+        return math.ceil(self.node.disagg.kv_lease_seconds) + 30
+
+
+def _get(tree: dict, path: str) -> Any:
+    for part in path.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree
+
+
+def _settings(spec: dict, cfg_cls: type):
+    """Build one process's config from the spec's ``crd`` paths (defaults from the schema are already in)."""
+    flat = {}
+    for _, f in config.all_options(cfg_cls):
+        path = f.metadata.get("crd")
+        if path and _get(spec, path) is not None:
+            flat[f.name] = _get(spec, path)
+    try:
+        return config.build(cfg_cls, **flat)
+    except config.ConfigError as exc:
+        raise SpecError(str(exc)) from None
+
+
+def _role(spec: dict, role: str) -> RoleSpec:
+    r = spec.get(role) or {}
+    return RoleSpec(replicas=r.get("replicas"), resources=r.get("resources") or {},
+                    node_selector=r.get("nodeSelector") or {}, tolerations=r.get("tolerations") or [],
+                    env=r.get("env") or [])
+
+
+def _check(pool: Pool) -> None:
+    spec = pool.spec
+    source = spec["model"].get("source") or {}
+    if len(source) > 1:
+        raise SpecError(f"model.source: set one of pvc, hostPath (got {sorted(source)})")
+    if source:
+        mount = spec["model"]["mountPath"].rstrip("/")
+        if not spec["model"]["name"].startswith(mount + "/"):
+            raise SpecError(f"model.name {spec['model']['name']!r} must be a path under model.mountPath "
+                            f"{mount!r} when model.source is set")
+    if pool.managed_redis and spec["redis"].get("passwordSecretRef"):
+        raise SpecError("redis.passwordSecretRef needs redis.url; a managed Redis generates its own password")
+    if pool.node.device.device == "cuda":
+        for role in NODE_ROLES:
+            limits = pool.roles[role].resources.get("limits") or {}
+            if not limits.get(GPU):
+                raise SpecError(f"engine.device is cuda but {role}.resources.limits has no {GPU}")
+
+
+def parse_pool(body: dict) -> Pool:
+    meta = body["metadata"]
+    root = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    spec = crd.apply_defaults(dict(body.get("spec") or {}), root)
+    pool = Pool(name=meta["name"], namespace=meta.get("namespace", "default"), uid=meta.get("uid", ""),
+                generation=int(meta.get("generation", 1)), spec=spec, node=_settings(spec, config.NodeConfig),
+                router=_settings(spec, config.RouterCommandConfig),
+                roles={r: _role(spec, r) for r in (*NODE_ROLES, "router")})
+    _check(pool)
+    return pool

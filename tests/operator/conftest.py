@@ -1,0 +1,34 @@
+"""Operator tests: a module-scoped emulated cluster with a kubeconfig and the real kubectl."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests/ folder
+from k8s_fixtures import k8s_module  # noqa: E402,F401
+from k8s_tools import Kubectl, write_kubeconfig  # noqa: E402
+
+
+@dataclass
+class Cluster:
+    emulator: object
+    kubeconfig: Path
+    kubectl: Kubectl
+
+    def writes(self, **where) -> list[dict]:
+        """Mutating requests, except kubectl's own (the test's)."""
+        return [w for w in self.emulator.writes(**where) if not w.get("user_agent", "").startswith("kubectl")]
+
+    def clear_writes(self) -> None:
+        self.emulator.clear_writes()
+
+
+@pytest.fixture(scope="module")
+def cluster(k8s_module, tmp_path_factory) -> Cluster:
+    tmp = tmp_path_factory.mktemp("cluster")
+    kubeconfig = write_kubeconfig(tmp / "kubeconfig", k8s_module.url)
+    return Cluster(k8s_module, kubeconfig, Kubectl(kubeconfig, tmp / "home"))

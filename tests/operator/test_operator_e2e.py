@@ -1,0 +1,301 @@
+"""End to end: real kopf (``pdpool operator`` subprocesses), real kubectl 1.35 with default flags, the
+in-memory Kubernetes API emulator, and a real redis-server. The tests run in file order on one emulator.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import redis
+import yaml
+
+from operator_examples import EXAMPLES, ROOT
+from operator_procs import OperatorProcess, RedisServer, wait_until
+from pdpool.operator.redis_keys import key_prefix
+
+POOL = "inferencepools.pdpool.io"
+CHILD_KINDS = {"deployments", "services", "configmaps", "secrets", "networkpolicies"}
+LEASE_SECONDS = 2.0
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def operator(cluster, redis_server, tmp_path_factory):
+    """One operator (its process may be replaced by a test); stopped at the end of the module."""
+    log_dir = tmp_path_factory.mktemp("operator-logs")
+    cluster.kubectl("apply", "-f", str(ROOT / "operator" / "crd.yaml"))
+    holder = {"log_dir": log_dir}
+
+    def start(identity: str = "op-1", lease_seconds: float = LEASE_SECONDS) -> OperatorProcess:
+        proc = OperatorProcess(cluster.kubeconfig, log_dir, identity, "--managed-redis-url", redis_server.url,
+                               lease_seconds=lease_seconds)
+        holder.setdefault("procs", []).append(proc)
+        return proc
+
+    holder["start"] = start
+    holder["current"] = start()
+    yield holder
+    for proc in holder["procs"]:
+        proc.stop()
+
+
+def child_writes(cluster) -> list[dict]:
+    return [w for w in cluster.writes() if w.get("resource") in CHILD_KINDS]
+
+
+def get(cluster, kind: str, name: str) -> dict:
+    return cluster.kubectl.json("get", kind, name)
+
+
+def condition(pool: dict, type_: str) -> dict:
+    return next((c for c in (pool.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
+
+
+def set_rolled_out(cluster, names=("demo-prefill", "demo-decode", "demo-router", "demo-redis")) -> None:
+    """Play the Deployment controller: every replica updated and ready at the current generation."""
+    for name in names:
+        dep = get(cluster, "deployment", name)
+        n = dep["spec"].get("replicas", 1)
+        status = {"observedGeneration": dep["metadata"]["generation"], "replicas": n, "updatedReplicas": n,
+                  "readyReplicas": n, "availableReplicas": n}
+        cluster.kubectl("patch", "deployment", name, "--subresource=status", "--type=merge",
+                        "-p", json.dumps({"status": status}))
+
+
+def wait_condition(cluster, name: str, type_: str, status: str, timeout: float = 20.0) -> dict:
+    def check():
+        pool = get(cluster, POOL, name)
+        return pool if condition(pool, type_).get("status") == status else None
+    return wait_until(check, timeout, what=f"{name}: {type_}={status}")
+
+
+def wait_ready(cluster, status: str = "True", timeout: float = 20.0) -> dict:
+    return wait_condition(cluster, "demo", "Ready", status, timeout)
+
+
+def test_apply_pool_creates_owned_children(cluster, operator):
+    cluster.kubectl("apply", "-f", str(EXAMPLES / "cpu-demo.yaml"))
+    pool = get(cluster, POOL, "demo")
+    names = ["demo-prefill", "demo-decode", "demo-router", "demo-redis"]
+    wait_until(lambda: all(cluster.kubectl("get", "deployment", n, check=False).returncode == 0 for n in names),
+               what="child Deployments")
+    children = cluster.kubectl.json("get", "deployments,services,configmaps,secrets,networkpolicies",
+                                    "-l", "app.kubernetes.io/instance=demo")["items"]
+    assert {f"{c['kind']}/{c['metadata']['name']}" for c in children} >= {
+        "Deployment/demo-prefill", "Deployment/demo-decode", "Deployment/demo-router", "Deployment/demo-redis",
+        "Service/demo", "Service/demo-redis", "ConfigMap/demo-config", "Secret/demo-internal", "Secret/demo-redis",
+        "NetworkPolicy/demo-nodes", "NetworkPolicy/demo-redis"}
+    for child in children:
+        (ref,) = child["metadata"]["ownerReferences"]
+        assert (ref["kind"], ref["name"], ref["uid"]) == ("InferencePool", "demo", pool["metadata"]["uid"])
+    assert "pdpool.io/redis-keys" in get(cluster, POOL, "demo")["metadata"]["finalizers"]
+
+
+def test_every_example_passes_the_api_servers_schema(cluster, operator):
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "serving"}}))
+    for example in sorted(EXAMPLES.glob("*.yaml")):
+        out = cluster.kubectl("apply", "--dry-run=server", "-f", str(example))
+        assert "(server dry run)" in out.stdout, out.stdout
+
+
+def test_ready_with_printer_columns(cluster, operator):
+    pool = wait_until(lambda: (p := get(cluster, POOL, "demo")).get("status", {}).get("phase") and p,
+                      what="a first status")
+    assert condition(pool, "Ready")["status"] == "False"
+    set_rolled_out(cluster)
+    pool = wait_ready(cluster)
+    assert pool["status"]["observedGeneration"] == pool["metadata"]["generation"]
+    assert pool["status"]["endpoint"] == "http://demo.default.svc:80"
+    header, row = cluster.kubectl("get", POOL, "demo").stdout.splitlines()
+    assert header.split() == ["NAME", "MODEL", "PREFILL", "DECODE", "ROUTER", "READY", "AGE"]
+    assert row.split()[:6] == ["demo", "demo", "1/1", "1/1", "1/1", "True"]
+
+
+def test_reapply_writes_no_child(cluster, operator):
+    cluster.clear_writes()
+    cluster.kubectl("apply", "-f", str(EXAMPLES / "cpu-demo.yaml"))
+    time.sleep(2.0)  # several status intervals and any resync
+    assert child_writes(cluster) == []
+    pool_status_writes = [w for w in cluster.writes() if w.get("resource") == "inferencepools"]
+    assert pool_status_writes == [], "an unchanged pool must not get its status rewritten"
+
+
+def test_scaling_decode_patches_only_the_decode_deployment(cluster, operator):
+    cluster.clear_writes()
+    cluster.kubectl("patch", POOL, "demo", "--type=merge", "-p", '{"spec": {"decode": {"replicas": 2}}}')
+    wait_until(lambda: get(cluster, "deployment", "demo-decode")["spec"]["replicas"] == 2, what="decode scaled")
+    time.sleep(1.0)
+    assert {(w["resource"], w["name"]) for w in child_writes(cluster)} == {("deployments", "demo-decode")}
+    pool = wait_ready(cluster, "False")
+    assert pool["status"]["replicas"]["decode"]["desired"] == 2
+    set_rolled_out(cluster, ["demo-decode"])
+    wait_ready(cluster)
+
+
+def test_image_change_is_not_ready_until_rolled_out(cluster, operator):
+    cluster.kubectl("patch", POOL, "demo", "--type=merge", "-p", '{"spec": {"image": "ghcr.io/pdpool/pdpool:0.1.1"}}')
+    wait_until(lambda: get(cluster, "deployment", "demo-decode")["spec"]["template"]["spec"]["containers"][0]
+               ["image"].endswith("0.1.1"), what="new image")
+    pool = wait_ready(cluster, "False")
+    # the controller has not caught up: an old generation observed
+    dep = get(cluster, "deployment", "demo-prefill")
+    assert dep["status"]["observedGeneration"] < dep["metadata"]["generation"]
+    time.sleep(1.0)
+    assert condition(get(cluster, POOL, "demo"), "Ready")["status"] == "False"
+    assert condition(pool, "Progressing")["status"] == "True"
+    # caught up, but only half of the replicas updated: still not Ready
+    n = get(cluster, "deployment", "demo-decode")
+    cluster.kubectl("patch", "deployment", "demo-decode", "--subresource=status", "--type=merge", "-p", json.dumps(
+        {"status": {"observedGeneration": n["metadata"]["generation"], "updatedReplicas": 1, "replicas": 2}}))
+    set_rolled_out(cluster, ["demo-prefill", "demo-router"])
+    time.sleep(1.0)
+    assert condition(get(cluster, POOL, "demo"), "Ready")["status"] == "False"
+    set_rolled_out(cluster, ["demo-decode"])
+    pool = wait_ready(cluster)
+    assert condition(pool, "Progressing")["status"] == "False"
+
+
+def test_restart_writes_no_child(cluster, operator):
+    password = get(cluster, "secret", "demo-redis")["data"]["password"]
+    assert operator["current"].stop() == 0
+    cluster.clear_writes()
+    operator["current"] = operator["start"]("op-2")
+    wait_until(lambda: get(cluster, "lease", "pdpool-operator")["spec"].get("holderIdentity") == "op-2",
+               what="op-2 leads")
+    wait_until(lambda: "resum" in operator["current"].log().lower() or "succeeded" in operator["current"].log(),
+               timeout=10, what="resume handler ran")
+    time.sleep(2.0)
+    assert child_writes(cluster) == []
+    assert [w for w in cluster.writes() if w["resource"] == "inferencepools"] == []
+    assert condition(get(cluster, POOL, "demo"), "Ready")["status"] == "True"
+    assert get(cluster, "secret", "demo-redis")["data"]["password"] == password, "generated once, never rotated"
+
+
+def test_an_autoscaled_role_is_never_fought(cluster, operator, tmp_path):
+    body = yaml.safe_load((EXAMPLES / "cpu-demo.yaml").read_text())
+    body["metadata"]["name"] = "hpa"
+    del body["spec"]["decode"]["replicas"]  # an HPA owns decode
+    path = tmp_path / "hpa.yaml"
+    path.write_text(yaml.safe_dump(body))
+    cluster.kubectl("apply", "-f", str(path))
+    wait_until(lambda: get(cluster, "deployment", "hpa-decode"), what="hpa-decode")
+    # as an HPA would (the emulator has no /scale subresource, so through the Deployment itself)
+    scale = lambda name, n: cluster.kubectl("patch", "deployment", name, "--type=merge",  # noqa: E731
+                                            "-p", json.dumps({"spec": {"replicas": n}}))
+    scale("hpa-decode", 5)
+    scale("hpa-prefill", 3)  # replicas the pool owns
+    wait_until(lambda: get(cluster, "deployment", "hpa-prefill")["spec"]["replicas"] == 1, timeout=10,
+               what="the pool's prefill replicas restored")
+    cluster.kubectl("patch", POOL, "hpa", "--type=merge", "-p", '{"spec": {"engine": {"maxNumSeqs": 4}}}')
+    wait_until(lambda: "4" in get(cluster, "deployment", "hpa-decode")["spec"]["template"]["spec"]
+               ["containers"][0]["args"], what="decode re-rendered")
+    assert get(cluster, "deployment", "hpa-decode")["spec"]["replicas"] == 5
+    cluster.kubectl("delete", POOL, "hpa", "--timeout=20s")
+
+
+def test_invalid_pool_is_rejected_by_the_schema(cluster, operator, tmp_path):
+    bad = yaml.safe_load((EXAMPLES / "cpu-demo.yaml").read_text())
+    bad["metadata"]["name"] = "bad"
+    bad["spec"]["engine"]["maxNumSeqs"] = 0
+    bad["spec"]["engine"]["device"] = "tpu"
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    out = cluster.kubectl("apply", "-f", str(path), check=False)
+    assert out.returncode != 0
+    assert "maxNumSeqs" in out.stderr and "device" in out.stderr, out.stderr
+    assert cluster.kubectl("get", POOL, "bad", check=False).returncode != 0
+
+
+def test_a_spec_the_schema_cannot_catch_is_degraded_with_an_event(cluster, operator, tmp_path):
+    gpu = {"apiVersion": "pdpool.io/v1alpha1", "kind": "InferencePool", "metadata": {"name": "nogpu"},
+           "spec": {"engine": {"device": "cuda"}}}
+    path = tmp_path / "nogpu.yaml"
+    path.write_text(yaml.safe_dump(gpu))
+    cluster.kubectl("apply", "-f", str(path))
+    pool = wait_condition(cluster, "nogpu", "Degraded", "True")
+    assert condition(pool, "Degraded")["reason"] == "InvalidSpec"
+    assert "nvidia.com/gpu" in condition(pool, "Degraded")["message"]
+    assert pool["status"]["phase"] == "Degraded"
+    events = wait_until(lambda: [e for e in cluster.kubectl.json("get", "events")["items"]
+                                 if e["involvedObject"].get("name") == "nogpu" and e["reason"] == "InvalidSpec"],
+                        what="InvalidSpec event")
+    assert "nvidia.com/gpu" in events[0]["message"]
+    assert cluster.kubectl("get", "deployment", "nogpu-decode", check=False).returncode != 0
+    cluster.kubectl("delete", POOL, "nogpu", "--timeout=20s")
+
+
+def test_a_missing_secret_is_reported_until_it_exists(cluster, operator, tmp_path):
+    body = {"apiVersion": "pdpool.io/v1alpha1", "kind": "InferencePool", "metadata": {"name": "keyed"},
+            "spec": {"router": {"apiKeySecretRef": {"name": "keyed-api-key"}}}}
+    path = tmp_path / "keyed.yaml"
+    path.write_text(yaml.safe_dump(body))
+    cluster.kubectl("apply", "-f", str(path))
+    pool = wait_condition(cluster, "keyed", "Degraded", "True")
+    assert condition(pool, "Degraded")["reason"] == "SecretMissing"
+    assert "keyed-api-key (key api-key)" in condition(pool, "Degraded")["message"]
+    assert get(cluster, "deployment", "keyed-router"), "children are created anyway; their pods wait"
+    # (`kubectl create secret` sends protobuf, which the emulator does not decode; apply sends JSON)
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "keyed-api-key"},
+              "stringData": {"api-key": "s3cret"}}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(secret))
+    wait_condition(cluster, "keyed", "Degraded", "False")
+    cluster.kubectl("delete", POOL, "keyed", "--timeout=20s")
+
+
+def test_delete_runs_the_finalizer_on_real_redis(cluster, operator, redis_server):
+    secret = get(cluster, "secret", "demo-redis")
+    import base64
+
+    password = base64.b64decode(secret["data"]["password"]).decode()
+    r = redis.Redis(port=redis_server.port)
+    r.config_set("requirepass", password)
+    r = redis.Redis(port=redis_server.port, password=password)
+    mine, other = key_prefix("default", "demo"), key_prefix("default", "other")
+    for i in range(1200):
+        r.set(f"{mine}block:{i}", i)
+    r.set(f"{other}block:1", 1)
+    cluster.kubectl("delete", POOL, "demo", "--timeout=30s")
+    assert cluster.kubectl("get", POOL, "demo", check=False).returncode != 0
+    assert list(r.scan_iter(match=mine + "*")) == []
+    assert r.get(f"{other}block:1") == b"1"
+    wait_until(lambda: cluster.kubectl("get", "deployment", "demo-decode", check=False).returncode != 0,
+               what="children collected")
+    r.config_set("requirepass", "")
+
+
+def test_leader_election_fails_over_when_the_leader_stops(cluster, operator):
+    operator["current"].stop()
+    a, b = operator["start"]("op-a"), operator["start"]("op-b")
+    lease = lambda: get(cluster, "lease", "pdpool-operator")["spec"]  # noqa: E731
+    first = wait_until(lambda: lease().get("holderIdentity") in ("op-a", "op-b") and lease()["holderIdentity"],
+                       timeout=15, what="a leader")
+    leader, follower = (a, b) if first == "op-a" else (b, a)
+    time.sleep(LEASE_SECONDS)
+    assert lease()["holderIdentity"] == leader.identity, "the leader keeps renewing"
+    assert follower.proc.poll() is None and "leading" not in follower.log()
+    leader.pause()
+    stopped = time.monotonic()
+    wait_until(lambda: lease()["holderIdentity"] == follower.identity, timeout=LEASE_SECONDS * 3,
+               interval=0.05, what="follower takes over")
+    took = time.monotonic() - stopped
+    assert took <= LEASE_SECONDS + LEASE_SECONDS / 5 + 1.0, f"took over after {took:.1f}s"
+    # the new leader reconciles
+    cluster.kubectl("apply", "-f", str(EXAMPLES / "cpu-demo.yaml"))
+    wait_until(lambda: cluster.kubectl("get", "deployment", "demo-decode", check=False).returncode == 0,
+               what="new leader reconciles")
+    # the old leader wakes up, finds the Lease taken, and exits without writing anything
+    cluster.clear_writes()
+    leader.resume()
+    wait_until(lambda: leader.proc.poll() is not None, timeout=10, what="old leader exits")
+    assert leader.proc.returncode == 1
+    assert [w for w in cluster.writes() if f"/{leader.identity}" in w.get("user_agent", "")] == []
+    cluster.kubectl("delete", POOL, "demo", "--timeout=30s")

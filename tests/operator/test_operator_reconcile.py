@@ -1,0 +1,50 @@
+"""Reconcile by diff against the emulator, without kopf: create, no-op, a single patch, a foreign child."""
+
+from __future__ import annotations
+
+import asyncio
+
+import kopf
+import pytest
+
+from operator_examples import example_body
+from pdpool.operator import builders, reconcile
+from pdpool.operator.kube import Kube
+from pdpool.operator.spec import parse_pool
+
+
+def test_apply_creates_then_writes_nothing_then_patches_only_what_changed(cluster):
+    async def scenario():
+        kube = Kube(kopf.ConnectionInfo(server=cluster.emulator.url))
+        body = example_body("gpu-1p1d")
+        body["metadata"].update(name="rec", namespace="default")
+        pool = parse_pool(body)
+        first = await reconcile.apply(kube, builders.render(pool), pool.uid)
+        assert first.patched == [] and len(first.created) == 13
+        cluster.clear_writes()
+        again = await reconcile.apply(kube, builders.render(pool), pool.uid)  # new random tokens: Secrets kept
+        assert again.writes == 0 and cluster.writes() == []
+        body["spec"]["decode"]["replicas"] = 3
+        body["spec"]["decode"].pop("tolerations")
+        scaled = await reconcile.apply(kube, builders.render(parse_pool(body)), pool.uid)
+        assert (scaled.created, scaled.patched) == ([], ["Deployment/rec-decode"])
+        dep = await kube.get("Deployment", "default", "rec-decode")
+        assert dep["spec"]["replicas"] == 3 and "tolerations" not in dep["spec"]["template"]["spec"]
+        assert [w["method"] for w in cluster.writes()] == ["PATCH"]
+        await kube.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_child_name_taken_by_a_foreign_object_is_a_conflict(cluster):
+    async def scenario():
+        kube = Kube(kopf.ConnectionInfo(server=cluster.emulator.url))
+        await kube.create({"apiVersion": "v1", "kind": "ConfigMap",
+                           "metadata": {"name": "foreign-config", "namespace": "default"}, "data": {}})
+        body = example_body("cpu-demo")
+        body["metadata"]["name"] = "foreign"
+        with pytest.raises(reconcile.ChildConflict, match="ConfigMap/foreign-config exists and is not owned"):
+            await reconcile.apply(kube, builders.render(parse_pool(body)), body["metadata"]["uid"])
+        await kube.close()
+
+    asyncio.run(scenario())
