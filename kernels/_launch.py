@@ -1,0 +1,56 @@
+"""What every kernel wrapper shares: interpreter detection, autotune config lists, layout asserts."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def configs(gpu: list[triton.Config], interpreter: triton.Config) -> list[triton.Config]:
+    """The GPU autotune list, or one config under the interpreter: tuning there is meaningless, and small tiles
+    make the tests' small shapes cross every loop and mask boundary. PDPOOL_KERNEL_AUTOTUNE=0 keeps the first GPU
+    config only (the GPU tests use it, so they compile one config per shape key instead of tuning each)."""
+    if interpreting():
+        return [interpreter]
+    return gpu[:1] if os.environ.get("PDPOOL_KERNEL_AUTOTUNE", "1") == "0" else gpu
+
+
+def assert_last_dim_contiguous(name: str, t: torch.Tensor, ndim: int) -> None:
+    assert t.dim() == ndim, f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}"
+    assert t.stride(-1) == 1, f"{name}: last dim must be contiguous, strides {t.stride()}"
+
+
+def assert_paged_cache(name: str, cache: torch.Tensor, like: torch.Tensor | None = None) -> None:
+    """A per-layer view [num_blocks, block_size, Hkv, D] of the node tensor; tokens and heads may be strided."""
+    assert_last_dim_contiguous(name, cache, 4)
+    if like is not None:
+        assert cache.shape == like.shape and cache.stride() == like.stride(), f"{name}: K and V views differ"
+        assert cache.dtype == like.dtype and cache.device == like.device
+
+
+def _fix_interpreter_scalar_index() -> None:
+    """Triton 3.6's interpreter holds scalars as 1-element arrays and turns them into loop bounds with ``int()``,
+    which NumPy >= 2.4 refuses for 1-d arrays; kernels whose loop bounds are loaded values (every paged kernel
+    here) then fail under the interpreter only. Take the element explicitly instead."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "pdpool_fixed", False):
+        return
+
+    def patch(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patch.pdpool_fixed = True
+    interpreter._patch_lang_tensor = patch
+
+
+if interpreting():
+    _fix_interpreter_scalar_index()

@@ -1,0 +1,60 @@
+"""``TritonAttentionBackend``: the engine's attention backend on the Triton kernels (``get_backend("triton")``).
+
+A step's requests split by query length: query_len 1 goes to the split-KV decode kernel, longer queries (prefill,
+extend, chunks) to the paged prefill kernel; a mixed step launches both into one output. The split is planned once
+per step on the host lists (no device sync) and kept in ``meta.plan["triton"]`` for the other layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdpool.engine.attention import AttentionBackend, AttentionMetadata
+from pdpool.kernels.decode_attention import choose_num_splits, decode_workspace, paged_decode
+from pdpool.kernels.prefill_attention import paged_prefill
+from pdpool.kernels.store_kvcache import store_kvcache
+
+
+@dataclass
+class StepPlan:
+    decode_rows: torch.Tensor | None  # [Rd] int32 request indices with query_len 1
+    prefill_rows: torch.Tensor | None  # [Rp] int32 the others
+    max_prefill_len: int
+    num_splits: int
+    workspace: tuple | None = None  # decode partials, shared by the layers of the step
+
+
+def plan_step(meta: AttentionMetadata, num_kv_heads: int, device: torch.device) -> StepPlan:
+    decode = [r for r, n in enumerate(meta.query_lens_cpu) if n == 1]
+    prefill = [r for r, n in enumerate(meta.query_lens_cpu) if n > 1]
+    rows = lambda idx: torch.tensor(idx, dtype=torch.int32, device=device) if idx else None  # noqa: E731
+    max_decode_len = max((meta.seq_lens_cpu[r] for r in decode), default=1)
+    return StepPlan(decode_rows=rows(decode), prefill_rows=rows(prefill),
+                    max_prefill_len=max((meta.query_lens_cpu[r] for r in prefill), default=0),
+                    num_splits=choose_num_splits(len(decode), num_kv_heads, max_decode_len, device))
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+    def forward(self, q, k_cache, v_cache, meta, scale):
+        # q: [T, Hq, D] -> [T, Hq, D]; tokens past query_start_loc[R] (padding) are left unwritten
+        plan = meta.plan.get("triton")
+        if plan is None:
+            plan = meta.plan["triton"] = plan_step(meta, k_cache.shape[2], q.device)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if plan.decode_rows is not None:
+            if plan.workspace is None:
+                plan.workspace = decode_workspace(plan.decode_rows.numel(), q.shape[1], q.shape[2],
+                                                  plan.num_splits, q.device)
+            paged_decode(q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                         plan.decode_rows, scale, plan.num_splits, plan.workspace)
+        if plan.prefill_rows is not None:
+            paged_prefill(q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                          plan.prefill_rows, plan.max_prefill_len, scale)
+        return out

@@ -1,0 +1,103 @@
+"""Paged attention kernels (prefill/extend, split-KV decode) and the Triton backend against the fp32 reference.
+
+Every case draws fresh random K/V into a NaN-poisoned cache with shuffled block tables, and poisons the output
+before the kernel, so an unwritten element or a read outside the context fails the test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_builders import (DEVICE, DTYPES, HEADS, ON_GPU, TOLERANCE, paged_step, poisoned_like,  # noqa: I001
+                             queries, rel_err)
+from pdpool.engine.attention import get_backend
+from pdpool.kernels.decode_attention import paged_decode
+from pdpool.kernels.paged_ref import paged_attention_ref
+from pdpool.kernels.prefill_attention import paged_prefill
+
+# (query_lens, seq_lens): fresh prefills, extends over cached prefixes (block-aligned and not), short chunks
+PREFILL_STEPS = ([([300, 1000, 77], [300, 1800, 2100]), ([2048], [2048]), ([129, 64, 2], [4000, 64, 17])]
+                 if ON_GPU else [([20, 33], [20, 70]), ([2, 16, 5], [16, 45, 5])])
+# decode contexts: 1 token, block edges, long; num_splits values that leave trailing splits empty
+DECODE_LENS = [1, 16, 17, 1000, 4096, 31, 2048, 4097] if ON_GPU else [1, 16, 17, 90, 31]
+SPLITS = [1, 3, 40] if ON_GPU else [1, 3, 20]  # 20, 40: more than one reduce chunk of 16
+
+
+def step_ref(q, k_cache, v_cache, meta, scale, rows=None):
+    return paged_attention_ref(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
+                               rows)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", HEADS)
+@pytest.mark.parametrize("step", range(len(PREFILL_STEPS)))
+def test_paged_prefill_matches_reference(step, hq, hkv, d, dtype):
+    query_lens, seq_lens = PREFILL_STEPS[step]
+    meta, k_cache, v_cache, _ = paged_step(query_lens, seq_lens, hkv, d, dtype)
+    q = queries(meta, hq, d, dtype)
+    out = poisoned_like(q)
+    rows = torch.arange(len(query_lens), dtype=torch.int32, device=DEVICE)
+    paged_prefill(q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables, rows,
+                  max(query_lens), d ** -0.5)
+    assert rel_err(out, step_ref(q, k_cache, v_cache, meta, d ** -0.5)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", HEADS)
+@pytest.mark.parametrize("num_splits", SPLITS)
+def test_paged_decode_matches_reference(num_splits, hq, hkv, d, dtype):
+    lens = [DECODE_LENS[i] for i in torch.randperm(len(DECODE_LENS)).tolist()]
+    meta, k_cache, v_cache, _ = paged_step([1] * len(lens), lens, hkv, d, dtype)
+    q = queries(meta, hq, d, dtype)
+    out = poisoned_like(q)
+    rows = torch.arange(len(lens), dtype=torch.int32, device=DEVICE)
+    paged_decode(q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables, rows,
+                 d ** -0.5, num_splits)
+    assert rel_err(out, step_ref(q, k_cache, v_cache, meta, d ** -0.5)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", HEADS[:1])
+def test_decode_rows_subset_leaves_other_tokens_alone(hq, hkv, d, dtype):
+    meta, k_cache, v_cache, _ = paged_step([1, 1, 1, 1], [40, 3, 77, 16], hkv, d, dtype)
+    q = queries(meta, hq, d, dtype)
+    out = poisoned_like(q)
+    rows = torch.tensor([3, 0, 2], dtype=torch.int32, device=DEVICE)  # request 1 is not ours
+    paged_decode(q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables, rows,
+                 d ** -0.5, 2)
+    assert out[1].isnan().all()
+    ref = step_ref(q, k_cache, v_cache, meta, d ** -0.5, rows=[0, 2, 3])
+    assert rel_err(out[[0, 2, 3]], ref[[0, 2, 3]]) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", HEADS)
+def test_backend_mixed_step_writes_then_attends(hq, hkv, d, dtype):
+    """As the engine calls it: get_backend("triton"), write the step's K/V, then attend from the cache; a mixed
+    step of decodes, an extend, a fresh prefill and padding tokens (slot -1) at the end."""
+    if ON_GPU:
+        query_lens, seq_lens = [1, 700, 1, 513, 1, 3], [3000, 1500, 1, 513, 260, 40]
+    else:
+        query_lens, seq_lens = [1, 21, 1, 18, 1], [33, 50, 1, 18, 16]
+    meta, k_cache, v_cache, kv = paged_step(query_lens, seq_lens, hkv, d, dtype)
+    T = meta.slot_mapping.numel()
+    pad = 3
+    meta.slot_mapping = torch.cat([meta.slot_mapping, torch.full((pad,), -1, dtype=torch.int64, device=DEVICE)])
+    k_new = torch.randn(T + pad, hkv, d, device=DEVICE).to(dtype)
+    v_new = torch.randn(T + pad, hkv, d, device=DEVICE).to(dtype)
+    q = torch.cat([queries(meta, hq, d, dtype), torch.randn(pad, hq, d, device=DEVICE).to(dtype)])
+    backend = get_backend("triton")
+    assert backend.name == "triton"
+    before = kv.clone()
+    backend.write_kv(k_new, v_new, k_cache, v_cache, meta.slot_mapping)
+    keep = meta.slot_mapping >= 0
+    bs = k_cache.shape[1]
+    blocks, offsets = meta.slot_mapping[keep] // bs, meta.slot_mapping[keep] % bs
+    assert torch.equal(k_cache[blocks, offsets], k_new[keep]) and torch.equal(v_cache[blocks, offsets], v_new[keep])
+    other_layers = [layer for layer in range(kv.shape[1]) if layer != 1]
+    assert torch.equal(kv[:, other_layers].nan_to_num(), before[:, other_layers].nan_to_num())
+    out = backend.forward(q, k_cache, v_cache, meta, d ** -0.5)
+    out2 = backend.forward(q, k_cache, v_cache, meta, d ** -0.5)  # second layer of the step: reuses the plan
+    ref = step_ref(q, k_cache, v_cache, meta, d ** -0.5)
+    assert rel_err(out[:T], ref[:T]) < TOLERANCE[dtype]
+    assert torch.equal(out[:T], out2[:T])
