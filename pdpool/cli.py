@@ -1,0 +1,52 @@
+"""``pdpool`` command line: ``pdpool serve ...`` (a node) and ``pdpool operator ...``.
+
+Every ``serve`` flag comes from the config schema (``pdpool/config.py``); nothing is declared here twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pdpool import config
+
+
+def _serve(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="pdpool serve", description="Serve a model over the OpenAI API.")
+    config.add_arguments(parser)
+    try:
+        cfg = config.from_args(parser.parse_args(argv))
+    except config.ConfigError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from pdpool.server.app import run_server  # torch loads only when serving
+
+    run_server(cfg)
+    return 0
+
+
+def _operator(argv: list[str]) -> int:
+    from pdpool.operator.main import main as operator_main  # written by the operator; optional deps
+
+    return operator_main(argv) or 0
+
+
+COMMANDS = {
+    "serve": (_serve, "serve a model over the OpenAI API (one node)"),
+    "operator": (_operator, "run the Kubernetes operator for InferencePool resources"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        lines = [f"  {name:<10} {doc}" for name, (_, doc) in COMMANDS.items()]
+        print("usage: pdpool <command> [flags]\n\ncommands:\n" + "\n".join(lines), file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    run, _ = COMMANDS[argv[0]]
+    return run(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""``AsyncLLM``: the engine loop of a server.
+
+One background task drives ``LLMEngine.step()`` in a single worker thread (torch releases the GIL, so the
+event loop keeps serving) while there is work, and hands each ``RequestOutput`` to its request's queue.
+
+Every call into the engine (add, step, abort, stats-free reads aside) runs on that one worker thread, so the
+engine needs no locks: an ``add_request`` lands between two steps.
+
+A request's stream aborts its request when the consumer stops early (client disconnect -> the handler is
+cancelled -> ``CancelledError``/``GeneratorExit`` in the stream); its KV blocks go back to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Protocol
+
+from pdpool.engine.llm_engine import LLMEngine, RequestOutput
+from pdpool.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_SECONDS = 0.01
+
+
+class LatencyObserver(Protocol):
+    def on_first_token(self, seconds: float) -> None: ...
+    def on_inter_token(self, seconds: float) -> None: ...
+    def on_finished(self, seconds: float) -> None: ...
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed a step; the requests in flight were aborted."""
+
+
+class _Timing:
+    __slots__ = ("arrival", "last")
+
+    def __init__(self, arrival: float) -> None:
+        self.arrival = arrival
+        self.last: float | None = None
+
+
+class RequestStream:
+    """The outputs of one added request, in order; iterate it once."""
+
+    def __init__(self, owner: "AsyncLLM", request_id: str) -> None:
+        self.request_id = request_id
+        self._owner = owner
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    raise item
+                self.finished = item.finished
+                yield item
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Abort the request unless it already finished; idempotent."""
+        if not self.finished:
+            self.finished = True
+            self._owner._abort_nowait(self.request_id)
+        self._owner._streams.pop(self.request_id, None)
+
+
+class AsyncLLM:
+    def __init__(self, node_config, *, latency_observer: LatencyObserver | None = None,
+                 engine: LLMEngine | None = None) -> None:
+        self.engine = engine or LLMEngine(node_config)
+        self.config = node_config
+        self.latency_observer = latency_observer
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdpool-engine")
+        self._streams: dict[str, RequestStream] = {}
+        self._timings: dict[str, _Timing] = {}
+        self._work: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._closed = False
+        self.num_step_errors = 0
+
+    # ---- properties the server reads -------------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def is_running(self) -> bool:
+        return self._loop_task is not None and not self._loop_task.done()
+
+    def stats(self) -> dict[str, Any]:
+        # Plain reads of counters and list lengths; safe while a step runs on the worker.
+        return self.engine.stats()
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                          priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
+                          kv_transfer_params: dict | None = None, add_special_tokens: bool = True
+                          ) -> RequestStream:
+        """Validate and add one request; raises the engine's validation errors. Returns its stream."""
+        if self._closed:
+            raise EngineDeadError("the engine is shut down")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        self._ensure_loop()
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = stream
+        self._timings[request_id] = _Timing(arrival)
+        try:
+            await self._call(self.engine.add_request, request_id, prompt, params, priority=priority,
+                             cache_salt=cache_salt, arrival_time=arrival, kv_transfer_params=kv_transfer_params,
+                             add_special_tokens=add_special_tokens)
+        except asyncio.CancelledError:
+            # The add may still run on the worker; the abort queued behind it undoes it.
+            self._streams.pop(request_id, None)
+            self._abort_nowait(request_id)
+            raise
+        except BaseException:
+            self._streams.pop(request_id, None)
+            self._timings.pop(request_id, None)
+            raise
+        assert self._work is not None
+        self._work.set()
+        return stream
+
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       **kwargs: Any) -> AsyncIterator[RequestOutput]:
+        stream = await self.add_request(request_id, prompt, params, **kwargs)
+        async for out in stream:
+            yield out
+
+    async def abort(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.abort()
+        else:
+            await self._call(self.engine.abort_request, [request_id])
+
+    async def call(self, fn, *args, **kwargs):
+        """Run ``fn`` on the engine thread, between two steps (for engine reads that need consistency)."""
+        return await self._call(fn, *args, **kwargs)
+
+    # ---- loop ------------------------------------------------------------------------------------
+
+    async def _call(self, fn, *args, **kwargs):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+
+    def _abort_nowait(self, request_id: str) -> None:
+        self._timings.pop(request_id, None)
+        if not self._closed:
+            self._executor.submit(self.engine.abort_request, [request_id])
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._work = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="pdpool-engine-loop")
+
+    async def _run(self) -> None:
+        assert self._work is not None
+        while True:
+            if not self.engine.has_unfinished_requests():
+                self._work.clear()
+                await self._work.wait()
+                continue
+            try:
+                outputs = await self._call(self.engine.step)
+            except Exception as exc:  # noqa: BLE001 - fail the requests in flight, keep serving
+                self._fail_all(exc)
+                await asyncio.sleep(0.01)
+                continue
+            self._dispatch(outputs)
+            if not outputs and not self.engine.last_step_num_scheduled:
+                # Work exists but none could run (e.g. waiting for remote KV): poll gently, wake on news.
+                self._work.clear()
+                try:
+                    await asyncio.wait_for(self._work.wait(), IDLE_POLL_SECONDS)
+                except asyncio.TimeoutError:
+                    pass
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        obs = self.latency_observer
+        for out in outputs:
+            timing = self._timings.get(out.request_id)
+            if timing is not None and out.new_token_ids and obs is not None:
+                if timing.last is None:
+                    obs.on_first_token(now - timing.arrival)
+                else:
+                    obs.on_inter_token(now - timing.last)
+                if out.finished:
+                    obs.on_finished(now - timing.arrival)
+            if timing is not None:
+                if out.new_token_ids:
+                    timing.last = now
+                if out.finished:
+                    self._timings.pop(out.request_id, None)
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream._put(out)
+                if out.finished:
+                    self._streams.pop(out.request_id, None)
+
+    def _fail_all(self, exc: Exception) -> None:
+        self.num_step_errors += 1
+        logger.exception("engine step failed; aborting %d requests", len(self._streams), exc_info=exc)
+        ids = list(self._streams)
+        err = EngineDeadError(f"engine step failed: {type(exc).__name__}: {exc}")
+        for rid in ids:
+            stream = self._streams.pop(rid)
+            stream.finished = True
+            stream._put(err)
+            self._timings.pop(rid, None)
+        self._executor.submit(self.engine.abort_all)  # also requests whose stream is gone
+
+    def fail_request(self, request_id: str, exc: BaseException) -> None:
+        """End one request's stream with ``exc`` (loop thread); the engine side aborts it on its own."""
+        stream = self._streams.pop(request_id, None)
+        self._timings.pop(request_id, None)
+        if stream is not None:
+            stream._put(exc)
+
+    def wake(self) -> None:
+        """Tell the loop that something outside a step changed (a remote KV load finished); loop thread only."""
+        if self._work is not None:
+            self._work.set()
+
+    async def shutdown(self) -> None:
+        self._closed = True
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=True)

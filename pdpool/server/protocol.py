@@ -1,0 +1,270 @@
+"""OpenAI request bodies -> validated ``GenerationRequest``s (prompts + ``SamplingParams``).
+
+Every check raises ``APIError`` (400) naming the offending ``param``; nothing here touches the engine
+beyond ``SamplingParams.validate()``. Fields beyond OpenAI's (``priority``, ``cache_salt``, ``top_k``, ...)
+follow vLLM's names. ``kv_transfer_params`` is kept as given, for the disaggregation work.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pdpool.engine.sampling_params import SamplingParams, SamplingParamsError
+from pdpool.server.errors import APIError
+
+MAX_LOGPROBS = 20
+
+Prompt = str | list[int]
+
+
+@dataclass
+class GenerationRequest:
+    kind: str                       # "completion" | "chat"
+    model: str
+    prompts: list[Prompt]           # one per choice group; chat: one rendered prompt string
+    params: SamplingParams
+    max_tokens_given: bool
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
+    n: int = 1
+    echo: bool = False
+    logprobs: int | None = None     # completions: top-N; chat: top_logprobs when logprobs=true
+    priority: int = 0
+    cache_salt: str | None = None
+    kv_transfer_params: dict | None = None
+    user: str | None = None
+    return_token_ids: bool = False  # vLLM's extension: choices carry token_ids, the response prompt_token_ids
+
+
+async def read_json(request) -> dict:
+    try:
+        raw = await request.read()
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(f"malformed JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    return body
+
+
+# ---- typed field readers -------------------------------------------------------------------------
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def get_int(body: dict, name: str, default: int | None = None, *, ge: int | None = None,
+            le: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not _is_int(v):
+        raise APIError(f"'{name}' must be an integer, got {v!r}", param=name)
+    if ge is not None and v < ge:
+        raise APIError(f"'{name}' must be >= {ge}, got {v}", param=name)
+    if le is not None and v > le:
+        raise APIError(f"'{name}' must be <= {le}, got {v}", param=name)
+    return v
+
+
+def get_float(body: dict, name: str, default: float | None = None) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise APIError(f"'{name}' must be a number, got {v!r}", param=name)
+    return float(v)
+
+
+def get_bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise APIError(f"'{name}' must be a boolean, got {v!r}", param=name)
+    return v
+
+
+def get_str(body: dict, name: str, default: str | None = None) -> str | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, str):
+        raise APIError(f"'{name}' must be a string, got {v!r}", param=name)
+    return v
+
+
+def _stop(body: dict) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise APIError("'stop' must be a string or a list of strings", param="stop")
+    if any(s == "" for s in v):
+        raise APIError("'stop' strings must not be empty", param="stop")
+    return v
+
+
+def _int_list(v: Any, name: str) -> list[int]:
+    if not isinstance(v, list) or not all(_is_int(t) for t in v):
+        raise APIError(f"'{name}' must be a list of integers", param=name)
+    return v
+
+
+def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
+    opts = body.get("stream_options")
+    if opts is None:
+        return False, False
+    if not isinstance(opts, dict):
+        raise APIError("'stream_options' must be an object", param="stream_options")
+    if not stream:
+        raise APIError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    return get_bool(opts, "include_usage"), get_bool(opts, "continuous_usage_stats")
+
+
+def _common(body: dict, kind: str, served_model_names: list[str]) -> dict:
+    model = body.get("model")
+    if model is None:
+        model = served_model_names[0]
+    if not isinstance(model, str):
+        raise APIError("'model' must be a string", param="model")
+    if model not in served_model_names:
+        raise APIError(f"The model '{model}' does not exist. Served: {served_model_names}", status=404,
+                       param="model", code="model_not_found")
+    stream = get_bool(body, "stream")
+    include_usage, continuous = _stream_options(body, stream)
+    n = get_int(body, "n", 1, ge=1, le=16)
+    best_of = get_int(body, "best_of", None, ge=1)
+    if best_of is not None and best_of != n:
+        raise APIError("'best_of' other than 'n' is not supported", param="best_of")
+    if body.get("logit_bias"):
+        raise APIError("'logit_bias' is not supported", param="logit_bias")
+    kv = body.get("kv_transfer_params")
+    if kv is not None and not isinstance(kv, dict):
+        raise APIError("'kv_transfer_params' must be an object", param="kv_transfer_params")
+    return dict(kind=kind, model=model, stream=stream, include_usage=include_usage, continuous_usage=continuous,
+                n=n, priority=get_int(body, "priority", 0), cache_salt=get_str(body, "cache_salt"),
+                kv_transfer_params=kv, user=get_str(body, "user"),
+                return_token_ids=get_bool(body, "return_token_ids"))
+
+
+def _sampling(body: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    stop_token_ids = body.get("stop_token_ids")
+    kwargs = dict(
+        temperature=get_float(body, "temperature", 1.0),
+        top_p=get_float(body, "top_p", 1.0),
+        top_k=get_int(body, "top_k", 0),
+        min_p=get_float(body, "min_p", 0.0),
+        presence_penalty=get_float(body, "presence_penalty", 0.0),
+        frequency_penalty=get_float(body, "frequency_penalty", 0.0),
+        repetition_penalty=get_float(body, "repetition_penalty", 1.0),
+        seed=get_int(body, "seed"),
+        stop=_stop(body),
+        stop_token_ids=_int_list(stop_token_ids, "stop_token_ids") if stop_token_ids is not None else [],
+        ignore_eos=get_bool(body, "ignore_eos"),
+        max_tokens=max_tokens,
+        min_tokens=get_int(body, "min_tokens", 0),
+        logprobs=logprobs,
+        include_stop_str_in_output=get_bool(body, "include_stop_str_in_output"),
+        skip_special_tokens=get_bool(body, "skip_special_tokens", True),
+    )
+    return make_sampling_params(kwargs)
+
+
+def make_sampling_params(kwargs: dict) -> SamplingParams:
+    try:
+        params = SamplingParams(**kwargs)
+        params.validate()
+    except SamplingParamsError as exc:
+        raise APIError(str(exc), param=getattr(exc, "param", None)) from None
+    except (TypeError, ValueError) as exc:
+        raise APIError(str(exc)) from None
+    return params
+
+
+# ---- /v1/completions -----------------------------------------------------------------------------
+
+def _completion_prompts(body: dict) -> list[Prompt]:
+    p = body.get("prompt")
+    if p is None:
+        raise APIError("'prompt' is required", param="prompt")
+    if isinstance(p, str):
+        return [p]
+    if isinstance(p, list) and p:
+        if all(isinstance(x, str) for x in p):
+            return list(p)
+        if all(_is_int(x) for x in p):
+            return [list(p)]
+        if all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in p):
+            return [list(x) for x in p]
+    raise APIError("'prompt' must be a string, a list of strings, a list of token ids, or a list of "
+                   "non-empty token-id lists", param="prompt")
+
+
+def parse_completion(body: dict, served_model_names: list[str]) -> GenerationRequest:
+    common = _common(body, "completion", served_model_names)
+    prompts = _completion_prompts(body)
+    if body.get("suffix"):
+        raise APIError("'suffix' is not supported", param="suffix")
+    logprobs = get_int(body, "logprobs", None, ge=0, le=MAX_LOGPROBS)
+    echo = get_bool(body, "echo")
+    if echo and logprobs is not None:
+        raise APIError("'echo' together with 'logprobs' (prompt logprobs) is not supported", param="echo")
+    max_tokens = get_int(body, "max_tokens", 16, ge=1)
+    return GenerationRequest(prompts=prompts, params=_sampling(body, max_tokens, logprobs),
+                             max_tokens_given=True, echo=echo, logprobs=logprobs, **common)
+
+
+# ---- /v1/chat/completions ------------------------------------------------------------------------
+
+def _messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise APIError("'messages' must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError(f"messages[{i}] must be an object with a 'role'", param="messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: keep the text ones
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise APIError(f"messages[{i}].content: only text parts are supported", param="messages")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise APIError(f"messages[{i}].content must be a string or a list of text parts", param="messages")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def parse_chat(body: dict, served_model_names: list[str], render) -> GenerationRequest:
+    """``render(messages, add_generation_prompt) -> str`` applies the tokenizer's chat template."""
+    common = _common(body, "chat", served_model_names)
+    messages = _messages(body)
+    want_logprobs = get_bool(body, "logprobs")
+    top = get_int(body, "top_logprobs", None, ge=0, le=MAX_LOGPROBS)
+    if top is not None and not want_logprobs:
+        raise APIError("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
+    logprobs = (top or 0) if want_logprobs else None
+    max_tokens = get_int(body, "max_completion_tokens", None, ge=1)
+    if max_tokens is None:
+        max_tokens = get_int(body, "max_tokens", None, ge=1)
+    add_generation_prompt = get_bool(body, "add_generation_prompt", True)
+    try:
+        prompt = render(messages, add_generation_prompt)
+    except Exception as exc:  # noqa: BLE001 - a template error is the client's message list
+        raise APIError(f"cannot apply the chat template: {exc}", param="messages") from None
+    # Without max_tokens (None) the engine fills the rest of the context.
+    return GenerationRequest(prompts=[prompt], params=_sampling(body, max_tokens, logprobs),
+                             max_tokens_given=max_tokens is not None, logprobs=logprobs, **common)

@@ -1,0 +1,261 @@
+"""Run a parsed OpenAI request on the engine; build the JSON response or the SSE stream.
+
+One request may fan out (several prompts, ``n`` > 1): each choice is its own engine request with id
+``<response id>-<choice index>``. All of them are added before anything is sent, so a validation error is a
+plain 400; once streaming starts, an engine error becomes a final ``{"error": ...}`` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from pdpool.engine.async_llm import AsyncLLM, RequestStream
+from pdpool.engine.llm_engine import InvalidRequestError, RequestOutput, TokenLogprobs
+from pdpool.engine.sampling_params import SamplingParamsError
+from pdpool.server.errors import APIError
+from pdpool.server.protocol import GenerationRequest
+
+
+@dataclass
+class _Choice:
+    index: int
+    stream: RequestStream
+    prompt_text: str | None = None      # for echo
+    text_offset: int = 0                # completions logprobs: offset of the next token's text
+    started: bool = False               # chat streaming: role delta sent
+    final: RequestOutput | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+class Generation:
+    """The engine requests behind one API response."""
+
+    def __init__(self, llm: AsyncLLM, req: GenerationRequest) -> None:
+        self.llm = llm
+        self.req = req
+        prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.choices: list[_Choice] = []
+
+    async def start(self) -> None:
+        req = self.req
+        try:
+            for p_index, prompt in enumerate(req.prompts):
+                for j in range(req.n):
+                    index = p_index * req.n + j
+                    params = req.params if req.n == 1 else _copy_params(req.params, j)
+                    stream = await self.llm.add_request(
+                        f"{self.id}-{index}", prompt, params, priority=req.priority, cache_salt=req.cache_salt,
+                        kv_transfer_params=req.kv_transfer_params, add_special_tokens=req.kind != "chat")
+                    self.choices.append(_Choice(index, stream))
+        except (InvalidRequestError, SamplingParamsError) as exc:
+            self.abort()
+            raise APIError(str(exc), param=getattr(exc, "param", None)) from None
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        for choice in self.choices:
+            choice.stream.abort()
+
+    # ---- usage -----------------------------------------------------------------------------------
+
+    def usage(self, outputs: list[RequestOutput | None]) -> dict:
+        prompt_tokens = cached = completion = 0
+        seen_prompts = set()
+        for choice, out in zip(self.choices, outputs):
+            if out is None:
+                continue
+            group = choice.index // self.req.n
+            if group not in seen_prompts:
+                seen_prompts.add(group)
+                prompt_tokens += len(out.prompt_token_ids)
+                cached += out.num_cached_tokens
+            completion += len(out.output_token_ids)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                 "total_tokens": prompt_tokens + completion}
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
+
+
+def _copy_params(params, j: int):
+    import dataclasses
+
+    # n > 1 with a seed: each choice gets its own seed so that choices differ, reproducibly.
+    seed = None if params.seed is None else params.seed + j
+    return dataclasses.replace(params, seed=seed)
+
+
+# ---- logprobs formats ----------------------------------------------------------------------------
+
+def _token_str(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def completion_logprobs(tokenizer, entries: list[TokenLogprobs], choice: _Choice) -> dict:
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for e in entries:
+        s = _token_str(tokenizer, e.token_id)
+        tokens.append(s)
+        token_logprobs.append(e.logprob)
+        top.append({_token_str(tokenizer, t): lp for t, lp in e.top} if e.top is not None else None)
+        offsets.append(choice.text_offset)
+        choice.text_offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, entries: list[TokenLogprobs]) -> dict:
+    def item(token_id: int, lp: float) -> dict:
+        s = _token_str(tokenizer, token_id)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    content = []
+    for e in entries:
+        d = item(e.token_id, e.logprob)
+        d["top_logprobs"] = [item(t, lp) for t, lp in (e.top or [])]
+        content.append(d)
+    return {"content": content}
+
+
+# ---- non-streaming -------------------------------------------------------------------------------
+
+async def _collect(choice: _Choice) -> None:
+    async for out in choice.stream:
+        if out.new_logprobs:
+            choice.logprobs.extend(out.new_logprobs)
+        choice.final = out
+
+
+async def full_response(gen: Generation) -> dict:
+    tasks = [asyncio.ensure_future(_collect(c)) for c in gen.choices]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        gen.abort()
+    tokenizer = gen.llm.tokenizer
+    req = gen.req
+    choices = []
+    for c in gen.choices:
+        out = c.final
+        assert out is not None
+        if req.kind == "chat":
+            choice = {"index": c.index, "message": {"role": "assistant", "content": out.text},
+                      "logprobs": chat_logprobs(tokenizer, c.logprobs) if req.logprobs is not None else None,
+                      "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+        else:
+            text = out.text
+            if req.echo:
+                prompt_text = out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
+                text = prompt_text + text
+            choice = {"index": c.index, "text": text,
+                      "logprobs": completion_logprobs(tokenizer, c.logprobs, c) if req.logprobs is not None
+                      else None,
+                      "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+        if req.return_token_ids:
+            choice["token_ids"] = out.output_token_ids
+            choice["prompt_token_ids"] = out.prompt_token_ids
+        choices.append(choice)
+    body = {"id": gen.id, "object": "chat.completion" if req.kind == "chat" else "text_completion",
+            "created": gen.created, "model": req.model, "choices": choices,
+            "usage": gen.usage([c.final for c in gen.choices])}
+    if len(gen.choices) == 1 and gen.choices[0].final.kv_transfer_params is not None:
+        body["kv_transfer_params"] = gen.choices[0].final.kv_transfer_params
+    return body
+
+
+# ---- streaming -----------------------------------------------------------------------------------
+
+def _sse(data: dict | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n".encode()
+
+
+async def stream_response(gen: Generation, http_request: web.Request) -> web.StreamResponse:
+    req = gen.req
+    tokenizer = gen.llm.tokenizer
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(http_request)
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(c: _Choice) -> None:
+        try:
+            async for out in c.stream:
+                merged.put_nowait((c, out))
+        except Exception as exc:  # noqa: BLE001 - reported to the client as an error event
+            merged.put_nowait((c, exc))
+        finally:
+            merged.put_nowait((c, None))
+
+    obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+
+    def chunk(choices: list[dict], usage: dict | None = None) -> dict:
+        d = {"id": gen.id, "object": obj, "created": gen.created, "model": req.model, "choices": choices}
+        if req.include_usage:
+            d["usage"] = usage
+        return d
+
+    tasks = [asyncio.ensure_future(pump(c)) for c in gen.choices]
+    latest: dict[int, RequestOutput] = {}
+    try:
+        if req.kind == "chat":
+            for c in gen.choices:  # role first, as OpenAI does
+                await resp.write(_sse(chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}])))
+        if req.echo:
+            for c in gen.choices:
+                prompt = req.prompts[c.index // req.n]
+                text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+                await resp.write(_sse(chunk([{"index": c.index, "text": text, "logprobs": None,
+                                              "finish_reason": None}])))
+        pending = len(tasks)
+        while pending:
+            c, out = await merged.get()
+            if out is None:
+                pending -= 1
+                continue
+            if isinstance(out, BaseException):
+                err = APIError(str(out), status=500)
+                await resp.write(_sse(err.body()))
+                continue
+            latest[c.index] = out
+            if not (out.new_text or out.finished or out.new_logprobs or (req.return_token_ids and out.new_token_ids)):
+                continue
+            lp = None
+            if req.logprobs is not None and out.new_logprobs is not None:
+                lp = (chat_logprobs(tokenizer, out.new_logprobs) if req.kind == "chat"
+                      else completion_logprobs(tokenizer, out.new_logprobs, c))
+            if req.kind == "chat":
+                delta = {"content": out.new_text} if out.new_text or not out.finished else {}
+                choice = {"index": c.index, "delta": delta, "logprobs": lp,
+                          "finish_reason": out.finish_reason if out.finished else None}
+            else:
+                choice = {"index": c.index, "text": out.new_text, "logprobs": lp,
+                          "finish_reason": out.finish_reason if out.finished else None}
+            if out.finished:
+                choice["stop_reason"] = out.stop_reason
+            if req.return_token_ids:
+                choice["token_ids"] = out.new_token_ids
+            usage = None
+            if req.include_usage and req.continuous_usage:
+                usage = gen.usage([latest.get(x.index) for x in gen.choices])
+            await resp.write(_sse(chunk([choice], usage)))
+        if req.include_usage:
+            final = chunk([], gen.usage([latest.get(x.index) for x in gen.choices]))
+            await resp.write(_sse(final))
+        await resp.write(_sse("[DONE]"))
+        await resp.write_eof()
+    finally:
+        for t in tasks:
+            t.cancel()
+        gen.abort()
+    return resp

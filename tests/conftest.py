@@ -1,0 +1,225 @@
+"""Session fixtures: the demo model converted once, and real servers in subprocesses.
+
+The demo model is converted into a session cache dir (``PDPOOL_CACHE``; set it yourself to keep the
+conversion across runs). Servers are ``pdpool serve`` subprocesses on free ports, one thread each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SERVER_START_TIMEOUT = 300.0
+
+
+@pytest.fixture(scope="session")
+def pdpool_cache(tmp_path_factory) -> Path:
+    if os.environ.get("PDPOOL_CACHE"):
+        return Path(os.environ["PDPOOL_CACHE"])
+    path = tmp_path_factory.mktemp("pdpool-cache")
+    os.environ["PDPOOL_CACHE"] = str(path)  # inherited by server subprocesses
+    return path
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(pdpool_cache) -> Path:
+    """The demo model as a safetensors folder (converted once per session)."""
+    from pdpool.models.demo import resolve_model
+
+    return Path(resolve_model("demo"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A ``pdpool serve`` subprocess."""
+
+    def __init__(self, args: list[str], log_path: Path, api_key: str | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.base_url = self.url + "/v1"
+        self.api_key = api_key
+        self.log_path = log_path
+        argv = [sys.executable, "-m", "pdpool.cli", "serve", "--model", "demo", "--host", "127.0.0.1",
+                "--port", str(self.port), "--num-threads", "1", *args]
+        env = dict(os.environ)
+        env.pop("PDPOOL_API_KEY", None)
+        if api_key:
+            env["PDPOOL_API_KEY"] = api_key  # from the environment, not argv
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log_path.read_bytes()[-n:].decode(errors="replace")
+
+    def wait_ready(self, timeout: float = SERVER_START_TIMEOUT) -> "Server":
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                r = httpx.get(self.url + "/health/ready", timeout=2)
+                if r.status_code == 200:
+                    return self
+                if r.json().get("status") == "failed":
+                    raise RuntimeError(f"engine failed to load:\n{self.log_tail()}")
+            time.sleep(0.3)
+        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log_tail()}")
+
+    def client(self, **kw):
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key or "unused", max_retries=0,
+                             timeout=kw.pop("timeout", 300), **kw)
+
+    def async_client(self, **kw):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key or "unused", max_retries=0,
+                                  timeout=kw.pop("timeout", 300), **kw)
+
+    def greedy_token_ids(self, prompts: list, max_tokens: int, **extra) -> list[list[int]]:
+        """Greedy completions of all ``prompts`` sent at once (so they share steps); their output token ids."""
+        import asyncio
+
+        async def run():
+            client = self.async_client()
+            try:
+                return await asyncio.gather(*[
+                    client.completions.create(model="demo", prompt=p, max_tokens=max_tokens, temperature=0,
+                                              extra_body={"return_token_ids": True, **extra}) for p in prompts])
+            finally:
+                await client.close()
+
+        return [r.choices[0].model_extra["token_ids"] for r in asyncio.run(run())]
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def metrics(self) -> dict[str, float]:
+        """``/metrics`` as {'name{label="v"}': value} (labels sorted), plus plain names for unlabeled ones."""
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                values[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return values
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def launch_server(demo_model_dir, tmp_path_factory):
+    """``launch_server(*flags, api_key=None)`` starts a server and stops it at the end of the session
+    (module fixtures stop theirs earlier with ``server.stop()``)."""
+    started: list[Server] = []
+
+    def launch(*flags: str, api_key: str | None = None) -> Server:
+        log = tmp_path_factory.mktemp("server") / "server.log"
+        server = Server(list(flags), log, api_key=api_key)
+        started.append(server)
+        try:
+            return server.wait_ready()
+        except BaseException:
+            server.stop()
+            raise
+
+    yield launch
+    for server in started:
+        server.stop()
+
+
+class HFReference:
+    """HF transformers on the converted demo folder: the ground truth for parity tests."""
+
+    def __init__(self, path: Path, dtype: str = "float32") -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(1)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+        self._greedy: dict = {}
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text)["input_ids"]
+
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int, *, ignore_eos: bool = False) -> list[int]:
+        """HF's greedy continuation: ``generate`` (stops at EOS like the engine); with ``ignore_eos``, the same
+        argmax loop over HF's KV cache without the stop (``generate`` keeps stopping at the model's EOS)."""
+        import copy
+
+        import torch
+
+        key = (tuple(prompt_ids), max_new_tokens, ignore_eos)
+        if key in self._greedy:
+            return self._greedy[key]
+        with torch.no_grad():
+            if ignore_eos:
+                out: list[int] = []
+                step_ids, past = prompt_ids, None
+                for _ in range(max_new_tokens):
+                    o = self.model(input_ids=torch.tensor([step_ids]), past_key_values=past, use_cache=True)
+                    past = o.past_key_values
+                    out.append(int(o.logits[0, -1].argmax()))
+                    step_ids = out[-1:]
+            else:
+                gen_config = copy.deepcopy(self.model.generation_config)
+                gen_config.do_sample, gen_config.max_new_tokens = False, max_new_tokens
+                gen_config.repetition_penalty, gen_config.pad_token_id = 1.0, self.tokenizer.eos_token_id
+                gen_config.temperature = gen_config.top_p = gen_config.top_k = None
+                ids = torch.tensor([prompt_ids])
+                out = self.model.generate(ids, generation_config=gen_config, attention_mask=torch.ones_like(ids))
+                out = out[0, len(prompt_ids):].tolist()
+        self._greedy[key] = out
+        return out
+
+    def logprobs(self, prompt_ids: list[int], output_ids: list[int]):
+        """log_softmax of HF's logits at each output position: [len(output_ids), vocab] float32."""
+        import torch
+
+        ids = torch.tensor([prompt_ids + output_ids])
+        with torch.no_grad():
+            logits = self.model(ids).logits[0].float()
+        n = len(prompt_ids)
+        return torch.log_softmax(logits[n - 1:n - 1 + len(output_ids)], dim=-1)
+
+
+@pytest.fixture(scope="session")
+def hf_reference(demo_model_dir) -> HFReference:
+    return HFReference(demo_model_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_reference_bf16(demo_model_dir) -> HFReference:
+    return HFReference(demo_model_dir, "bfloat16")
