@@ -1,7 +1,11 @@
 """The model runner: loads the model, owns the KV cache, runs one scheduled step.
 
 ``execute`` = prepare inputs -> forward -> logits -> sample. ``compute_logits_for`` stops after the logits, so
-tests can compare them with a reference. Only this file (in the engine) creates device tensors.
+tests can compare them with a reference. Only this file (and ``cuda_graphs``, its helper) creates device tensors.
+
+On CUDA: the KV cache takes what ``--gpu-memory-utilization`` leaves after a profiling forward over a full token
+budget; pure-decode steps replay CUDA graphs (``cuda_graphs.DecodeGraphs``) unless ``--enforce-eager`` or the
+attention backend is not graph-safe. A step's host metadata goes to the device in one pinned copy.
 """
 
 from __future__ import annotations
@@ -10,10 +14,12 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from pdpool.config import NodeConfig
 from pdpool.engine.attention import AttentionBackend, AttentionMetadata, get_backend, reset_context, set_context
+from pdpool.engine.cuda_graphs import DecodeGraphs, graph_safe
 from pdpool.engine.sampler import Sampler, make_generator
 from pdpool.models.demo import resolve_model
 from pdpool.models.loader import load_hf_config, load_model
@@ -82,12 +88,21 @@ class ModelRunner:
         self.kv_cache = torch.zeros(self.num_blocks, info.num_layers, 2, self.block_size, info.num_kv_heads,
                                     info.head_dim, dtype=self.dtype, device=self.device)
         self.model.bind_kv_cache(self.kv_cache, self.backend)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not dev.enforce_eager:
+            if graph_safe(self.backend):
+                longest = min(self.max_model_len, self.num_blocks * self.block_size)
+                self.graphs = DecodeGraphs(self.model, node_config.scheduler.max_num_seqs, longest,
+                                           self.block_size, self.device)
+                self.graphs.capture()
+            else:
+                log.warning("attention backend %s is not CUDA-graph safe; decode runs eagerly", self.backend.name)
         self.generators: dict[str, torch.Generator] = {}
         self.sampler = Sampler(eos_token_id=info.eos_token_ids[0] if info.eos_token_ids else None,
                                seed=node_config.model.seed)
-        log.info("model %s (%s, %s) on %s: %d KV blocks of %d tokens, %d bytes each, attention %s", path,
-                 info.architecture, dtype_name, self.device, self.num_blocks, self.block_size, self.block_bytes,
-                 self.backend.name)
+        log.info("model %s (%s, %s) on %s: %d KV blocks of %d tokens, %d bytes each, attention %s, decode %s",
+                 path, info.architecture, dtype_name, self.device, self.num_blocks, self.block_size,
+                 self.block_bytes, self.backend.name, "CUDA graphs" if self.graphs else "eager")
 
     def _num_blocks(self) -> int:
         cache = self.config.cache
@@ -127,29 +142,56 @@ class ModelRunner:
         return peak
 
     def prepare_inputs(self, scheduler_output) -> StepInputs:
+        """The step's tokens packed request after request, with their attention metadata (see attention.py)."""
+        bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
-        query_lens, seq_lens, block_ids, sample_rows, sampling = [], [], [], [], []
-        for sr in scheduler_output.scheduled:
+        slots: list[int] = []
+        query_lens, seq_lens, sample_rows, sampling = [], [], [], []
+        scheduled = scheduler_output.scheduled
+        width = max(1, max(len(sr.block_ids) for sr in scheduled))
+        tables = np.zeros((len(scheduled), width), dtype=np.int64)  # [R, max_blocks], padded with 0
+        for r, sr in enumerate(scheduled):
             start, n = sr.request.num_computed_tokens, sr.num_new_tokens
-            tokens = sr.request.all_token_ids
+            tokens, blocks = sr.request.all_token_ids, sr.block_ids
+            tables[r, :len(blocks)] = blocks
             ids += tokens[start:start + n]
-            positions += range(start, start + n)
+            if n == 1:  # decode: skip numpy's per-call cost
+                positions.append(start)
+                slots.append(blocks[start // bs] * bs + start % bs)
+            else:
+                pos = np.arange(start, start + n)
+                positions += pos.tolist()
+                slots += (tables[r, pos // bs] * bs + pos % bs).tolist()
             query_lens.append(n)
             seq_lens.append(start + n)
-            block_ids.append(sr.block_ids)
             if start + n == len(tokens):
                 sample_rows.append(len(ids) - 1)
                 sampling.append(sr)
-        dev = self.device
-        meta = AttentionMetadata.build(query_lens, seq_lens, block_ids, self.block_size, dev)
-        return StepInputs(torch.tensor(ids, dtype=torch.long, device=dev),
-                          torch.tensor(positions, dtype=torch.long, device=dev), meta,
-                          torch.tensor(sample_rows, dtype=torch.long, device=dev), sampling)
+        T, R = len(ids), len(scheduled)
+        starts = np.zeros(R + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=starts[1:])
+        # One host buffer, one copy: | ids T | positions T | slots T | samples S | starts R+1 | seq_lens R | tables |
+        host = torch.from_numpy(np.concatenate([np.asarray(ids + positions + slots + sample_rows, dtype=np.int64),
+                                                starts, np.asarray(seq_lens, dtype=np.int64), tables.ravel()]))
+        if self.device.type == "cuda":
+            dev = host.pin_memory().to(self.device, non_blocking=True)
+        else:
+            dev = host
+        S = len(sample_rows)
+        small = dev[3 * T + S:].to(torch.int32)  # starts, seq_lens, tables
+        meta = AttentionMetadata(query_start_loc=small[:R + 1], seq_lens=small[R + 1:2 * R + 1],
+                                 block_tables=small[2 * R + 1:].view(R, width), slot_mapping=dev[2 * T:3 * T],
+                                 max_query_len=max(query_lens), max_seq_len=max(seq_lens), query_lens_cpu=query_lens,
+                                 seq_lens_cpu=seq_lens, block_size=bs)
+        return StepInputs(dev[:T], dev[T:2 * T], meta, dev[3 * T:3 * T + S], sampling)
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """Forward the step (writing its KV) -> float32 logits [R_s, V] of the sampling requests."""
+        if self.graphs is not None and self.graphs.fits(inputs.meta):
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)  # [R, H], R = T
+            return self.model.compute_logits(hidden[inputs.sample_indices])
         set_context(inputs.meta)
         try:
             hidden = self.model(inputs.input_ids, inputs.positions)  # [T, H]
