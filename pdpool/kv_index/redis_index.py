@@ -1,0 +1,326 @@
+"""The pool's block-ownership index in Redis: nodes publish, the router looks up.
+
+Node side (``NodeIndex``), called from the engine loop and the heartbeat thread, **never raises for Redis
+errors**: it keeps a local mirror of the block hashes it holds, and when Redis is unreachable it marks itself
+dirty and retries with exponential backoff (calls inside the backoff window return at once, without touching
+the network); the first call that reaches Redis again rewrites the node's whole state from the mirror. A
+Redis that restarted empty is noticed by the heartbeat (``SADD nodes`` answers 1 for a node already
+registered) and healed the same way.
+
+* ``publish(stored, removed)``: one engine step's block events, one pipelined MULTI (SREM + SADD + PEXPIRE).
+* ``resync(all_hashes=None)``: full replace (DEL + SADD in chunks) in one MULTI, at start and periodically.
+* ``heartbeat(info)``: SET ``hb:`` with TTL, refresh the TTLs of ``blocks:`` and ``nixl:``, SADD ``nodes``.
+* ``set_agent_metadata(md)``: the KV agent's metadata under ``nixl:<node>:<incarnation>``.
+* ``deregister()``: DEL all the node's keys, SREM from ``nodes``.
+
+Router side (``IndexReader``): ``lookup(block_hashes) -> {node_id: leading blocks held}`` over live nodes and
+``live_nodes()``, each **one round trip** (a Lua script). Lookup cost, run atomically inside Redis:
+``O(nodes + sum over live nodes of the blocks checked)``, where a node's check stops at the first chunk
+holding a miss (chunks of 32, 64, ... 1024 hashes, one SMISMEMBER each), so it is about the node's matched
+prefix, not the prompt length. The script builds key names from the hash-tagged prefix; all are in the
+pool's one cluster slot.
+
+Keys, types and TTLs: ``pdpool.kv_index.keys``.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from typing import Iterable, Sequence
+
+import redis
+
+from pdpool.kv_index.heartbeat import NodeInfo
+from pdpool.kv_index.keys import PoolKeys
+
+logger = logging.getLogger(__name__)
+
+HASH_BYTES = 16
+_SADD_CHUNK = 10_000
+_REDIS_ERRORS = (redis.RedisError, OSError)
+
+
+class IndexUnavailableError(RuntimeError):
+    """The router side could not reach Redis."""
+
+
+def new_incarnation() -> str:
+    """A fresh id for this process's life: peers tell a restarted node from its previous self by it."""
+    return secrets.token_hex(6)
+
+
+def connect(url: str, password: str | None = None, timeout: float = 0.5) -> redis.Redis:
+    """A client with short timeouts: a slow or dead Redis must cost an engine step milliseconds, not seconds."""
+    return redis.Redis.from_url(url, password=password, socket_timeout=timeout, socket_connect_timeout=timeout,
+                                health_check_interval=0)
+
+
+def _raw(h: bytes | str) -> bytes:
+    """A block hash as its 16 raw bytes (``BlockHash`` or its hex)."""
+    raw = bytes.fromhex(h) if isinstance(h, str) else bytes(h)
+    if len(raw) != HASH_BYTES:
+        raise ValueError(f"a block hash is {HASH_BYTES} bytes, got {len(raw)}")
+    return raw
+
+
+def _chunks(items: Sequence[bytes], n: int) -> Iterable[Sequence[bytes]]:
+    for i in range(0, len(items), n):
+        yield items[i:i + n]
+
+
+class NodeIndex:
+    """One node's writes to the index. Thread-safe (engine thread + heartbeat thread)."""
+
+    def __init__(self, client: redis.Redis, keys: PoolKeys, node_id: str, incarnation: str, *,
+                 heartbeat_ttl: float = 6.0, state_ttl: float | None = None,
+                 backoff_initial: float = 0.2, backoff_max: float = 10.0) -> None:
+        self.client = client
+        self.keys = keys
+        self.node_id = node_id
+        self.incarnation = incarnation
+        self.heartbeat_ttl_ms = max(1, int(heartbeat_ttl * 1000))
+        # A dead node's blocks/metadata linger this long after its last heartbeat (ignored once hb is gone).
+        self.state_ttl_ms = int((state_ttl if state_ttl is not None else max(60.0, 10 * heartbeat_ttl)) * 1000)
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        self._lock = threading.Lock()
+        self._held: set[bytes] = set()           # mirror of blocks:<node>
+        self._agent_md: bytes | None = None
+        self._last_info: NodeInfo | None = None
+        self._registered = False                 # a heartbeat reached Redis at least once
+        self._dirty = True                       # Redis may differ from the mirror: rewrite it all
+        self._failures = 0
+        self._retry_at = 0.0
+        self.num_errors = 0
+
+    @classmethod
+    def from_config(cls, disagg, node_id: str, incarnation: str) -> "NodeIndex":
+        """From ``DisaggConfig``: its Redis URL and password, pool, namespace and heartbeat period."""
+        if not disagg.redis:
+            raise ValueError("--redis is not set")
+        return cls(connect(disagg.redis, disagg.redis_password), PoolKeys(disagg.namespace, disagg.pool),
+                   node_id, incarnation, heartbeat_ttl=3 * disagg.heartbeat_seconds)
+
+    @property
+    def dirty(self) -> bool:
+        return self._dirty
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    # ---- public API: never raises for Redis errors; returns whether Redis now matches the mirror ----
+
+    def publish(self, stored: Iterable[bytes | str] = (), removed: Iterable[bytes | str] = ()) -> bool:
+        """One engine step's events. A hash in both is removed, then stored (net: held)."""
+        stored_raw = [_raw(h) for h in stored]
+        removed_raw = [_raw(h) for h in removed]
+        with self._lock:
+            self._held.difference_update(removed_raw)
+            self._held.update(stored_raw)
+            if not stored_raw and not removed_raw and not self._dirty:
+                return True
+            return self._attempt(lambda pipe: self._queue_delta(pipe, stored_raw, removed_raw))
+
+    def resync(self, all_hashes: Iterable[bytes | str] | None = None) -> bool:
+        """Replace the node's set with ``all_hashes`` (default: the mirror, to heal lost updates)."""
+        with self._lock:
+            if all_hashes is not None:
+                self._held = {_raw(h) for h in all_hashes}
+            self._dirty = True
+            return self._attempt(lambda pipe: None)
+
+    def set_agent_metadata(self, metadata: bytes) -> bool:
+        with self._lock:
+            self._agent_md = metadata
+            return self._attempt(lambda pipe: self._queue_agent_md(pipe))
+
+    def heartbeat(self, info: NodeInfo) -> bool:
+        if info.node_id != self.node_id or info.incarnation != self.incarnation:
+            raise ValueError(f"heartbeat for {info.node_id}/{info.incarnation} sent through the index of "
+                             f"{self.node_id}/{self.incarnation}")
+        with self._lock:
+            self._last_info = info
+            return self._attempt(lambda pipe: self._queue_heartbeat(pipe), check_registration=True)
+
+    def deregister(self) -> bool:
+        """Remove every key of this node (clean shutdown)."""
+        with self._lock:
+            self._registered = False
+            k = self.keys
+            try:
+                pipe = self.client.pipeline(transaction=True)
+                pipe.delete(k.heartbeat(self.node_id), k.blocks(self.node_id),
+                            k.nixl(self.node_id, self.incarnation))
+                pipe.srem(k.nodes, self.node_id)
+                pipe.execute()
+                return True
+            except _REDIS_ERRORS as exc:
+                logger.warning("deregister of %s from Redis failed (its keys expire on their own): %s",
+                               self.node_id, exc)
+                return False
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _attempt(self, queue_fn, check_registration: bool = False) -> bool:
+        now = time.monotonic()
+        if now < self._retry_at:
+            self._dirty = True
+            return False
+        try:
+            pipe = self.client.pipeline(transaction=True)
+            was_dirty = self._dirty
+            if was_dirty:
+                self._queue_full_state(pipe)
+            queue_fn(pipe)
+            results = pipe.execute()
+        except _REDIS_ERRORS as exc:
+            self._on_error(exc)
+            return False
+        if self._failures:
+            logger.info("Redis reachable again; node %s state rewritten (%d blocks)", self.node_id, len(self._held))
+        self._failures = 0
+        self._dirty = False
+        if check_registration:
+            if self._registered and not was_dirty and results[-1] == 1:
+                # The node was registered, yet SADD added it: Redis lost our keys (restart, flush, eviction).
+                logger.warning("Redis lost node %s's keys; rewriting them", self.node_id)
+                self._dirty = True
+                return self._attempt(lambda pipe: None)
+            self._registered = True
+        return True
+
+    def _on_error(self, exc: BaseException) -> None:
+        self._dirty = True
+        self._failures += 1
+        self.num_errors += 1
+        delay = min(self.backoff_max, self.backoff_initial * 2 ** (self._failures - 1))
+        self._retry_at = time.monotonic() + delay
+        log = logger.warning if self._failures == 1 else logger.debug
+        log("Redis unavailable for node %s (%s: %s); retrying in %.2fs, then resyncing", self.node_id,
+            type(exc).__name__, exc, delay)
+
+    def _queue_delta(self, pipe, stored: list[bytes], removed: list[bytes]) -> None:
+        key = self.keys.blocks(self.node_id)
+        for chunk in _chunks(removed, _SADD_CHUNK):
+            pipe.srem(key, *chunk)
+        for chunk in _chunks(stored, _SADD_CHUNK):
+            pipe.sadd(key, *chunk)
+        pipe.pexpire(key, self.state_ttl_ms)
+
+    def _queue_agent_md(self, pipe) -> None:
+        if self._agent_md is not None:
+            pipe.set(self.keys.nixl(self.node_id, self.incarnation), self._agent_md, px=self.state_ttl_ms)
+
+    def _queue_heartbeat(self, pipe) -> None:
+        """Ends with SADD nodes, whose reply tells whether Redis still knew this node."""
+        k = self.keys
+        if self._last_info is not None:
+            pipe.set(k.heartbeat(self.node_id), self._last_info.to_json(), px=self.heartbeat_ttl_ms)
+        pipe.pexpire(k.blocks(self.node_id), self.state_ttl_ms)
+        pipe.pexpire(k.nixl(self.node_id, self.incarnation), self.state_ttl_ms)
+        pipe.sadd(k.nodes, self.node_id)
+
+    def _queue_full_state(self, pipe) -> None:
+        key = self.keys.blocks(self.node_id)
+        pipe.delete(key)
+        for chunk in _chunks(list(self._held), _SADD_CHUNK):
+            pipe.sadd(key, *chunk)
+        pipe.pexpire(key, self.state_ttl_ms)
+        self._queue_agent_md(pipe)
+        self._queue_heartbeat(pipe)
+
+
+# KEYS[1] = nodes set; ARGV[1] = key prefix; ARGV[2..] = block hashes in prompt order.
+_LOOKUP_LUA = """
+local prefix = ARGV[1]
+local last = #ARGV
+local out = {}
+for _, node in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  if redis.call('EXISTS', prefix .. 'hb:' .. node) == 1 then
+    local key = prefix .. 'blocks:' .. node
+    local held, i, step, full = 0, 2, 32, true
+    while full and i <= last do
+      local j = math.min(i + step - 1, last)
+      local m = redis.call('SMISMEMBER', key, unpack(ARGV, i, j))
+      for k = 1, #m do
+        if m[k] == 1 then held = held + 1 else full = false; break end
+      end
+      i = j + 1
+      step = math.min(step * 2, 1024)
+    end
+    out[#out + 1] = node
+    out[#out + 1] = held
+  elseif redis.call('EXISTS', prefix .. 'blocks:' .. node) == 0 then
+    redis.call('SREM', KEYS[1], node)
+  end
+end
+return out
+"""
+
+# KEYS[1] = nodes set; ARGV[1] = key prefix. Returns [node, heartbeat JSON, ...] for live nodes.
+_LIVE_LUA = """
+local out = {}
+for _, node in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local hb = redis.call('GET', ARGV[1] .. 'hb:' .. node)
+  if hb then
+    out[#out + 1] = node
+    out[#out + 1] = hb
+  end
+end
+return out
+"""
+
+
+class IndexReader:
+    """The router's (and peers') view of a pool. Raises ``IndexUnavailableError`` when Redis is down."""
+
+    def __init__(self, client: redis.Redis, keys: PoolKeys) -> None:
+        self.client = client
+        self.keys = keys
+        self._lookup = client.register_script(_LOOKUP_LUA)   # EVALSHA, falls back to EVAL once
+        self._live = client.register_script(_LIVE_LUA)
+
+    def lookup(self, block_hashes: Sequence[bytes | str]) -> dict[str, int]:
+        """``{node_id: number of leading blocks of block_hashes it holds}`` for every live node."""
+        args = [self.keys.prefix.encode(), *(_raw(h) for h in block_hashes)]
+        try:
+            flat = self._lookup(keys=[self.keys.nodes], args=args)
+        except _REDIS_ERRORS as exc:
+            raise IndexUnavailableError(f"block lookup failed: {exc}") from exc
+        return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+    def live_nodes(self) -> dict[str, NodeInfo]:
+        try:
+            flat = self._live(keys=[self.keys.nodes], args=[self.keys.prefix])
+        except _REDIS_ERRORS as exc:
+            raise IndexUnavailableError(f"live node listing failed: {exc}") from exc
+        return {flat[i].decode(): NodeInfo.from_json(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+    def agent_metadata(self, node_id: str, incarnation: str) -> bytes | None:
+        """A peer's KV agent metadata, or None (unknown node, or another incarnation of it)."""
+        try:
+            return self.client.get(self.keys.nixl(node_id, incarnation))
+        except _REDIS_ERRORS as exc:
+            raise IndexUnavailableError(f"agent metadata fetch failed: {exc}") from exc
+
+
+def delete_pool_keys(client: redis.Redis, namespace: str, pool: str, batch: int = 500) -> int:
+    """Delete every key of one pool (SCAN by its prefix, UNLINK in batches; never KEYS). Returns the count.
+
+    The prefix ends with the pool's hash tag and a colon, so pool ``a`` never matches pool ``ab``.
+    """
+    pattern = PoolKeys(namespace, pool).scan_pattern
+    deleted = 0
+    pending: list[bytes] = []
+    for key in client.scan_iter(match=pattern, count=batch):
+        pending.append(key)
+        if len(pending) >= batch:
+            deleted += client.unlink(*pending)
+            pending = []
+    if pending:
+        deleted += client.unlink(*pending)
+    return deleted

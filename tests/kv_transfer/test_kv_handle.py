@@ -1,0 +1,97 @@
+"""The KV handle: JSON round trip, validation, compatibility errors that name the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdpool.block_hash import ModelFingerprint, hash_prompt_blocks, root_hash
+from pdpool.kv_transfer.handle import (HANDLE_VERSION, IncompatibleKVError, KVFingerprint, KVHandle,
+                                       KVHandleError)
+from pdpool.kv_transfer.layout import KVRegion
+
+FP = KVFingerprint(model="demo", dtype="float32", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64)
+
+
+def make_handle(**overrides) -> KVHandle:
+    tokens = list(range(40))  # 2 full blocks + 8 tokens
+    hashes = hash_prompt_blocks(tokens, 16, root_hash(ModelFingerprint("demo", "float32", 16)))
+    fields = dict(
+        do_remote_prefill=True, do_remote_decode=False, remote_engine_id="prefill-0",
+        remote_block_ids=[7, 3, 12], remote_host="10.0.0.5", remote_port=8000,
+        node_id="prefill-0", incarnation="a1b2", agent_name="prefill-0#a1b2", lease_id="lease-42",
+        lease_remaining_s=29.5, block_hashes=[h.hex() for h in hashes], num_tokens=40,
+        first_token_id=1234, first_token_logprobs={"1234": -0.25}, fingerprint=FP, transfer_mode="pull",
+        rank_layouts=[KVRegion(base_addr=0x7F0000000000, num_blocks=64, block_bytes=FP.block_bytes)])
+    fields.update(overrides)
+    return KVHandle(**fields)
+
+
+def test_round_trip_through_json():
+    handle = make_handle()
+    wire = json.loads(json.dumps(handle.to_dict()))
+    assert wire["pdpool_version"] == HANDLE_VERSION
+    assert wire["fingerprint"]["num_kv_heads"] == 3 and wire["rank_layouts"][0]["rank"] == 0
+    assert KVHandle.from_dict(wire) == handle
+
+
+def test_unknown_fields_are_kept_aside():
+    wire = make_handle().to_dict()
+    wire["future_field"] = 1
+    assert KVHandle.from_dict(wire).extra == {"future_field": 1}
+
+
+def test_compatible_fingerprint_passes():
+    make_handle().check_compatible(FP)
+
+
+@pytest.mark.parametrize("field,value", [("model", "other-model"), ("dtype", "bfloat16"), ("block_size", 32),
+                                         ("num_layers", 24), ("num_kv_heads", 4), ("head_dim", 128),
+                                         ("layout", "layers,blocks,kv")])
+def test_incompatible_fingerprint_names_the_field(field, value):
+    local = KVFingerprint(**{**FP.__dict__, field: value})
+    with pytest.raises(IncompatibleKVError, match=f"{field} is .* there and {value!r} here"):
+        make_handle().check_compatible(local)
+
+
+def test_rank_count_must_match():
+    with pytest.raises(IncompatibleKVError, match="1 tensor-parallel ranks, this node 2"):
+        make_handle().check_compatible(FP, num_ranks=2)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(pdpool_version=2), "version 2"),
+    (dict(do_remote_decode=True), "cannot both"),
+    (dict(transfer_mode="teleport"), "transfer_mode"),
+    (dict(remote_port=0), "remote_port"),
+    (dict(lease_remaining_s=-1.0), "lease_remaining_s"),
+    (dict(lease_remaining_s=float("nan")), "lease_remaining_s"),
+    (dict(remote_block_ids=[7, 3]), "2 remote_block_ids for 40 tokens"),
+    (dict(remote_block_ids=[7, 7, 3]), "repeat"),
+    (dict(remote_block_ids=[7, 3, 64]), "outside rank 0's 64 blocks"),
+    (dict(block_hashes=["zz" * 16, "00" * 16]), "32-digit hex"),
+    (dict(block_hashes=["00" * 16]), "1 block_hashes for 2 full blocks"),
+    (dict(agent_name=""), "agent_name"),
+    (dict(first_token_id=-1), "first_token_id"),
+    (dict(rank_layouts=[]), "rank_layouts is empty"),
+    (dict(rank_layouts=[KVRegion(base_addr=1, num_blocks=64, block_bytes=100)]), "block_bytes 100"),
+])
+def test_validation_errors(overrides, match):
+    with pytest.raises(KVHandleError, match=match):
+        make_handle(**overrides)
+
+
+def test_from_dict_errors():
+    wire = make_handle().to_dict()
+    del wire["lease_id"]
+    with pytest.raises(KVHandleError, match="missing \\['lease_id'\\]"):
+        KVHandle.from_dict(wire)
+    wire = make_handle().to_dict()
+    wire["fingerprint"]["dtype"] = "int3"
+    with pytest.raises(KVHandleError, match="dtype"):
+        KVHandle.from_dict(wire)
+    with pytest.raises(KVHandleError, match="version None"):
+        KVHandle.from_dict({})
+    with pytest.raises(KVHandleError, match="must be an object"):
+        KVHandle.from_dict([])
