@@ -1,0 +1,80 @@
+"""Prefill peers' NIXL agents, loaded lazily per (node id, incarnation).
+
+The metadata comes from Redis (``nixl:<node>:<incarnation>``, via ``IndexReader``); when Redis is down or
+does not have it, from the peer itself (``GET /internal/kv/agent``), which answers for its *current*
+incarnation only. A handle whose incarnation is not the one found is stale (the prefill node restarted):
+``StaleHandleError``, and nothing is read from the new agent. The connection is warmed by the agent on the
+first transfer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+
+import aiohttp
+
+from pdpool import internal_api
+from pdpool.kv_transfer.agent import unpack_metadata
+from pdpool.kv_transfer.handle import KVHandle
+
+logger = logging.getLogger(__name__)
+
+
+class PeerUnavailableError(RuntimeError):
+    """The prefill node's agent metadata could not be had."""
+
+
+class StaleHandleError(PeerUnavailableError):
+    """The handle names an incarnation of the prefill node that is gone."""
+
+
+class PeerDirectory:
+    def __init__(self, worker, *, reader=None, session_of, token: str | None, timeout: float) -> None:
+        self.worker = worker
+        self.reader = reader          # pdpool.kv_index IndexReader, or None without Redis
+        self.session_of = session_of  # () -> aiohttp.ClientSession
+        self.token = token
+        self.timeout = timeout
+        self.loaded: dict[str, tuple[str, str]] = {}  # node id -> (incarnation, agent name)
+        self.num_fetches = 0
+
+    async def agent(self, handle: KVHandle) -> str:
+        """The NIXL peer name of the handle's agent, its metadata loaded."""
+        known = self.loaded.get(handle.node_id)
+        if known is not None and known[0] == handle.incarnation:
+            return known[1]
+        metadata = await self._fetch(handle)
+        name, _, _ = unpack_metadata(metadata)
+        if name != handle.agent_name:
+            raise StaleHandleError(f"agent of node {handle.node_id} is {name}, the handle names {handle.agent_name}")
+        if known is not None:  # a new incarnation: drop the old agent
+            self.worker.remove_peer(known[1])
+        self.worker.add_peer(metadata)
+        self.loaded[handle.node_id] = (handle.incarnation, name)
+        return name
+
+    async def _fetch(self, handle: KVHandle) -> bytes:
+        self.num_fetches += 1
+        if self.reader is not None:
+            try:
+                md = await asyncio.get_running_loop().run_in_executor(
+                    None, self.reader.agent_metadata, handle.node_id, handle.incarnation)
+                if md is not None:
+                    return md
+            except Exception as exc:  # IndexUnavailableError: ask the peer itself
+                logger.info("agent metadata of %s not in Redis (%s); asking the node", handle.node_id, exc)
+        try:
+            url = internal_api.url(handle.remote_host, handle.remote_port, "kv/agent")
+            async with self.session_of().get(url, headers=internal_api.headers(self.token),
+                                             timeout=aiohttp.ClientTimeout(total=self.timeout)) as resp:
+                if resp.status != 200:
+                    raise PeerUnavailableError(f"{url} answered {resp.status}")
+                body = await resp.json()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise PeerUnavailableError(f"prefill node {handle.node_id} unreachable: {exc!r}") from exc
+        if body.get("incarnation") != handle.incarnation:
+            raise StaleHandleError(f"prefill node {handle.node_id} is now incarnation {body.get('incarnation')}; "
+                                   f"the handle is from {handle.incarnation}")
+        return base64.b64decode(body["agent_metadata"])

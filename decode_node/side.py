@@ -1,0 +1,258 @@
+"""The decode role's protocol: take over a request prefilled elsewhere.
+
+1. ``on_add`` (engine thread): the handle in ``kv_transfer_params`` is validated and checked against this
+   node's KV layout (a mismatch is a clear 400); the request gets ``kv_load`` and the prefill node's first
+   token as its first output token.
+2. The scheduler allocates the request's blocks (its own prefix-cache hit included, which is never pulled)
+   and hands it over in ``kv_loads_to_start``; ``on_schedule`` starts one load task on the event loop.
+3. The task (event loop): peer agent -> READ (pull) or ask the prefill node to WRITE (push) -> notify the
+   prefill node -> the KV counts only if the lease was still held when the notification arrived.
+4. ``before_step`` (engine thread) hands the outcome to the scheduler: loaded, or recompute locally
+   (policy ``recompute``), or fail the request with an OpenAI error (policy ``fail``).
+
+Every wait is bounded by ``kv_transfer_timeout``. An abort while a transfer writes into the request's
+blocks is deferred until the transfer has ended; an abort before it releases the prefill node's lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from pdpool import internal_api
+from pdpool.engine.kv_connector import LoadPlan, plan_load, test_hooks_enabled
+from pdpool.engine.llm_engine import InvalidRequestError, TokenLogprobs
+from pdpool.engine.request import Request
+from pdpool.engine.scheduler import SchedulerOutput
+from pdpool.kv_transfer.agent import KVTransferError
+from pdpool.kv_transfer.handle import IncompatibleKVError, KVFingerprint, KVHandle, KVHandleError
+from pdpool.decode_node.peers import PeerDirectory
+
+logger = logging.getLogger(__name__)
+
+TEST_HOLD_KEY = "pdpool_test_hold"  # {"point": "before_transfer" | "after_transfer", "seconds": s}
+
+
+class LeaseLostError(RuntimeError):
+    """The prefill node no longer held (or could not confirm) the lease."""
+
+
+@dataclass
+class LoadJob:
+    request_id: str
+    handle: KVHandle
+    deadline: float                   # local monotonic: received + the handle's remaining lease
+    plan: LoadPlan | None = None
+    started: bool = False
+    cancelled: bool = False           # aborted while the transfer runs: abort once it ended
+    lease_ended: bool = False         # notified the prefill node (or the lease is gone anyway)
+    test_hold: dict = field(default_factory=dict)
+
+
+class DecodeSide:
+    def __init__(self, engine, worker, peers: PeerDirectory, fingerprint: KVFingerprint, *, policy: str,
+                 timeout: float, token: str | None, metrics, session_of, fail_request, wake) -> None:
+        self.engine = engine
+        self.scheduler = engine.scheduler
+        self.block_size = engine.kv_cache_manager.block_size
+        self.worker = worker
+        self.peers = peers
+        self.fingerprint = fingerprint
+        self.policy = policy
+        self.timeout = timeout
+        self.token = token
+        self.metrics = metrics
+        self.session_of = session_of
+        self.fail_request = fail_request  # (request_id, message) on the event loop
+        self.wake = wake                  # () on the event loop: the engine loop has news
+        self.loop: asyncio.AbstractEventLoop | None = None  # set when the server starts
+        self.jobs: dict[str, LoadJob] = {}  # requests whose lease is not ended
+        self.done: deque[tuple[str, str]] = deque()  # (request id, outcome), event loop -> engine thread
+        self.tasks: set[asyncio.Task] = set()
+        self.first_logprobs: dict[str, TokenLogprobs] = {}  # the prefill node's first token, for the first output
+
+    # ---- engine hooks (engine thread) ------------------------------------------------------------
+
+    def wants(self, kv_transfer_params: dict) -> bool:
+        return bool(kv_transfer_params.get("do_remote_prefill"))
+
+    def on_add(self, request: Request, kv_transfer_params: dict) -> None:
+        try:
+            handle = KVHandle.from_dict(kv_transfer_params)
+        except KVHandleError as exc:
+            raise InvalidRequestError(f"invalid kv_transfer_params: {exc}", param="kv_transfer_params") from None
+        if any(j.handle.lease_id == handle.lease_id for j in self.jobs.values()):
+            raise InvalidRequestError("a KV handle serves one request (one prompt, n = 1)", param="kv_transfer_params")
+        job = LoadJob(request.request_id, handle, time.monotonic() + handle.lease_remaining_s)
+        try:
+            self._check(request, handle)
+        except InvalidRequestError:
+            self._on_loop(self._end_lease, job)  # the prefill node need not hold blocks nobody will read
+            raise
+        request.append_output_token(handle.first_token_id)
+        lp = handle.first_token_logprobs
+        if lp is not None and getattr(request.sampling_params, "logprobs", None) is not None:
+            top = [(int(t), float(v)) for t, v in lp["top"]] if lp.get("top") is not None else None
+            self.first_logprobs[request.request_id] = TokenLogprobs(handle.first_token_id, float(lp["logprob"]), top)
+        if test_hooks_enabled():
+            job.test_hold = dict(handle.extra.get(TEST_HOLD_KEY) or {})
+        request.kv_load = job
+        self.jobs[request.request_id] = job
+        return None  # the handle is not echoed back to the client
+
+    def _check(self, request: Request, handle: KVHandle) -> None:
+        try:
+            handle.check_compatible(self.fingerprint)
+        except IncompatibleKVError as exc:
+            raise InvalidRequestError(str(exc), param="kv_transfer_params") from None
+        if handle.first_token_id is None:
+            raise InvalidRequestError("kv_transfer_params has no first_token_id", param="kv_transfer_params")
+        if handle.num_tokens != request.num_prompt_tokens:
+            raise InvalidRequestError(f"kv_transfer_params are for a prompt of {handle.num_tokens} tokens, this "
+                                      f"one has {request.num_prompt_tokens}", param="kv_transfer_params")
+        self.engine.kv_cache_manager.update_block_hashes(request)
+        if [h.hex() for h in request.block_hashes[:len(handle.block_hashes)]] != handle.block_hashes:
+            raise InvalidRequestError("kv_transfer_params were made for a different prompt (block hashes differ)",
+                                      param="kv_transfer_params")
+
+    def on_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        for request, num_hit_tokens, block_ids in scheduler_output.kv_loads_to_start:
+            job: LoadJob = request.kv_load
+            job.plan = plan_load(job.handle, num_hit_tokens, block_ids, self.block_size)
+            job.started = True
+            self._on_loop(self._load, job)
+
+    def before_step(self) -> None:
+        while self.done:
+            rid, outcome = self.done.popleft()
+            job = self.jobs.pop(rid, None)
+            if job is None:
+                continue
+            if job.cancelled or outcome == "fail":
+                self.engine.abort_request(rid)  # frees the blocks now that no transfer writes them
+            else:
+                self.scheduler.finish_remote_load(rid, outcome == "ok")
+
+    def after_step(self, outputs) -> None:
+        if not self.first_logprobs:
+            return
+        for out in outputs:
+            lp = self.first_logprobs.pop(out.request_id, None)
+            if lp is not None and out.new_logprobs is not None:
+                out.new_logprobs.insert(0, lp)
+                out.logprobs.insert(0, lp)
+                state = self.engine._states.get(out.request_id)  # later outputs copy the request's list
+                if state is not None:
+                    state.logprobs.insert(0, lp)
+
+    def on_abort(self, request_ids: list[str]) -> set[str]:
+        deferred = set()
+        for rid in request_ids:
+            self.first_logprobs.pop(rid, None)
+            job = self.jobs.get(rid)
+            if job is None:
+                continue
+            if job.started:
+                job.cancelled = True
+                deferred.add(rid)
+            else:
+                del self.jobs[rid]
+                self._on_loop(self._end_lease, job)
+        return deferred
+
+    def _on_loop(self, fn, job: LoadJob) -> None:
+        assert self.loop is not None, "the decode side needs the server's event loop"
+        self.loop.call_soon_threadsafe(self._spawn, fn, job)
+
+    def _spawn(self, fn, job: LoadJob) -> None:
+        task = self.loop.create_task(fn(job))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    # ---- the load (event loop) -------------------------------------------------------------------
+
+    async def _load(self, job: LoadJob) -> None:
+        t0 = time.perf_counter()
+        try:
+            await asyncio.wait_for(self._transfer(job), timeout=self.timeout * 3)
+            outcome = "ok"
+            self.metrics.latency.observe(time.perf_counter() - t0)
+        except Exception as exc:  # noqa: BLE001 - every failure takes the policy's path
+            outcome = "recompute" if self.policy == "recompute" else "fail"
+            logger.warning("KV load of %s from %s failed (%s: %s); %s", job.request_id, job.handle.node_id,
+                           type(exc).__name__, exc, outcome)
+            if not job.lease_ended:
+                self._spawn(self._end_lease, job)
+            if outcome == "fail" and not job.cancelled:
+                self.fail_request(job.request_id, f"KV transfer from prefill node {job.handle.node_id} failed "
+                                                  f"({type(exc).__name__}: {exc}); --kv-load-failure-policy is fail")
+        if not job.cancelled:
+            self.metrics.outcome(outcome)
+        self.done.append((job.request_id, outcome))
+        self.wake()
+
+    async def _transfer(self, job: LoadJob) -> None:
+        handle, plan = job.handle, job.plan
+        if not plan.local_ids:  # all of it is in the local prefix cache
+            await self._end_lease(job)
+            return
+        peer = await self.peers.agent(handle)
+        await self._hold(job, "before_transfer")
+        if job.cancelled:
+            raise LeaseLostError("the request was aborted before its transfer; lease released")
+        if time.monotonic() >= job.deadline:
+            raise LeaseLostError("the lease ran out before the transfer started")
+        if test_hooks_enabled():
+            self.worker.fill_garbage(plan.local_ids)
+        if handle.transfer_mode == "push":
+            held = await self._push(job, peer)
+        else:
+            await self.worker.pull(peer, plan.remote_ids, plan.local_ids)
+            await self._hold(job, "after_transfer")
+            held = await self._notify(job)
+        if not held:
+            raise LeaseLostError("the prefill node no longer held the lease when notified")
+
+    async def _hold(self, job: LoadJob, point: str) -> None:
+        if job.test_hold.get("point") == point:
+            await asyncio.sleep(float(job.test_hold.get("seconds", 0)))
+
+    async def _post(self, job: LoadJob, action: str, body: dict) -> dict:
+        h = job.handle
+        url = internal_api.url(h.remote_host, h.remote_port, f"kv/leases/{h.lease_id}/{action}")
+        try:
+            async with self.session_of().post(url, json=body, headers=internal_api.headers(self.token),
+                                              timeout=aiohttp.ClientTimeout(total=self.timeout)) as resp:
+                reply = await resp.json(content_type=None)
+                if resp.status != 200:
+                    raise KVTransferError(f"{action} at {h.node_id} answered {resp.status}: {reply}")
+                return reply
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise KVTransferError(f"{action} at {h.node_id} failed: {exc!r}") from exc
+
+    async def _notify(self, job: LoadJob) -> bool:
+        job.lease_ended = True  # whatever the answer, the prefill node frees the blocks
+        reply = await self._post(job, "notify", {})
+        return bool(reply.get("held"))
+
+    async def _push(self, job: LoadJob, peer: str) -> bool:
+        job.lease_ended = True
+        body = {"agent_metadata": base64.b64encode(self.worker.metadata()).decode(),
+                "block_ids": job.plan.local_ids, "remote_block_ids": job.plan.remote_ids}
+        reply = await self._post(job, "push", body)
+        await self._hold(job, "after_transfer")
+        return bool(reply.get("held"))
+
+    async def _end_lease(self, job: LoadJob) -> None:
+        """Best effort: tell the prefill node to free the blocks now rather than at expiry."""
+        job.lease_ended = True
+        try:
+            await self._post(job, "notify", {"release": True})
+        except Exception as exc:  # noqa: BLE001 - the lease expires on its own
+            logger.info("could not release lease %s at %s: %s", job.handle.lease_id, job.handle.node_id, exc)

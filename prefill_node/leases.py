@@ -1,0 +1,99 @@
+"""The prefill node's lease table: KV blocks held for a decode node, until notified or expired.
+
+Pure Python, touched only on the engine thread (HTTP handlers reach it through ``AsyncLLM.call``). A lease
+ends exactly once, by the first of:
+
+* ``notify(lease_id)``: the decode node finished its pull (or gave up); answers whether the lease was still
+  held when the notification arrived — the decode node uses the pulled KV only on True;
+* ``expire(now)``: its duration ran out (monotonic clock of this node only; peers get relative times).
+
+The engine's blocks are released by the caller (``scheduler.release_held_blocks``) for every ended lease.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass
+class Lease:
+    lease_id: str
+    request_id: str
+    block_ids: list[int]
+    expires_at: float  # time.monotonic() of this node
+
+
+class LeaseTable:
+    """``max_blocks`` caps blocks under lease plus blocks reserved by requests still prefilling."""
+
+    def __init__(self, lease_seconds: float, max_blocks: int | None = None, clock=time.monotonic) -> None:
+        self.lease_seconds = lease_seconds
+        self.max_blocks = max_blocks
+        self.clock = clock
+        self.leases: OrderedDict[str, Lease] = OrderedDict()  # in expiry order (one duration for all)
+        self.reserved: dict[str, int] = {}  # request id -> blocks it will hold once prefilled
+        self.num_expired = 0
+        self.num_notified = 0
+        self._ended: dict[str, bool] = {}  # lease id -> held at notification (answers a repeated notify)
+
+    @property
+    def num_leased_blocks(self) -> int:
+        return sum(len(lease.block_ids) for lease in self.leases.values())
+
+    def reserve(self, request_id: str, num_blocks: int) -> bool:
+        """Count a prefill's blocks against the cap before it runs; False when they do not fit."""
+        if self.max_blocks is not None:
+            if self.num_leased_blocks + sum(self.reserved.values()) + num_blocks > self.max_blocks:
+                return False
+        self.reserved[request_id] = num_blocks
+        return True
+
+    def unreserve(self, request_id: str) -> None:
+        self.reserved.pop(request_id, None)
+
+    def issue(self, request_id: str, block_ids: list[int]) -> Lease:
+        self.reserved.pop(request_id, None)
+        lease = Lease(uuid.uuid4().hex, request_id, list(block_ids), self.clock() + self.lease_seconds)
+        self.leases[lease.lease_id] = lease
+        return lease
+
+    def remaining(self, lease: Lease) -> float:
+        return max(0.0, lease.expires_at - self.clock())
+
+    def get(self, lease_id: str) -> Lease | None:
+        """The lease if it is still held (not expired by the clock, even if ``expire`` has not run yet)."""
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.expires_at <= self.clock():
+            return None
+        return lease
+
+    def notify(self, lease_id: str) -> tuple[bool, Lease | None]:
+        """End the lease on the decode node's word: (was it held, the lease whose blocks to release)."""
+        lease = self.get(lease_id)
+        if lease is None:
+            return self._ended.get(lease_id, False), None
+        del self.leases[lease_id]
+        self.num_notified += 1
+        self._remember(lease_id, True)
+        return True, lease
+
+    def expire(self) -> list[Lease]:
+        now = self.clock()
+        ended = []
+        while self.leases:
+            lease = next(iter(self.leases.values()))
+            if lease.expires_at > now:
+                break
+            del self.leases[lease.lease_id]
+            self._remember(lease.lease_id, False)
+            ended.append(lease)
+        self.num_expired += len(ended)
+        return ended
+
+    def _remember(self, lease_id: str, held: bool) -> None:
+        self._ended[lease_id] = held
+        while len(self._ended) > 4096:
+            self._ended.pop(next(iter(self._ended)))

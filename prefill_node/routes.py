@@ -1,0 +1,56 @@
+"""The prefill role's internal endpoints (internal token required):
+
+* ``POST /internal/kv/leases/{lease_id}/notify``: the decode node finished pulling (or gave up). Answers
+  ``{"held": bool}``: whether the lease was still held when the notification arrived. The blocks are freed.
+* ``POST /internal/kv/leases/{lease_id}/push``: push mode. Body ``{"agent_metadata": b64, "block_ids":
+  [decode's block ids], "remote_block_ids": [this node's]}``; WRITEs the blocks into the decode node, then
+  ends the lease as a notification would, and answers ``{"held": bool}``.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+
+from aiohttp import web
+
+from pdpool import internal_api
+from pdpool.kv_transfer.agent import KVTransferError
+from pdpool.server.errors import APIError
+
+logger = logging.getLogger(__name__)
+
+
+def add_routes(app: web.Application, *, llm_of, side_of, worker_of, token: str | None) -> None:
+    """``llm_of()``, ``side_of()``, ``worker_of()`` return the loaded engine's pieces (503 until loaded)."""
+
+    async def notify(request: web.Request) -> web.Response:
+        internal_api.check(request, token)
+        held = await llm_of().call(side_of().notify, request.match_info["lease_id"])
+        return web.json_response({"held": held})
+
+    async def push(request: web.Request) -> web.Response:
+        internal_api.check(request, token)
+        lease_id = request.match_info["lease_id"]
+        body = await request.json()
+        llm, side, worker = llm_of(), side_of(), worker_of()
+        dst, src = body.get("block_ids"), body.get("remote_block_ids")
+        if not isinstance(dst, list) or not isinstance(src, list) or len(dst) != len(src):
+            raise APIError("push: block_ids and remote_block_ids must be lists of equal length")
+        held_blocks = await llm.call(side.lease_blocks, lease_id)
+        if held_blocks is None:
+            await llm.call(side.notify, lease_id)
+            return web.json_response({"held": False, "reason": "lease expired or unknown"})
+        if not set(src) <= set(held_blocks):
+            raise APIError("push: remote_block_ids are not the lease's blocks")
+        try:
+            peer = worker.add_peer(base64.b64decode(body["agent_metadata"]))
+            await worker.push(peer, dst, src)
+        except (KVTransferError, KeyError, ValueError) as exc:
+            await llm.call(side.notify, lease_id)
+            return web.json_response({"held": False, "reason": f"push failed: {exc}"}, status=502)
+        held = await llm.call(side.notify, lease_id)
+        return web.json_response({"held": held})
+
+    app.router.add_post("/internal/kv/leases/{lease_id}/notify", notify)
+    app.router.add_post("/internal/kv/leases/{lease_id}/push", push)

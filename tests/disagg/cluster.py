@@ -1,0 +1,157 @@
+"""Disaggregation test cluster: real node processes (one torch thread each), real redis-server, real NIXL over UCX
+(``UCX_TLS=tcp,self`` pinned), the demo model. Nodes are shared by the tests of a module.
+
+Nodes run with ``PDPOOL_TEST_HOOKS=1``: decode destination blocks are filled with large random values before every transfer,
+and ``kv_transfer_params.pdpool_test_hold`` may hold a transfer at a chosen point.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: redis_server
+sys.path.insert(0, str(Path(__file__).resolve().parent))       # tests/disagg: proxy
+from redis_server import free_port  # noqa: E402
+
+UCX_TLS = "tcp,self"
+INTERNAL_TOKEN = "internal-test-token"
+REDIS_PASSWORD = "test-secret"
+BLOCK_SIZE = 16
+
+
+class Node:
+    """A node process (``pdpool serve --role ...``); ``restart()`` brings it back on the same port."""
+
+    def __init__(self, name: str, role: str, flags: list[str], log_dir: Path, redis_url: str | None) -> None:
+        self.name = name
+        self.role = role
+        self.flags = flags
+        self.log_dir = log_dir
+        self.redis_url = redis_url
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.base_url = self.url + "/v1"
+        self.api_key = None
+        self.starts = 0
+        self._spawn()
+
+    def _spawn(self) -> None:
+        self.starts += 1
+        self.log_path = self.log_dir / f"{self.name}-{self.starts}.log"
+        argv = [sys.executable, "-m", "pdpool.cli", "serve", "--model", "demo", "--host", "127.0.0.1",
+                "--port", str(self.port), "--num-threads", "1", "--role", self.role, "--node-id", self.name,
+                "--ucx-tls", UCX_TLS, "--dtype", "float32", "--block-size", str(BLOCK_SIZE),
+                "--max-model-len", "512", "--num-kv-blocks", "96", *self.flags]
+        if self.redis_url:
+            argv += ["--redis", self.redis_url, "--heartbeat-seconds", "0.2"]
+        env = dict(os.environ, PDPOOL_TEST_HOOKS="1", PDPOOL_INTERNAL_TOKEN=INTERNAL_TOKEN,
+                   PDPOOL_REDIS_PASSWORD=REDIS_PASSWORD, UCX_TLS=UCX_TLS)
+        env.pop("PDPOOL_API_KEY", None)
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log_path.read_bytes()[-n:].decode(errors="replace")
+
+    def wait_ready(self, timeout: float = 300.0) -> "Node":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health/ready", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.name} not ready after {timeout}s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+    def metrics(self) -> dict[str, float]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(httpx.get(self.url + "/metrics", timeout=10).text):
+            for s in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                values[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return values
+
+    def complete(self, body: dict) -> dict:
+        r = httpx.post(self.base_url + "/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def kill(self) -> None:
+        """SIGKILL: no deregistration, no lease release."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+        self._log.close()
+
+    def restart(self) -> "Node":
+        self.stop()
+        self._spawn()
+        return self.wait_ready()
+
+    def value(self, name: str) -> float:
+        return self.metrics().get(name, 0.0)
+
+    def kv(self) -> dict[str, float]:
+        m = self.metrics()
+        return {"free": m["pdpool_kv_cache_free_blocks"], "leases": m.get("pdpool_kv_leases", 0.0),
+                "pulled": m.get("pdpool_kv_pulled_bytes_total", 0.0),
+                "pushed": m.get("pdpool_kv_pushed_bytes_total", 0.0),
+                "recomputes": m.get("pdpool_kv_recomputes_total", 0.0),
+                "ok": m.get('pdpool_kv_transfers_total{outcome="ok"}', 0.0),
+                "fail": m.get('pdpool_kv_transfers_total{outcome="fail"}', 0.0),
+                "expiries": m.get("pdpool_kv_lease_expiries_total", 0.0)}
+
+
+def wait_for(cond, timeout: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def assert_no_leaks(nodes, start_free: dict[str, float], timeout: float = 10.0) -> None:
+    """Every node's free-block count is back to its start and no lease is left."""
+    for node in nodes:
+        if node.proc.poll() is not None:
+            continue
+        wait_for(lambda: (lambda kv: kv["free"] == start_free[node.name] and kv["leases"] == 0)(node.kv()),
+                 timeout, f"{node.name} to free its blocks and leases: {node.kv()} (start {start_free[node.name]})")
+
+
+def completion_body(prompt, max_tokens: int = 12, **extra) -> dict:
+    return {"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True, **extra}
+
+
+def token_ids(response: dict) -> list[int]:
+    return response["choices"][0]["token_ids"]
+
+
+def internal_post(node: Node, path: str, token: str | None = INTERNAL_TOKEN, **kw) -> httpx.Response:
+    headers = {"X-PDPool-Internal-Token": token} if token else {}
+    return httpx.post(f"{node.url}/internal/{path}", headers=headers, timeout=10, **kw)

@@ -1,0 +1,175 @@
+"""Faults, made deterministic by the test hook that holds a transfer at a chosen point.
+
+Nodes: ``pf`` prefill (lease 3 s), ``df`` decode with the default ``recompute`` policy. Every fault must end in a
+correct answer (the colocated tokens), the recompute counter +1, and no leaked block or lease.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from cluster import assert_no_leaks, completion_body, token_ids, wait_for
+from proxy import DisaggProxy
+
+LEASE_S = 3.0
+FLAGS = ["--kv-lease-seconds", str(LEASE_S), "--kv-transfer-timeout", "3"]
+PROMPT = "Once upon a time, in a small village at the edge of a dark forest, there lived a"
+
+
+@pytest.fixture(scope="module")
+def nodes(start_nodes):
+    return start_nodes({"pf": ("prefill", FLAGS), "df": ("decode", FLAGS)})
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(nodes):
+    start = {n.name: n.kv()["free"] for n in nodes.values()}
+    yield
+    assert_no_leaks(nodes.values(), start)
+
+
+@pytest.fixture(scope="module")
+def expected(nodes):
+    """Colocated greedy tokens of the prompts used here (on the decode node, without kv_transfer_params)."""
+    cache: dict = {}
+
+    def get(body: dict) -> list[int]:
+        key = repr(body)
+        if key not in cache:
+            cache[key] = token_ids(nodes["df"].complete(body))
+        return cache[key]
+
+    return get
+
+
+def held(point: str, seconds: float) -> dict:
+    return {"pdpool_test_hold": {"point": point, "seconds": seconds}}
+
+
+def recovers_by_recompute(nodes, expected, body: dict, handle: dict) -> dict:
+    df = nodes["df"]
+    before = df.kv()
+    r = DisaggProxy(nodes["pf"].url, df.url).decode(body, handle)
+    assert r.status_code == 200, r.text
+    assert token_ids(r.json()) == expected(body)
+    after = df.kv()
+    assert after["recomputes"] == before["recomputes"] + 1
+    assert after["ok"] == before["ok"]
+    return after
+
+
+def test_happy_path_then_lease_expires_before_the_pull(nodes, expected):
+    pf, df = nodes["pf"], nodes["df"]
+    proxy = DisaggProxy(pf.url, df.url)
+    body = completion_body(PROMPT, 6)
+    expected(body)
+    before = df.kv()
+    assert token_ids(proxy.complete(body)) == expected(body)  # warms the connection; counted ok
+    assert df.kv()["ok"] == before["ok"] + 1
+    handle = proxy.handle(body)
+    pulled = df.kv()["pulled"]
+    expiries = pf.kv()["expiries"]
+    recovers_by_recompute(nodes, expected, body, {**handle, **held("before_transfer", LEASE_S + 0.5)})
+    assert df.kv()["pulled"] == pulled  # the lease had run out: nothing was read
+    wait_for(lambda: pf.kv()["expiries"] == expiries + 1, 5, "the lease expiry to be counted")
+
+
+def test_lease_expires_during_the_pull(nodes, expected):
+    pf, df = nodes["pf"], nodes["df"]
+    body = completion_body(PROMPT + " wise", 6)
+    handle = DisaggProxy(pf.url, df.url).handle(body)
+    recovers_by_recompute(nodes, expected, body, {**handle, **held("after_transfer", LEASE_S + 0.5)})
+
+
+def test_cancelled_decode_releases_the_lease(nodes, expected):
+    pf, df = nodes["pf"], nodes["df"]
+    proxy = DisaggProxy(pf.url, df.url)
+    body = completion_body(PROMPT + " brave", 6)
+    handle = proxy.handle(body)
+    assert pf.kv()["leases"] == 1
+    expiries = pf.kv()["expiries"]
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(df.base_url + "/completions", json={**body, "kv_transfer_params": {
+            **handle, **held("before_transfer", 0.5)}}, timeout=0.2)
+    wait_for(lambda: pf.kv()["leases"] == 0, LEASE_S - 0.3, "the cancelled decode to release the lease")
+    assert pf.kv()["expiries"] == expiries  # ended by the decode node, not by expiry
+
+
+def test_prefill_killed_between_handle_and_pull(nodes, expected):
+    pf = nodes["pf"]
+    body = completion_body(PROMPT + " kind", 6)
+    expected(body)
+    handle = DisaggProxy(pf.url, nodes["df"].url).handle(body)
+    pf.kill()
+    recovers_by_recompute(nodes, expected, body, handle)
+    pf.restart()
+
+
+def test_old_incarnation_handle_is_never_pulled_from_the_new_agent(nodes, expected, redis_module):
+    from pdpool.kv_index.keys import PoolKeys
+
+    pf, df = nodes["pf"], nodes["df"]
+    keys = PoolKeys("default", "default")
+    body = completion_body(PROMPT + " tall", 6)
+    expected(body)
+    old = DisaggProxy(pf.url, df.url).handle(body)
+    pf.restart()  # same node id and port, new incarnation (clean shutdown: deregistered)
+    new = DisaggProxy(pf.url, df.url).handle(body)
+    assert new["incarnation"] != old["incarnation"] and new["node_id"] == old["node_id"]
+    client = redis_module.client()
+    assert not client.exists(keys.nixl("pf", old["incarnation"]))  # the clean shutdown deregistered it
+    assert client.exists(keys.nixl("pf", new["incarnation"]))
+    pulled = df.kv()["pulled"]
+    recovers_by_recompute(nodes, expected, body, old)
+    assert df.kv()["pulled"] == pulled
+    r = DisaggProxy(pf.url, df.url).decode(body, new)  # the new incarnation's own handle works
+    assert r.status_code == 200 and token_ids(r.json()) == expected(body)
+
+
+def test_redis_outage_keeps_serving_and_the_index_heals(nodes, expected, redis_module):
+    from pdpool.kv_index.keys import PoolKeys
+
+    pf, df = nodes["pf"], nodes["df"]
+    keys = PoolKeys("default", "default")
+    proxy = DisaggProxy(pf.url, df.url)
+    redis_module.stop()
+    bodies = [completion_body(PROMPT + w, 5) for w in (" old", " young")]
+    handles = []
+    for body in bodies:
+        before = df.kv()
+        handle = proxy.handle(body)
+        handles.append(handle)
+        assert token_ids(proxy.decode(body, handle).json()) == expected(body)
+        assert df.kv()["ok"] == before["ok"] + 1
+    pf.restart()  # readiness does not depend on Redis; the decode node gets the new agent from the node itself
+    body = completion_body(PROMPT + " clever", 5)
+    handle = proxy.handle(body)
+    assert handle["incarnation"] != handles[0]["incarnation"]
+    assert token_ids(proxy.decode(body, handle).json()) == expected(body)
+    redis_module.start()
+    client = redis_module.client()
+    wanted = {bytes.fromhex(h) for h in handle["block_hashes"]}
+    wait_for(lambda: client.exists(keys.heartbeat("pf"), keys.heartbeat("df")) == 2
+             and wanted <= client.smembers(keys.blocks("pf")), 15, "the index to heal")
+    assert client.exists(keys.nixl("pf", handle["incarnation"]))
+    hb = client.get(keys.heartbeat("pf")).decode()
+    assert handle["incarnation"] in hb
+
+
+def test_push_into_an_expired_lease_is_recomputed(nodes, expected):
+    """The handle's transfer mode decides; here the decode node trusts a (forged) long lease and asks for a push
+    after the real one ran out: the prefill node refuses to push (held false), the decode node recomputes."""
+    pf, df = nodes["pf"], nodes["df"]
+    proxy = DisaggProxy(pf.url, df.url)
+    body = completion_body(PROMPT + " quiet", 5)
+    expected(body)
+    pushed = pf.kv()["pushed"]
+    handle = {**proxy.handle(body), "transfer_mode": "push"}
+    before = df.kv()
+    assert token_ids(proxy.decode(body, handle).json()) == expected(body)
+    assert df.kv()["ok"] == before["ok"] + 1 and pf.kv()["pushed"] > pushed
+    pushed = pf.kv()["pushed"]
+    late = {**proxy.handle(body), "transfer_mode": "push", "lease_remaining_s": 60.0,
+            **held("before_transfer", LEASE_S + 0.5)}
+    recovers_by_recompute(nodes, expected, body, late)
+    assert pf.kv()["pushed"] == pushed

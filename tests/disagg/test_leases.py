@@ -1,0 +1,63 @@
+"""The pure pieces, exactly: the lease table (fake clock) and the load plan (which blocks are moved)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdpool.engine.kv_connector import plan_load
+from pdpool.prefill_node.leases import LeaseTable
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_notify_before_expiry_is_held_once():
+    clock = Clock()
+    table = LeaseTable(2.0, clock=clock)
+    lease = table.issue("r1", [3, 4])
+    clock.now += 1.9
+    assert table.notify(lease.lease_id) == (True, lease)
+    assert table.notify(lease.lease_id) == (True, None)  # a repeated notify answers the same, frees nothing
+    assert table.expire() == [] and table.num_leased_blocks == 0
+
+
+def test_expired_lease_is_not_held_even_before_expire_runs():
+    clock = Clock()
+    table = LeaseTable(2.0, clock=clock)
+    lease = table.issue("r1", [3])
+    clock.now += 2.0
+    assert table.notify(lease.lease_id) == (False, None)
+    assert table.expire() == [lease] and table.num_expired == 1
+    assert table.notify(lease.lease_id) == (False, None)
+    assert table.notify("unknown") == (False, None)
+
+
+def test_cap_counts_leased_and_reserved_blocks():
+    table = LeaseTable(5.0, max_blocks=5, clock=Clock())
+    assert table.reserve("a", 3)
+    assert not table.reserve("b", 3)
+    table.issue("a", [0, 1, 2])
+    assert not table.reserve("b", 3)
+    assert table.reserve("b", 2)
+    table.unreserve("b")
+    assert table.reserve("c", 2) and table.num_leased_blocks == 3
+
+
+class Handle:
+    def __init__(self, remote_block_ids):
+        self.remote_block_ids = remote_block_ids
+
+
+@pytest.mark.parametrize("hit_tokens, local, remote", [
+    (0, [7, 8, 9], [1, 2, 3]),     # nothing cached here: every block
+    (16, [8, 9], [2, 3]),          # one cached block is not pulled
+    (32, [9], [3]),                # only the partial last block
+])
+def test_plan_leaves_out_the_local_prefix_hit(hit_tokens, local, remote):
+    plan = plan_load(Handle([1, 2, 3]), hit_tokens, [7, 8, 9, 10], 16)  # block 10: room for the decode
+    assert (plan.local_ids, plan.remote_ids) == (local, remote)
