@@ -230,9 +230,11 @@ def add_arguments(parser: argparse.ArgumentParser, cfg_cls: type = NodeConfig) -
                 kw["type"] = t
                 if f.metadata.get("choices"):
                     kw["choices"] = f.metadata["choices"]
+                else:
+                    kw["metavar"] = f.name.upper()  # not the dest's "SECTION.NAME"
             group.add_argument(flag_name(f), **kw)
             if f.metadata.get("secret"):
-                group.add_argument(flag_name(f) + "-file", dest=f"{sec}.{f.name}__file", default=argparse.SUPPRESS,
+                group.add_argument(flag_name(f) + "-file", dest=f"{sec}.{f.name}__file", default=argparse.SUPPRESS, metavar="PATH",
                                    help=f"Read {f.name} from this file (or set {env_name(f)}).")
 
 

@@ -52,6 +52,7 @@ class DisaggNode:
         self.reader = None
         self.heartbeat = None
         self.llm_of = lambda: None  # the app's AsyncLLM once loaded
+        self.app_state: dict = {}  # the app's state (``draining`` once POST /internal/drain came)
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's, set at startup (before the engine loads)
@@ -121,7 +122,8 @@ class DisaggNode:
             s = engine.scheduler
             load = NodeLoad(num_waiting=s.num_waiting, num_running=s.num_running, kv_usage=s.kv_cache_usage,
                             num_free_blocks=s.num_free_blocks)
-            return NodeInfo(self.node_id, self.role, url, self.incarnation, self.agent_name, self.draining, load)
+            return NodeInfo(self.node_id, self.role, url, self.incarnation, self.agent_name,
+                            self.draining or bool(self.app_state.get("draining")), load)
 
         self.heartbeat = HeartbeatThread(self.index, info, period).start()
 
@@ -139,6 +141,7 @@ class DisaggNode:
 
         app = create_app(self.config, engine_factory=self.make_engine)
         state = app[STATE_KEY]
+        self.app_state = state
         self.llm_of = lambda: state.get("llm")
         token = self.config.disagg.internal_token
         self.metrics.register(app[METRICS_KEY].registry)

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from aiohttp import web
 
+from pdpool import internal_api
 from pdpool.engine.async_llm import AsyncLLM
 from pdpool.engine.llm_engine import LLMEngine
 from pdpool.server import protocol
@@ -119,10 +120,22 @@ async def health_live(request: web.Request) -> web.Response:
 
 async def health_ready(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
+    if state.get("draining"):
+        return web.json_response({"status": "draining"}, status=503)
     if state.get("llm") is None:
         status = "failed" if state.get("error") else "loading"
         return web.json_response({"status": status, "error": state.get("error")}, status=503)
     return web.json_response({"status": "ready", "role": request.app[CONFIG_KEY].server.role})
+
+
+async def drain(request: web.Request) -> web.Response:
+    """``POST /internal/drain`` (the preStop hook): readiness turns false, so the Service and the router stop
+    sending work; requests in flight and KV leases already granted are still served to the end."""
+    internal_api.check(request, request.app[CONFIG_KEY].disagg.internal_token)
+    if not request.app[STATE_KEY].get("draining"):
+        logger.info("draining: /health/ready now answers 503; in-flight work continues")
+    request.app[STATE_KEY]["draining"] = True
+    return web.json_response({"status": "draining"})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -193,6 +206,7 @@ def create_app(node_config, *, llm: AsyncLLM | None = None,
     app.router.add_get("/health/live", health_live)
     app.router.add_get("/health/ready", health_ready)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post(internal_api.PREFIX + "drain", drain)
     return app
 
 
