@@ -39,6 +39,9 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix="pdpool.io", key="last-handled-configuration")
     settings.posting.level = logging.WARNING  # Events for problems only, not for every handler that succeeded
+    # A pool deleted while its status timer runs waits for that run to end before the finalizer is released; kopf
+    # looks again after this many seconds (its default, 60, held every such deletion for a minute).
+    settings.background.cancellation_polling = 1.0
 
 
 def _now() -> str:

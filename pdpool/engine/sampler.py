@@ -19,7 +19,7 @@ from pdpool.engine.sampling_params import SamplingParams
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[float]  # of each sampled token
+    logprobs: list[float]  # of each sampled token; NaN for every row when no request asked for logprobs
     top_logprobs: list[list[tuple[int, float]]] | None  # None when no request asked; [] for those that did not
 
 
@@ -47,7 +47,6 @@ class Sampler:
         generators: list[torch.Generator | None],
     ) -> SamplerOutput:
         logits = logits.float()
-        lse = torch.logsumexp(logits, dim=-1)  # [R], raw logprob normalizer
         processed = self._mask_min_tokens(logits, params, output_token_ids)
         if any(p.has_penalties for p in params):
             processed = apply_penalties(processed.clone() if processed is logits else processed,
@@ -58,8 +57,13 @@ class Sampler:
             probs = filtered_probs(processed[random_rows], [params[i] for i in random_rows])
             q = self._exponentials(probs, [generators[i] for i in random_rows])
             token_ids[random_rows] = (probs / q).argmax(dim=-1)  # exponential race = sampling from probs
-        sampled_logprobs = logits.gather(1, token_ids[:, None])[:, 0] - lse
+        token_ids = token_ids.tolist()  # the step's one sync
+        if all(p.logprobs is None for p in params):  # a full pass over [R, V] saved: nobody reads them
+            return SamplerOutput(token_ids, [float("nan")] * len(token_ids), None)
 
+        lse = torch.logsumexp(logits, dim=-1)  # [R], raw logprob normalizer
+        chosen = torch.tensor(token_ids, device=logits.device)[:, None]
+        sampled_logprobs = (logits.gather(1, chosen)[:, 0] - lse).tolist()
         top_logprobs = None
         max_n = max((p.logprobs or 0) for p in params)
         if max_n:
@@ -67,7 +71,7 @@ class Sampler:
             values, indices = (values - lse[:, None]).tolist(), indices.tolist()
             top_logprobs = [list(zip(indices[i][: p.logprobs or 0], values[i][: p.logprobs or 0]))
                             for i, p in enumerate(params)]
-        return SamplerOutput(token_ids.tolist(), sampled_logprobs.tolist(), top_logprobs)
+        return SamplerOutput(token_ids, sampled_logprobs, top_logprobs)
 
     def _mask_min_tokens(self, logits, params, output_token_ids) -> torch.Tensor:
         masked = logits

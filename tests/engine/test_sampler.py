@@ -1,3 +1,5 @@
+import math
+
 import torch
 from hypothesis import given, settings, strategies as st
 from transformers.generation.logits_process import (
@@ -95,6 +97,7 @@ def test_greedy_is_argmax_and_logprobs_are_raw_log_softmax():
         torch.testing.assert_close(torch.tensor([v for _, v in out.top_logprobs[i]]), values)
     greedy_only = Sampler().sample(logits, [SamplingParams(temperature=0)] * 8, prompts, outputs, [None] * 8)
     assert greedy_only.top_logprobs is None and greedy_only.token_ids == logits.argmax(-1).tolist()
+    assert all(math.isnan(v) for v in greedy_only.logprobs)  # not computed when no request asks
 
 
 def test_seeded_request_is_independent_of_batch_composition():
@@ -135,7 +138,7 @@ def test_sampling_frequencies_follow_the_filtered_distribution():
 
 def test_min_tokens_masks_eos_and_stop_token_ids():
     logits = torch.tensor([[0.0, 9.0, 8.0, 1.0]]).repeat(3, 1)
-    params = [SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2]),
+    params = [SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2], logprobs=0),
               SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2]),
               SamplingParams(temperature=0, min_tokens=2, ignore_eos=True)]
     out = Sampler(eos_token_id=1).sample(logits, params, [[0]] * 3, [[3], [3, 3], [3]], [None] * 3)
