@@ -11,6 +11,10 @@ into a temp folder with a word-level tokenizer, and both engines load that folde
    ``generate`` one prompt at a time; first divergence reported. bf16 argmax near-ties may flip on random weights:
    on a bf16 divergence the check is repeated in fp32 and both results are reported.
 3. CUDA graphs against eager (``enforce_eager``): the same greedy tokens (bf16; fp32 on divergence).
+4. The overlapped step loop (the CUDA default) against the plain loop: the same greedy tokens.
+
+pdpool runs with its fused elementwise kernels (the CUDA default); the logits check also reports the torch-ops
+path (``PDPOOL_FUSED_OPS=0``).
 
     python3 benchmarks/gpu_correctness.py [--device cuda]
 """
@@ -78,7 +82,7 @@ def first_divergence(a: list[list[int]], b: list[list[int]]) -> list[int | None]
     return [next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), None) for ra, rb in zip(a, b)]
 
 
-def runner_logits(folder: Path, ps, device: str, dtype: str):
+def runner_logits(folder: Path, ps, device: str, dtype: str, fused: bool = True):
     from pdpool import config
     from pdpool.engine.model_runner import ModelRunner
     from pdpool.engine.request import Request
@@ -87,6 +91,7 @@ def runner_logits(folder: Path, ps, device: str, dtype: str):
 
     runner = ModelRunner(config.build(model=str(folder), dtype=dtype, device=device, num_kv_blocks=256,
                                       enforce_eager=True))
+    runner.model.fused_ops = fused and device == "cuda"
     scheduled, next_block = [], 0
     for i, p in enumerate(ps):
         n_blocks = -(-len(p) // 16)
@@ -117,12 +122,14 @@ def hf_greedy(model, ps, device: str) -> list[list[int]]:
     return out
 
 
-def pdpool_greedy(folder: Path, ps, device: str, dtype: str, eager: bool) -> tuple[list[list[int]], dict]:
+def pdpool_greedy(folder: Path, ps, device: str, dtype: str, eager: bool,
+                  overlap: bool = True) -> tuple[list[list[int]], dict]:
     import torch
 
     from pdpool import LLM, SamplingParams
 
     llm = LLM(str(folder), dtype=dtype, device=device, num_kv_blocks=256, max_num_seqs=8, enforce_eager=eager)
+    llm.engine.overlap_steps = overlap and device == "cuda"
     outs = llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True), use_tqdm=False)
     graphs = llm.engine.runner.graphs
     info = dict(cuda_graphs=graphs is not None, graph_replays=graphs.num_replays if graphs else 0,
@@ -148,7 +155,9 @@ def check_case(name: str, cfg: dict, root: Path, device: str) -> dict:
     ref16 = hf_logits(hf16, ps, device)
     ours16 = runner_logits(folder, ps, device, "bfloat16")
     ours32 = runner_logits(folder, ps, device, "float32")
+    unfused16 = runner_logits(folder, ps, device, "bfloat16", fused=False)
     res["logits_rel_err"] = dict(pdpool_bf16_vs_hf_fp32=rel(ours16, ref32), hf_bf16_vs_hf_fp32=rel(ref16, ref32),
+                                 pdpool_bf16_torch_ops_vs_hf_fp32=rel(unfused16, ref32),
                                  pdpool_bf16_vs_hf_bf16=rel(ours16, ref16), pdpool_fp32_vs_hf_fp32=rel(ours32, ref32))
     e = res["logits_rel_err"]
     res["logits_ok"] = (e["pdpool_bf16_vs_hf_fp32"] <= 1.5 * e["hf_bf16_vs_hf_fp32"] + 1e-3
@@ -158,10 +167,12 @@ def check_case(name: str, cfg: dict, root: Path, device: str) -> dict:
         ref = hf_greedy(hf, ps, device)
         graph, info = pdpool_greedy(folder, ps, device, dtype, eager=False)
         eager, _ = pdpool_greedy(folder, ps, device, dtype, eager=True)
+        plain, _ = pdpool_greedy(folder, ps, device, dtype, eager=False, overlap=False)
         res[dtype] = dict(hf_first_divergence=first_divergence(graph, ref),
                           graph_vs_eager_first_divergence=first_divergence(graph, eager),
-                          tokens_match_hf=graph == ref, graphs_match_eager=graph == eager, **info)
-        if graph == ref and graph == eager:
+                          tokens_match_hf=graph == ref, graphs_match_eager=graph == eager,
+                          overlapped_matches_plain_loop=graph == plain, **info)
+        if graph == ref and graph == eager and graph == plain:
             break  # fp32 only when bf16 diverges
     del hf16, hf32
     gc.collect()
@@ -171,16 +182,19 @@ def check_case(name: str, cfg: dict, root: Path, device: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--cases", default="Qwen3-0.6B,llama3-small")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    cases = [("Qwen3-0.6B", json.loads((CONFIGS / "Qwen3-0.6B" / "config.json").read_text())),
-             ("llama3-small", SMALL_LLAMA)]
+    known = {"Qwen3-0.6B": json.loads((CONFIGS / "Qwen3-0.6B" / "config.json").read_text()),
+             "llama3-small": SMALL_LLAMA}
+    cases = [(name, known[name]) for name in args.cases.split(",")]
     results = []
     with tempfile.TemporaryDirectory(prefix="pdpool-correct-") as tmp:
         for name, cfg in cases:
             r = check_case(name, cfg, Path(tmp), args.device)
             results.append(r)
             print(json.dumps(r), flush=True)
+            (Path(args.out) / "gpu_correctness.json").write_text(json.dumps(results, indent=1))
     (Path(args.out) / "gpu_correctness.json").write_text(json.dumps(results, indent=1))
     for r in results:
         e = r["logits_rel_err"]
@@ -189,7 +203,9 @@ def main() -> None:
               f"{e['hf_bf16_vs_hf_fp32']:.2e} (fp32 {e['pdpool_fp32_vs_hf_fp32']:.1e}) ok={r['logits_ok']}; "
               f"greedy bf16 match HF={r['bfloat16']['tokens_match_hf']} "
               f"(first divergence {r['bfloat16']['hf_first_divergence']}), graphs==eager "
-              f"{r['bfloat16']['graphs_match_eager']}; fp32: {'not needed' if 'float32' not in r else final}")
+              f"{r['bfloat16']['graphs_match_eager']}, overlapped==plain "
+              f"{r['bfloat16']['overlapped_matches_plain_loop']}; torch-ops bf16 logits "
+              f"{e['pdpool_bf16_torch_ops_vs_hf_fp32']:.2e}; fp32: {'not needed' if 'float32' not in r else final}")
 
 
 if __name__ == "__main__":

@@ -13,10 +13,13 @@ bf16 matmul rate (8192^3, random data). Roofline of the workload::
     context_len * kv_bytes_per_token; prefill_flops = 2 * params * prompt_tokens + 2 * L * Hq * D * p^2 per prompt
 
 Single stream (batch 1, one request of 128 prompt + 512 output tokens, greedy): tokens/s against
-weight_bytes / copy_bw per token.
+weight_bytes / copy_bw per token, with a torch profile of 20 steps (GPU kernel time and launches per step).
 
-    python3 benchmarks/gpu_e2e.py [--models Qwen3-0.6B,Llama-3.1-8B] [--hf-requests 32] [--single-stream]
-    python3 benchmarks/gpu_e2e.py --device cpu --tiny   # CPU smoke test of the script itself
+Each pdpool number is taken for the variants of ``VARIANTS`` (fused elementwise kernels on/off, overlapped step
+loop on/off) in one process; HF transformers runs the first ``--hf-requests`` requests as one padded batch.
+
+    python3 benchmarks/gpu_e2e.py [--models Qwen3-0.6B,Llama-3.1-8B] [--variants base,both] [--single-stream]
+    python3 benchmarks/gpu_e2e.py --device cpu --tiny --num-requests 8 --hf-requests 4  # CPU smoke test
 """
 
 from __future__ import annotations
@@ -136,20 +139,28 @@ def roofline(reqs: list[tuple[list[int], int]], nums: dict, ceil: dict) -> dict:
 
 # --- pdpool --------------------------------------------------------------------------------------------------
 
+# The optimizations of docs/performance.md, measured on and off in one run: fused elementwise kernels in the model
+# (PDPOOL_FUSED_OPS, read when the graphs are captured) and the overlapped step loop (engine.overlap_steps).
+VARIANTS = {"base": (False, False), "overlap": (False, True), "fused": (True, False), "both": (True, True)}
+
+
 class StepTimer:
-    """Wall time of the engine's parts during one generate (wraps bound methods of one engine instance)."""
+    """Wall time of the engine's parts during one generate (wraps bound methods of one engine instance). With the
+    overlapped loop the parts run while the GPU computes, so they no longer add up to the wall time; ``sample``
+    holds the wait for the GPU."""
+
+    PARTS = (("scheduler", "schedule"), ("scheduler", "update_from_output"), ("runner", "pack"),
+             ("runner", "launch"), ("runner", "sample"), ("engine", "_make_output"))
 
     def __init__(self, llm, profile_steps: tuple[int, int] | None = None):
         self.totals: dict[str, float] = {}
         self.steps = 0
         self.profile_steps, self.prof = profile_steps, None
         eng = llm.engine
-        self._wrap(eng.scheduler, "schedule")
-        self._wrap(eng.scheduler, "update_from_output")
-        self._wrap(eng.runner, "prepare_inputs")
-        self._wrap(eng.runner, "run")
-        self._wrap(eng.runner.sampler, "sample")
-        self._wrap(eng, "_make_output")
+        self._undo = []
+        owners = dict(scheduler=eng.scheduler, runner=eng.runner, engine=eng)
+        for owner, name in self.PARTS:
+            self._wrap(owners[owner], name)
         self._wrap(eng, "step", self._count)
 
     def _wrap(self, obj, name, before=None):
@@ -164,6 +175,13 @@ class StepTimer:
             finally:
                 self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - t0
         setattr(obj, name, timed)
+        self._undo.append((obj, name))
+
+    def remove(self):
+        for obj, name in self._undo:
+            if name in vars(obj):
+                delattr(obj, name)
+        self._undo = []
 
     def _count(self):
         n = self.steps
@@ -172,137 +190,148 @@ class StepTimer:
             self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                            torch.profiler.ProfilerActivity.CUDA])
             self.prof.__enter__()
+            self.t_prof = time.perf_counter()
         if self.prof is not None and self.profile_steps and n == self.profile_steps[1]:
+            import torch
+            torch.cuda.synchronize()
+            self.prof_wall = time.perf_counter() - self.t_prof
             self.prof.__exit__(None, None, None)
             self.profile_steps = None
         self.steps += 1
 
 
-def run_pdpool(folder: Path, reqs, device: str, *, max_num_seqs: int, profile: bool = False,
-               enforce_eager: bool = False, temperature: float = 0.6) -> dict:
+def profile_summary(prof, num_steps: int, wall_s: float, trace_path: Path | None = None) -> dict:
+    """GPU kernel time and launches per step from a torch profile, the top kernels, and the top host ops."""
+    from torch.autograd import DeviceType
+
+    ka = prof.key_averages()
+    dev = lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)  # noqa
+    kernels = [e for e in ka if e.device_type == DeviceType.CUDA]
+    gpu_us = sum(dev(e) for e in kernels)
+    launches = sum(e.count for e in kernels)
+    top = sorted(kernels, key=dev, reverse=True)[:12]
+    host = sorted((e for e in ka if e.device_type == DeviceType.CPU), key=lambda e: e.self_cpu_time_total,
+                  reverse=True)[:12]
+    if trace_path is not None:
+        prof.export_chrome_trace(str(trace_path))
+    return dict(steps=num_steps, wall_ms_per_step=1e3 * wall_s / num_steps,
+                gpu_kernel_ms_per_step=gpu_us / 1e3 / num_steps, kernels_per_step=launches / num_steps,
+                top_kernels=[(e.key[:70], round(dev(e) / 1e3 / num_steps, 3), e.count // num_steps) for e in top],
+                top_host_ops=[(e.key[:50], round(e.self_cpu_time_total / 1e3 / num_steps, 3)) for e in host])
+
+
+def make_llm(folder: Path, device: str, fused: bool, **settings):
     import torch
 
-    from pdpool import LLM, SamplingParams
+    from pdpool import LLM
 
-    t0 = time.perf_counter()
+    os.environ["PDPOOL_FUSED_OPS"] = "1" if fused else "0"  # read while the decode graphs are captured
     llm = LLM(str(folder), dtype="bfloat16" if device == "cuda" else "float32", device=device,
-              load_format="dummy", max_num_seqs=max_num_seqs, max_num_batched_tokens=16384, max_model_len=4096,
-              enforce_eager=enforce_eager)
-    load_s = time.perf_counter() - t0
-    params = lambda rs: [SamplingParams(temperature=temperature, max_tokens=o, ignore_eos=True)  # noqa: E731
-                         for _, o in rs]
+              load_format="dummy", **settings)
+    llm.engine.runner.model.fused_ops = fused and device == "cuda"  # and for every later eager step
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return llm
+
+
+def release_gpu(device: str) -> None:
+    """After the caller dropped its last reference to an LLM: collect it and return its memory."""
+    import torch
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_pdpool(llm, reqs, device: str, *, overlap: bool, profile: bool = False, temperature: float = 0.6) -> dict:
+    import torch
+
+    from pdpool import SamplingParams
+
+    llm.engine.overlap_steps = overlap and device == "cuda"
+    params = [SamplingParams(temperature=temperature, max_tokens=o, ignore_eos=True) for _, o in reqs]
     warm = [p for p, _ in reqs[:4]]
     llm.generate(warm, [SamplingParams(max_tokens=8, ignore_eos=True)] * len(warm), use_tqdm=False)
     timer = StepTimer(llm, (300, 310) if profile and device == "cuda" else None)
     if device == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    outs = llm.generate([p for p, _ in reqs], params(reqs), use_tqdm=False)
+    outs = llm.generate([p for p, _ in reqs], params, use_tqdm=False)
     seconds = time.perf_counter() - t0
     tokens = sum(len(o.output_token_ids) for o in outs)
     assert tokens == sum(o for _, o in reqs), "ignore_eos requests must produce exactly max_tokens"
-    result = dict(seconds=seconds, output_tokens=tokens, tokens_per_s=tokens / seconds, load_s=load_s,
-                  steps=timer.steps, parts_s={k: round(v, 3) for k, v in timer.totals.items()},
-                  num_kv_blocks=llm.engine.runner.num_blocks,
-                  cuda_graphs=llm.engine.runner.graphs is not None,
-                  graph_replays=getattr(llm.engine.runner.graphs, "num_replays", None),
-                  attention=llm.engine.runner.backend.name,
-                  preemptions=llm.engine.scheduler.num_preemptions)
+    runner = llm.engine.runner
+    result = dict(seconds=seconds, output_tokens=tokens, tokens_per_s=tokens / seconds, steps=timer.steps,
+                  ms_per_step=1e3 * seconds / max(1, timer.steps),
+                  parts_s={k: round(v, 3) for k, v in timer.totals.items()}, num_kv_blocks=runner.num_blocks,
+                  cuda_graphs=runner.graphs is not None, graph_replays=getattr(runner.graphs, "num_replays", None),
+                  attention=runner.backend.name, preemptions=llm.engine.scheduler.num_preemptions,
+                  fused_ops=runner.model.fused_ops, overlap_steps=llm.engine.overlap_steps)
     if timer.prof is not None:
-        result["profile_top"] = timer.prof.key_averages().table(sort_by="cuda_time_total", row_limit=15,
-                                                                 max_name_column_width=60)
-    del llm, outs, timer  # the timer's wrappers hold the engine: drop them too, or the KV cache stays
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
+        result["profile"] = profile_summary(timer.prof, 10, timer.prof_wall)
+    timer.remove()
     return result
 
 
 # --- HF transformers ------------------------------------------------------------------------------------------
 
-def run_hf(folder: Path, reqs, device: str) -> dict:
-    """Continuous batching (``init_continuous_batching``) where the installed transformers has it, else padded
-    static batches of 16 grouped by output length. Random init (throughput does not depend on the values)."""
+def run_hf(folder: Path, reqs, device: str, max_seconds: float) -> dict:
+    """Padded static batches through ``model.generate`` (all of ``reqs`` in one left-padded batch, sampling at
+    temperature 0.6, every row run to the batch's longest output), stopped after ``max_seconds`` (generate's
+    ``max_time``). Throughput counts only the tokens each request asked for: sum(min(steps done, max_tokens)).
+    HF's continuous batching (``init_continuous_batching``) is not used: in an earlier run on this machine it did
+    not finish 16 requests in 150 s. Random init (throughput does not depend on the values)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.from_pretrained(str(folder))
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    t0 = time.perf_counter()
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
-    load_s = time.perf_counter() - t0
-    out_tokens = sum(o for _, o in reqs)
-    gen_cfg = GenerationConfig(do_sample=True, temperature=0.6, top_k=0, top_p=1.0, max_new_tokens=max(o for _, o in reqs),
-                          eos_token_id=None, pad_token_id=0)
-    mode, err = "continuous batching (init_continuous_batching)", None
-    try:
-        if device != "cuda" or not hasattr(model, "init_continuous_batching"):
-            raise RuntimeError("no continuous batching")
-        manager = model.init_continuous_batching(generation_config=gen_cfg)
-        manager.start()
-        try:
-            t0 = time.perf_counter()
-            for i, (p, o) in enumerate(reqs):
-                manager.add_request(p, request_id=f"r{i}", max_new_tokens=o)
-            done, got = 0, 0
-            while done < len(reqs):
-                res = manager.get_result(timeout=30)
-                if res is None:
-                    raise RuntimeError("continuous batching produced nothing for 30 s")
-                if res.is_finished():
-                    done += 1
-                    got += len(res.generated_tokens)
-            seconds = time.perf_counter() - t0
-        finally:
-            manager.stop(block=True)
-        if got != out_tokens:
-            raise RuntimeError(f"continuous batching returned {got} tokens, expected {out_tokens}")
-    except Exception as e:  # fall back to static batches; say why
-        err = f"{type(e).__name__}: {e}"
-        mode = "padded static batches of 16, grouped by output length"
-        seconds = _hf_static(model, reqs, device)
-    del model
+    width = max(len(p) for p, _ in reqs)
+    ids = torch.zeros(len(reqs), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, _) in enumerate(reqs):  # left padding
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    longest = max(o for _, o in reqs)
+    with torch.inference_mode():
+        model.generate(input_ids=ids[:, -64:], attention_mask=mask[:, -64:], do_sample=True, max_new_tokens=4,
+                       min_new_tokens=4, pad_token_id=0, eos_token_id=None)  # warm-up
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=0.6, top_k=0,
+                             max_new_tokens=longest, min_new_tokens=longest, pad_token_id=0, eos_token_id=None,
+                             max_time=max_seconds)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+    steps = out.shape[1] - width
+    useful = sum(min(steps, o) for _, o in reqs)
+    import transformers
+    del model, out
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
-    return dict(mode=mode, fallback_reason=err, seconds=seconds, output_tokens=out_tokens,
-                tokens_per_s=out_tokens / seconds, load_s=load_s)
-
-
-def _hf_static(model, reqs, device) -> float:
-    import torch
-
-    reqs = sorted(reqs, key=lambda r: r[1])
-    t0 = time.perf_counter()
-    for start in range(0, len(reqs), 16):
-        batch = reqs[start:start + 16]
-        width = max(len(p) for p, _ in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, (p, _) in enumerate(batch):  # left padding
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-        n = max(o for _, o in batch)
-        with torch.inference_mode():
-            model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True,
-                           temperature=0.6, top_k=0, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    return dict(mode=f"padded static batch of {len(reqs)}, model.generate, sdpa attention", seconds=seconds,
+                steps=steps, longest=longest, timed_out=steps < longest, output_tokens=useful,
+                tokens_per_s=useful / seconds, generated_incl_padding=steps * len(reqs),
+                transformers=transformers.__version__)
 
 
 # --- single stream ---------------------------------------------------------------------------------------------
 
-def run_single_stream(folder: Path, device: str, nums: dict, ceil: dict, n_out: int = 512) -> dict:
-    import torch
+def run_single_stream(folder: Path, device: str, nums: dict, ceil: dict, fused: bool, overlap: bool,
+                      n_out: int = 512, trace: Path | None = None) -> dict:
+    from pdpool import SamplingParams
 
-    from pdpool import LLM, SamplingParams
-
-    llm = LLM(str(folder), dtype="bfloat16" if device == "cuda" else "float32", device=device, load_format="dummy",
-              max_num_seqs=8, max_model_len=4096, gpu_memory_utilization=0.5)
+    llm = make_llm(folder, device, fused, max_num_seqs=8, max_model_len=4096, gpu_memory_utilization=0.5)
+    llm.engine.overlap_steps = overlap and device == "cuda"
     prompt = random.Random(1).choices(range(100, 10000), k=128)
     llm.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
+    timer = StepTimer(llm, (100, 120) if device == "cuda" else None)
     t0 = time.perf_counter()
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True),
                        use_tqdm=False)[0]
@@ -310,28 +339,36 @@ def run_single_stream(folder: Path, device: str, nums: dict, ceil: dict, n_out: 
     tps = len(out.output_token_ids) / seconds
     # Per token: every weight once + the KV of the context (128..640 tokens, small against the weights here).
     roof_s = (nums["weight_bytes"] + (128 + n_out / 2) * nums["kv_bytes_per_token"]) / ceil["copy_bw"]
-    del llm
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return dict(tokens_per_s=tps, ms_per_token=1e3 / tps, roofline_tokens_per_s=1 / roof_s,
-                fraction=tps * roof_s, weight_only_fraction=tps * nums["weight_bytes"] / ceil["copy_bw"])
+    result = dict(fused_ops=fused, overlap_steps=llm.engine.overlap_steps, tokens_per_s=tps,
+                  ms_per_token=1e3 / tps, roofline_tokens_per_s=1 / roof_s, roofline_ms=1e3 * roof_s,
+                  fraction=tps * roof_s, weight_only_fraction=tps * nums["weight_bytes"] / ceil["copy_bw"],
+                  parts_s={k: round(v, 3) for k, v in timer.totals.items()})
+    if timer.prof is not None:
+        result["profile"] = profile_summary(timer.prof, 20, timer.prof_wall, trace)
+    timer.remove()
+    del llm, out
+    release_gpu(device)
+    return result
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="Qwen3-0.6B,Llama-3.1-8B")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--hf-requests", type=int, default=32, help="HF runs the first N requests (time budget)")
+    ap.add_argument("--variants", default="base,overlap,fused,both",
+                    help=f"of {list(VARIANTS)}: (fused ops, overlapped steps); the last is the shipped default")
+    ap.add_argument("--hf-requests", type=int, default=64, help="HF runs the first N requests in one batch")
+    ap.add_argument("--hf-max-seconds", type=float, default=90.0)
     ap.add_argument("--num-requests", type=int, default=NUM_REQUESTS)
     ap.add_argument("--single-stream", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--skip-main", action="store_true", help="skip the 256-request run (HF ratio, single stream only)")
+    ap.add_argument("--skip-main", action="store_true", help="skip the 256-request runs (HF, single stream only)")
     ap.add_argument("--tiny", action="store_true", help="small configs and lengths: a CPU smoke test")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     import torch
 
+    variants = args.variants.split(",")
     ceil = measure_ceilings(args.device)
     print(f"GPU {ceil['gpu']}: copy {ceil['copy_bw'] / 1e12:.2f} TB/s (read+write), "
           f"bf16 matmul {ceil['matmul_rate'] / 1e12:.0f} TFLOP/s", flush=True)
@@ -339,38 +376,64 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="pdpool-e2e-"))
     tiny = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=32, vocab_size=10240) if args.tiny else None
+    lines = []
     for name in args.models.split(","):
         folder = model_folder(name, tmp, tiny)
         cfg = json.loads((folder / "config.json").read_text())
         nums = model_numbers(cfg)
         reqs = workload(args.num_requests, max_len=160 if args.tiny else 1024)
-        r = results["models"][name] = dict(numbers=nums, roofline=roofline(reqs, nums, ceil))
-        if not args.skip_main:
-            r["pdpool"] = run_pdpool(folder, reqs, args.device, max_num_seqs=len(reqs), profile=True)
-            r["fraction_of_roofline"] = r["pdpool"]["tokens_per_s"] / r["roofline"]["tokens_per_s"]
-        if not args.skip_main:
-            print(f"{name}: pdpool {r['pdpool']['tokens_per_s']:.0f} tok/s ({r['pdpool']['seconds']:.2f} s), "
-              f"roofline {r['roofline']['tokens_per_s']:.0f} tok/s -> {r['fraction_of_roofline']:.1%}; "
-              f"parts {r['pdpool']['parts_s']}", flush=True)
-        if "profile_top" in r.get("pdpool", {}):
-            print(r["pdpool"]["profile_top"], flush=True)
+        roof = roofline(reqs, nums, ceil)
+        r = results["models"][name] = dict(numbers=nums, roofline=roof, pdpool={})
+        sub = reqs[:args.hf_requests]
+        for fused in (False, True):
+            todo = [v for v in variants if VARIANTS[v][0] == fused]
+            if args.skip_main or not todo:
+                continue
+            llm = make_llm(folder, args.device, fused, max_num_seqs=len(reqs), max_num_batched_tokens=16384,
+                           max_model_len=4096)
+            for v in todo:
+                res = r["pdpool"][v] = run_pdpool(llm, reqs, args.device, overlap=VARIANTS[v][1],
+                                                  profile=v in ("base", variants[-1]))
+                res["fraction_of_roofline"] = res["tokens_per_s"] / roof["tokens_per_s"]
+                line = (f"{name} [{v}: fused={fused} overlap={VARIANTS[v][1]}]: {res['tokens_per_s']:.0f} tok/s "
+                        f"({res['seconds']:.2f} s, {res['steps']} steps, {res['ms_per_step']:.2f} ms/step), "
+                        f"{res['fraction_of_roofline']:.1%} of roofline {roof['tokens_per_s']:.0f}")
+                print(line + f"; parts {res['parts_s']}", flush=True)
+                lines.append(line)
+                if "profile" in res:
+                    print(json.dumps(res["profile"]), flush=True)
+            if fused == VARIANTS[variants[-1]][0] and not args.skip_hf:  # pdpool as shipped on HF's subset
+                r["pdpool_subset"] = run_pdpool(llm, sub, args.device, overlap=VARIANTS[variants[-1]][1])
+            llm = None
+            release_gpu(args.device)
         if not args.skip_hf:
-            sub = reqs[:args.hf_requests]
-            r["pdpool_subset"] = run_pdpool(folder, sub, args.device, max_num_seqs=len(reqs))
-            r["hf_subset"] = run_hf(folder, sub, args.device)
-            r["speedup_vs_hf"] = r["pdpool_subset"]["tokens_per_s"] / r["hf_subset"]["tokens_per_s"]
-            print(f"{name}: first {len(sub)} requests: pdpool {r['pdpool_subset']['tokens_per_s']:.0f} tok/s, "
-                  f"HF {r['hf_subset']['tokens_per_s']:.0f} tok/s ({r['hf_subset']['mode']}; "
-                  f"{r['hf_subset']['fallback_reason']}) -> {r['speedup_vs_hf']:.1f}x", flush=True)
+            r["hf_subset"] = hf = run_hf(folder, sub, args.device, args.hf_max_seconds)
+            best = r["pdpool"].get(variants[-1], {}).get("tokens_per_s")
+            line = (f"{name} HF transformers {hf['transformers']} ({hf['mode']}, first {len(sub)} requests, "
+                    f"{hf['steps']}/{hf['longest']} steps in {hf['seconds']:.1f} s): {hf['tokens_per_s']:.0f} tok/s")
+            if "pdpool_subset" in r:
+                line += (f"; pdpool on the same {len(sub)}: {r['pdpool_subset']['tokens_per_s']:.0f} tok/s "
+                         f"({r['pdpool_subset']['tokens_per_s'] / hf['tokens_per_s']:.1f}x)")
+            if best:
+                line += f"; pdpool on all {len(reqs)}: {best / hf['tokens_per_s']:.1f}x"
+            print(line, flush=True)
+            lines.append(line)
         if args.single_stream and name.startswith("Llama"):
-            r["single_stream"] = run_single_stream(folder, args.device, nums, ceil)
-            s = r["single_stream"]
-            print(f"{name} single stream: {s['tokens_per_s']:.1f} tok/s ({s['ms_per_token']:.2f} ms/token), "
-                  f"{s['fraction']:.1%} of roofline ({s['weight_only_fraction']:.1%} of weights-only)", flush=True)
+            r["single_stream"] = {}
+            for v in variants:
+                fused, overlap = VARIANTS[v]
+                trace = Path(args.out) / f"single_stream_{v}.json" if v in ("base", variants[-1]) else None
+                s = r["single_stream"][v] = run_single_stream(folder, args.device, nums, ceil, fused, overlap,
+                                                              trace=trace)
+                line = (f"{name} single stream [{v}]: {s['tokens_per_s']:.1f} tok/s ({s['ms_per_token']:.2f} "
+                        f"ms/token; roofline {s['roofline_ms']:.2f} ms), {s['fraction']:.1%} of roofline")
+                print(line + f"; parts {s['parts_s']}", flush=True)
+                lines.append(line)
+                if "profile" in s:
+                    print(json.dumps(s["profile"]), flush=True)
         (Path(args.out) / "gpu_e2e.json").write_text(json.dumps(results, indent=1, default=str))
     shutil.rmtree(tmp, ignore_errors=True)
-    print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk not in ("numbers",)} for k, v in
-                      results["models"].items()}, indent=1, default=str)[:6000])
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 A step's requests split by query length: query_len 1 goes to the split-KV decode kernel, longer queries (prefill,
 extend, chunks) to the paged prefill kernel; a mixed step launches both into one output. The split is planned once
-per step on the host lists (no device sync) and kept in ``meta.plan["triton"]`` for the other layers.
+per step on the host lists (no device sync) and kept in ``meta.plan["triton"]`` for the other layers. The decode
+split count depends on the number of decode rows only (not on context lengths), so a decode CUDA graph planned
+for a batch bucket computes exactly what the eager step computes.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from pdpool.engine.attention import AttentionBackend, AttentionMetadata
-from pdpool.kernels.decode_attention import choose_num_splits, decode_workspace, paged_decode
+from pdpool.kernels.decode_attention import (MIN_SPLIT_TOKENS, choose_num_splits, decode_workspace,
+                                             num_multiprocessors, paged_decode)
 from pdpool.kernels.prefill_attention import paged_prefill
 from pdpool.kernels.store_kvcache import store_kvcache
 
@@ -30,10 +33,18 @@ def plan_step(meta: AttentionMetadata, num_kv_heads: int, device: torch.device) 
     decode = [r for r, n in enumerate(meta.query_lens_cpu) if n == 1]
     prefill = [r for r, n in enumerate(meta.query_lens_cpu) if n > 1]
     rows = lambda idx: torch.tensor(idx, dtype=torch.int32, device=device) if idx else None  # noqa: E731
-    max_decode_len = max((meta.seq_lens_cpu[r] for r in decode), default=1)
     return StepPlan(decode_rows=rows(decode), prefill_rows=rows(prefill),
                     max_prefill_len=max((meta.query_lens_cpu[r] for r in prefill), default=0),
-                    num_splits=choose_num_splits(len(decode), num_kv_heads, max_decode_len, device))
+                    num_splits=choose_num_splits(len(decode), num_kv_heads, _num_sms(device)))
+
+
+_SMS: dict[torch.device, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device not in _SMS:
+        _SMS[device] = num_multiprocessors(device)
+    return _SMS[device]
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -53,7 +64,7 @@ class TritonAttentionBackend(AttentionBackend):
                 plan.workspace = decode_workspace(plan.decode_rows.numel(), q.shape[1], q.shape[2],
                                                   plan.num_splits, q.device)
             paged_decode(q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                         plan.decode_rows, scale, plan.num_splits, plan.workspace)
+                         plan.decode_rows, scale, plan.num_splits, plan.workspace, MIN_SPLIT_TOKENS)
         if plan.prefill_rows is not None:
             paged_prefill(q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                           plan.prefill_rows, plan.max_prefill_len, scale)

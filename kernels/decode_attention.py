@@ -4,11 +4,16 @@ Stage 1, grid (decode rows, Hkv, num_splits): one program takes all GROUP = Hq /
 so each K/V tile is read once for the whole group, and attends over its split of the context::
 
     context of request r:  | split 0 | split 1 | ... | split S-1 |   (trailing splits may be empty)
-    split_len = cdiv(cdiv(seq_len, S), BLOCK_N) * BLOCK_N
+    split_len = max(cdiv(cdiv(seq_len, S), BLOCK_N) * BLOCK_N, min_split_len)
     -> part_o [rows, Hq, S, D] fp32 (normalized per split), part_lse [rows, Hq, S] fp32 (log2 domain)
 
 Stage 2, grid (decode rows, Hq): combine the S partial results by their log-sum-exp into out[token, head].
 With S = 1 stage 1 writes out[token, head] itself and stage 2 is skipped.
+
+S comes from the number of decode rows alone (``choose_num_splits``), never from the context lengths: a row's
+result then depends only on its own context, so a CUDA graph captured for a batch bucket and the eager step it
+replaces reduce in the same order (bit-identical). Short contexts still take few splits: ``min_split_len``
+leaves the trailing splits empty, and an empty split costs one early exit and a zero weight in the reduce.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ MIN_SPLIT_TOKENS = 256
 ], interpreter=triton.Config({"BLOCK_N": 16})), key=["HEAD_DIM", "GROUP", "BLOCK_SIZE", "SINGLE"])
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, rows_ptr,
-                         part_o_ptr, part_lse_ptr, out_ptr, scale_log2, num_splits,
+                         part_o_ptr, part_lse_ptr, out_ptr, scale_log2, num_splits, min_split_len,
                          stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
                          SINGLE: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -47,7 +52,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
     r = tl.load(rows_ptr + i)
     tok = tl.load(query_start_ptr + r).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + r)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, min_split_len)
     start = s * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -114,13 +119,23 @@ def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, query_start_ptr, ro
     tl.store(out_ptr + tok * stride_ot + hq * stride_oh + d, (acc / denom).to(out_ptr.dtype.element_ty))
 
 
-def choose_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """A power of two giving about two (row, head, split) programs per multiprocessor, no split under
-    MIN_SPLIT_TOKENS tokens. On an H100 (batch 64 x 4096, 8 KV heads: 1 split, 95% of copy bandwidth; batch
-    1 x 32k: 32 splits) a sweep put the neighbours within 2% of the pick."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    want = min(triton.cdiv(2 * sms, max(1, num_rows * num_kv_heads)), triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS))
+def choose_num_splits(num_rows: int, num_kv_heads: int, num_sms: int) -> int:
+    """A power of two giving about two (row, head, split) programs per multiprocessor, from the row count rounded
+    up to a power of two. The rounding makes every CUDA-graph bucket (1, 2, 4, 8, then multiples of 16; see
+    ``pdpool.engine.cuda_graphs.bucket_sizes``) pick what the eager step of any batch it serves picks. On an
+    H100 (132 SMs; batch 64 x 4096, 8 KV heads: 1 split, 97% of copy bandwidth; batch 1 x 32k: 32 splits) a
+    sweep put the neighbours within 2% of the pick."""
+    rows = triton.next_power_of_2(max(1, num_rows))
+    want = triton.cdiv(2 * num_sms, rows * num_kv_heads)
     return min(1 << (max(1, want).bit_length() - 1), 128)
+
+
+def num_multiprocessors(device: torch.device) -> int:
+    """The GPU's SM count (4 elsewhere, so CPU tests under the interpreter split too)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def decode_workspace(num_rows: int, num_heads: int, head_dim: int, num_splits: int, device) -> tuple:
@@ -131,11 +146,13 @@ def decode_workspace(num_rows: int, num_heads: int, head_dim: int, num_splits: i
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                  query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                 rows: torch.Tensor, scale: float, num_splits: int, workspace: tuple | None = None) -> None:
+                 rows: torch.Tensor, scale: float, num_splits: int, workspace: tuple | None = None,
+                 min_split_len: int = 0) -> None:
     """out[query_start_loc[r]] = attention of that one query token over request r's context, for r in ``rows``.
 
     q, out: [T, Hq, D]; caches: [num_blocks, block_size, Hkv, D] strided views; rows: [Rd] int32 request indices
-    (each with query_len 1); workspace: ``decode_workspace(Rd, Hq, D, num_splits)``, reusable across layers."""
+    (each with query_len 1); workspace: ``decode_workspace(Rd, Hq, D, num_splits)``, reusable across layers;
+    min_split_len: no split shorter than this many tokens (later splits stay empty)."""
     assert_last_dim_contiguous("q", q, 3)
     assert_last_dim_contiguous("out", out, 3)
     assert_paged_cache("k_cache", k_cache)
@@ -157,7 +174,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     group = Hq // Hkv
     _decode_split_kernel[(Rd, Hkv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, rows, part_o, part_lse, out,
-        scale * LOG2E, num_splits,
+        scale * LOG2E, num_splits, min_split_len,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         SINGLE=num_splits == 1, BLOCK_SIZE=block_size, GROUP=group,

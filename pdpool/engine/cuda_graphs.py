@@ -12,7 +12,10 @@ its inputs from static buffers the runner fills before each replay; rows R..B-1 
 query_start_loc is arange(B + 1) and never changes. Each bucket keeps one ``AttentionMetadata`` whose tensors are
 slices of the static buffers; the backend plans on it once, during the eager warm-up before capture
 (``meta.plan``), so the captured region has no host work: no syncs, no host-to-device copies, no data-dependent
-shapes. The plan is made for contexts up to ``max_model_len`` (``seq_lens_cpu``), so one graph serves any length.
+shapes. The plan depends on the row count only (the triton backend's split-KV count follows the batch bucket, not
+the context lengths), so one graph serves any length up to ``max_model_len`` and its attention reduces in the
+eager step's order. A batch that fills its bucket replays bit for bit what the eager step computes; a padded one
+may still differ in the last bits where cuBLAS picks another GEMM kernel for the padded row count.
 
 Only backends that declare ``decode_graph_safe`` (default: the triton backend) are captured; the torch backend
 indexes with boolean masks and sizes its gathers from the host lengths, so it stays eager.

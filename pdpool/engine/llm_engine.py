@@ -6,6 +6,17 @@ request. One ``step()``::
     scheduler.schedule() -> runner.execute() -> scheduler.update_from_output()
         -> detokenize the new tokens -> stop strings (finish those requests) -> RequestOutputs
 
+On CUDA the steps overlap (``overlap_steps``, vLLM v1's async scheduling): while the GPU runs step N, the host
+books N's samples as placeholders, schedules and packs N+1, and after launching N+1 builds N's outputs::
+
+    host: | update N (placeholders) | schedule N+1 | pack N+1 | sample N (waits) | fill | launch N+1 | outputs N |
+    GPU:  | ...................... forward N ...................... | sample N |        | forward N+1 ...
+
+The placeholders (``PLACEHOLDER``) are only counts to the scheduler (lengths, blocks); they are replaced by the
+sampled ids before anything reads them as tokens (block hashes, the next step's input, detokenization). A stop
+token sampled at N is seen after N+1 was scheduled: N+1's work for that request is dropped. A step whose
+sampling reads earlier outputs (penalties, min_tokens masking) samples before booking, as the plain loop does.
+
 The engine is not thread-safe: ``AsyncLLM`` calls it from a single worker thread. ``stats()`` only reads
 counters and lengths, so it may be called from elsewhere while a step runs.
 """
@@ -21,12 +32,14 @@ from typing import Any
 from pdpool.block_hash import ModelFingerprint
 from pdpool.engine.detokenizer import IncrementalDetokenizer
 from pdpool.engine.kv_cache_manager import KVCacheManager
-from pdpool.engine.model_runner import ModelRunner
+from pdpool.engine.model_runner import LaunchedStep, ModelRunner
 from pdpool.engine.request import Request, RequestStatus
 from pdpool.engine.sampling_params import SamplingParams
-from pdpool.engine.scheduler import Scheduler
+from pdpool.engine.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+PLACEHOLDER = -1  # a token sampled by the step in flight, not read back yet (no real id is negative)
 
 
 class InvalidRequestError(ValueError):
@@ -74,6 +87,12 @@ class _State:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class _InFlight:
+    scheduled: SchedulerOutput
+    launched: LaunchedStep
+
+
 class LLMEngine:
     def __init__(self, node_config) -> None:
         from transformers import AutoTokenizer
@@ -103,6 +122,9 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.num_finished = 0
         self.last_step_num_scheduled = 0  # requests the last step computed (0: idle or all waiting on remote KV)
+        # Subclasses that hook the step (the KV connector moves blocks outside the CUDA stream) keep the plain loop.
+        self.overlap_steps = self.runner.device.type == "cuda" and type(self).step is LLMEngine.step
+        self._in_flight: _InFlight | None = None
 
     # ---- requests in -----------------------------------------------------------------------------
 
@@ -168,22 +190,80 @@ class LLMEngine:
     def abort_all(self) -> list[str]:
         ids = list(self._states) + [rid for rid in self.scheduler.requests if rid not in self._states]
         self.abort_request(ids)
+        self._in_flight = None  # its requests are gone; the device finishes its work in stream order
         return ids
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     # ---- one step --------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        scheduler_output = self.scheduler.schedule()
-        for rid in scheduler_output.finished_ids:
-            self.runner.forget(rid)
+        if self.overlap_steps or self._in_flight is not None:  # once started, the pipeline runs until idle
+            try:
+                return self._step_overlapped()
+            except BaseException:
+                self._in_flight = None
+                raise
+        scheduler_output = self._schedule()
         self.last_step_num_scheduled = len(scheduler_output.scheduled)
         if not scheduler_output.scheduled:
             return []
         sampled = self.runner.execute(scheduler_output)
         touched = self.scheduler.update_from_output(scheduler_output, sampled)
+        return self._make_outputs(touched, sampled)
+
+    def _schedule(self) -> SchedulerOutput:
+        scheduler_output = self.scheduler.schedule()
+        for rid in scheduler_output.finished_ids:
+            self.runner.forget(rid)
+        return scheduler_output
+
+    def _launch(self, scheduler_output: SchedulerOutput, packed=None) -> _InFlight | None:
+        if not scheduler_output.scheduled:
+            return None
+        packed = packed if packed is not None else self.runner.pack(scheduler_output)
+        return _InFlight(scheduler_output, self.runner.launch(packed))
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        current = self._in_flight or self._launch(self._schedule())
+        if current is None:
+            self.last_step_num_scheduled = 0
+            return []
+        sampling = current.launched.inputs.sampling
+        if all(_samples_without_history(sr.request) for sr in sampling):
+            touched = self.scheduler.update_from_output(
+                current.scheduled, {sr.request.request_id: PLACEHOLDER for sr in sampling})
+            holes = [(r, r.num_output_tokens - 1) for r in touched]  # each got exactly one placeholder, last
+            following = self._schedule()
+            packed = self.runner.pack(following) if following.scheduled else None
+            sampled = self.runner.sample(current.launched)  # waits for step N
+            self._fill_placeholders(holes, sampled)
+        else:  # the sampler reads these requests' earlier outputs: book real tokens, then schedule
+            sampled = self.runner.sample(current.launched)
+            touched = self.scheduler.update_from_output(current.scheduled, sampled)
+            following = self._schedule()
+            packed = None
+        self._in_flight = self._launch(following, packed)
+        self.last_step_num_scheduled = len(following.scheduled)
+        return self._make_outputs(touched, sampled)
+
+    def _fill_placeholders(self, holes: list[tuple[Request, int]], sampled: dict) -> None:
+        """Put step N's sampled ids where its placeholders are, and finish the requests they stop."""
+        for request, index in holes:
+            token = sampled[request.request_id].token_id
+            request.output_token_ids[index] = token
+            request.all_token_ids[request.num_prompt_tokens + index] = token
+            if request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_STOPPED):
+                continue
+            if self.scheduler._check_stop(request) != RequestStatus.FINISHED_STOPPED:
+                continue
+            if request.is_finished:  # capped by length on the placeholder: a stop token wins, as in update
+                request.status = RequestStatus.FINISHED_STOPPED
+            else:
+                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+
+    def _make_outputs(self, touched: list[Request], sampled: dict) -> list[RequestOutput]:
         outputs = []
         for request in touched:
             state = self._states.get(request.request_id)
@@ -241,3 +321,10 @@ class LLMEngine:
             num_preemptions=s.num_preemptions, prompt_tokens=self.num_prompt_tokens,
             generation_tokens=self.num_generation_tokens, num_finished=self.num_finished,
             timestamp=time.time())
+
+
+def _samples_without_history(request: Request) -> bool:
+    """Its sampling reads no earlier output token (no penalties, min_tokens met), so the sampler may see the
+    placeholder of the token being sampled at the end of its output list."""
+    params = request.sampling_params
+    return not params.has_penalties and request.num_output_tokens >= request.min_tokens

@@ -1,6 +1,9 @@
 """The model runner: loads the model, owns the KV cache, runs one scheduled step.
 
-``execute`` = prepare inputs -> forward -> logits -> sample. ``compute_logits_for`` stops after the logits, so
+``execute`` = pack (host) -> launch (one upload, forward, logits; nothing waits for the GPU) -> sample (waits).
+The engine may call the three apart to overlap its host work with the GPU (``LLMEngine``'s overlapped loop): a
+packed step may hold placeholder ids (< 0) for tokens sampled by the step still running; ``launch`` reads them
+again from the requests, which by then hold the real ones. ``compute_logits_for`` stops after the logits, so
 tests can compare them with a reference. Only this file (and ``cuda_graphs``, its helper) creates device tensors.
 
 On CUDA: the KV cache takes what ``--gpu-memory-utilization`` leaves after a profiling forward over a full token
@@ -59,6 +62,30 @@ class StepInputs:
     meta: AttentionMetadata
     sample_indices: torch.Tensor  # [R_s] int64, last token of each sampling request
     sampling: list  # ScheduledRequest of each sampling row, in scheduled order
+
+
+@dataclass
+class PackedStep:
+    """A step's inputs on the host, one int64 buffer::
+
+        | ids T | positions T | slots T | samples S | starts R+1 | seq_lens R | tables R*width |
+    """
+    host: np.ndarray
+    T: int
+    R: int
+    S: int
+    width: int
+    query_lens: list[int]
+    seq_lens: list[int]
+    sampling: list  # ScheduledRequest of each sampling row
+    holes: list  # (offset in host, request, token index): ids not sampled yet when packed, read at upload
+
+
+@dataclass
+class LaunchedStep:
+    inputs: StepInputs
+    logits: torch.Tensor | None  # [R_s, V] float32, being computed
+    generators: list  # of the sampling rows, taken at launch (a finished request's may be forgotten meanwhile)
 
 
 class ModelRunner:
@@ -141,13 +168,13 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
-    def prepare_inputs(self, scheduler_output) -> StepInputs:
+    def pack(self, scheduler_output) -> PackedStep:
         """The step's tokens packed request after request, with their attention metadata (see attention.py)."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        query_lens, seq_lens, sample_rows, sampling = [], [], [], []
+        query_lens, seq_lens, sample_rows, sampling, holes = [], [], [], [], []
         scheduled = scheduler_output.scheduled
         width = max(1, max(len(sr.block_ids) for sr in scheduled))
         tables = np.zeros((len(scheduled), width), dtype=np.int64)  # [R, max_blocks], padded with 0
@@ -156,6 +183,8 @@ class ModelRunner:
             tokens, blocks = sr.request.all_token_ids, sr.block_ids
             tables[r, :len(blocks)] = blocks
             ids += tokens[start:start + n]
+            if tokens[start + n - 1] < 0:  # sampled by the step in flight: only ever a request's last token
+                holes.append((len(ids) - 1, sr.request, start + n - 1))
             if n == 1:  # decode: skip numpy's per-call cost
                 positions.append(start)
                 slots.append(blocks[start // bs] * bs + start % bs)
@@ -171,20 +200,30 @@ class ModelRunner:
         T, R = len(ids), len(scheduled)
         starts = np.zeros(R + 1, dtype=np.int64)
         np.cumsum(query_lens, out=starts[1:])
-        # One host buffer, one copy: | ids T | positions T | slots T | samples S | starts R+1 | seq_lens R | tables |
-        host = torch.from_numpy(np.concatenate([np.asarray(ids + positions + slots + sample_rows, dtype=np.int64),
-                                                starts, np.asarray(seq_lens, dtype=np.int64), tables.ravel()]))
-        if self.device.type == "cuda":
-            dev = host.pin_memory().to(self.device, non_blocking=True)
-        else:
-            dev = host
-        S = len(sample_rows)
+        host = np.concatenate([np.asarray(ids + positions + slots + sample_rows, dtype=np.int64), starts,
+                               np.asarray(seq_lens, dtype=np.int64), tables.ravel()])
+        return PackedStep(host, T, R, len(sample_rows), width, query_lens, seq_lens, sampling, holes)
+
+    def upload(self, packed: PackedStep) -> StepInputs:
+        """One pinned host-to-device copy of the packed step (placeholder ids filled from the requests first)."""
+        host = packed.host
+        for offset, request, index in packed.holes:
+            host[offset] = request.all_token_ids[index]
+        if packed.holes:
+            assert host[:packed.T].min() >= 0, "a placeholder id was not filled before upload"
+        T, R, S, width = packed.T, packed.R, packed.S, packed.width
+        tensor = torch.from_numpy(host)
+        dev = tensor.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else tensor
         small = dev[3 * T + S:].to(torch.int32)  # starts, seq_lens, tables
         meta = AttentionMetadata(query_start_loc=small[:R + 1], seq_lens=small[R + 1:2 * R + 1],
                                  block_tables=small[2 * R + 1:].view(R, width), slot_mapping=dev[2 * T:3 * T],
-                                 max_query_len=max(query_lens), max_seq_len=max(seq_lens), query_lens_cpu=query_lens,
-                                 seq_lens_cpu=seq_lens, block_size=bs)
-        return StepInputs(dev[:T], dev[T:2 * T], meta, dev[3 * T:3 * T + S], sampling)
+                                 max_query_len=max(packed.query_lens), max_seq_len=max(packed.seq_lens),
+                                 query_lens_cpu=packed.query_lens, seq_lens_cpu=packed.seq_lens,
+                                 block_size=self.block_size)
+        return StepInputs(dev[:T], dev[T:2 * T], meta, dev[3 * T:3 * T + S], packed.sampling)
+
+    def prepare_inputs(self, scheduler_output) -> StepInputs:
+        return self.upload(self.pack(scheduler_output))
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:
@@ -206,15 +245,24 @@ class ModelRunner:
     def execute(self, scheduler_output) -> dict[str, SampledToken]:
         if not scheduler_output.scheduled:
             return {}
-        inputs = self.prepare_inputs(scheduler_output)
+        return self.sample(self.launch(self.pack(scheduler_output)))
+
+    def launch(self, packed: PackedStep) -> LaunchedStep:
+        """Upload, forward and logits, queued on the device; returns without waiting for it."""
+        inputs = self.upload(packed)
         logits = self.run(inputs)
-        if not inputs.sampling:
+        return LaunchedStep(inputs, logits if inputs.sampling else None,
+                            [self._generator(sr.request) for sr in inputs.sampling])
+
+    def sample(self, step: LaunchedStep) -> dict[str, SampledToken]:
+        """The sampled token of each sampling request (waits for the device)."""
+        if not step.inputs.sampling:
             return {}
-        requests = [sr.request for sr in inputs.sampling]
-        params = [r.sampling_params for r in requests]
-        out = self.sampler.sample(logits, params, [list(r.prompt_token_ids) for r in requests],
-                                  [list(r.output_token_ids) for r in requests],
-                                  [self._generator(r) for r in requests])
+        requests = [sr.request for sr in step.inputs.sampling]
+        # The sampler reads the token lists (penalties, min_tokens) and does not keep them: no copies.
+        out = self.sampler.sample(step.logits, [r.sampling_params for r in requests],
+                                  [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests],
+                                  step.generators)
         return {r.request_id: SampledToken(out.token_ids[i], out.logprobs[i],
                                            out.top_logprobs[i] if out.top_logprobs is not None else None)
                 for i, r in enumerate(requests)}

@@ -4,11 +4,20 @@ GQA, tied or untied embeddings. ``forward(input_ids [T], positions [T]) -> hidde
 tokens; attention layers read the step's metadata from ``get_context()`` and the KV cache views bound by
 ``bind_kv_cache``. Fused projections: ``qkv_proj`` = q|k|v and ``gate_up_proj`` = gate|up along dim 0, with the
 shard offsets the loader needs in ``packed_shards``.
+
+On CUDA the elementwise ops run as the Triton kernels of ``pdpool.kernels`` (``fused_ops``): RMSNorm with the
+residual add, rotary on q and k in place, SiLU-and-mul; about 10 launches a layer instead of about 40, which at
+decode batch sizes (and inside CUDA graphs) is most of the non-GEMM, non-attention time. ``PDPOOL_FUSED_OPS=0``
+keeps the torch ops (A/B measurements). The hidden state and the residual travel apart, as in vLLM::
+
+    residual = x; h = norm(x)                       (first layer)
+    h, residual = norm(h + residual), h + residual  (every later norm: one fused kernel)
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -17,17 +26,29 @@ from torch import nn
 from pdpool.engine.attention import AttentionBackend, get_context
 
 
+def fused_ops_default(device: torch.device) -> bool:
+    return device.type == "cuda" and os.environ.get("PDPOOL_FUSED_OPS", "1") != "0"
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, fused: bool = False):
+        """x: [..., H] -> norm(x); with ``residual``: (norm(x + residual), x + residual)."""
+        if fused:
+            from pdpool.kernels.rmsnorm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
+            return self.forward(x), x
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)  # HF's order: normalize in fp32, cast, then scale
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)  # HF's order: normalize in fp32, cast, then scale
 
 
 def rope_parameters(config) -> tuple[float, dict]:
@@ -89,17 +110,24 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D] strided view
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: "Rope") -> torch.Tensor:
         # x: [T, H]
         T = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)  # q: [T, Hq, D]
+        q = q.view(T, self.num_heads, self.head_dim)  # q: [T, Hq, D], rows strided (views of the projection)
         k = k.view(T, self.num_kv_heads, self.head_dim)  # k, v: [T, Hkv, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if rope.fused:
+            from pdpool.kernels.rotary import apply_rotary
+
+            if self.qk_norm:
+                q, k = self.q_norm(q, fused=True), self.k_norm(k, fused=True)  # contiguous copies
+            q, k = apply_rotary(q, k, rope.positions, rope.inv_freq, q_out=q, k_out=k)  # in place
+        else:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, rope.cos, rope.sin), apply_rope(k, rope.cos, rope.sin)
         meta = get_context()
         self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         o = self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale)  # [T, Hq, D]
@@ -117,8 +145,13 @@ class MLP(nn.Module):
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (silu)")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if fused:
+            from pdpool.kernels.activation import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -130,9 +163,27 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                rope: "Rope") -> tuple[torch.Tensor, torch.Tensor]:
+        # x: [T, H] this layer's input less the residual (the embedding, for the first layer) -> (mlp out, residual)
+        if residual is None:
+            residual, h = x, self.input_layernorm(x, fused=rope.fused)
+        else:
+            h, residual = self.input_layernorm(x, residual, fused=rope.fused)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, rope), residual, fused=rope.fused)
+        return self.mlp(h, fused=rope.fused), residual
+
+
+class Rope:
+    """Per-forward rotary inputs: positions and inverse frequencies for the fused kernel, or cos/sin [T, 1, D]
+    (in the model dtype, as HF computes them) for the torch ops. ``fused`` is the forward's choice for every op."""
+
+    def __init__(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, fused: bool):
+        self.fused, self.positions, self.inv_freq = fused, positions, inv_freq
+        if not fused:
+            freqs = positions.float()[:, None] * inv_freq.float()[None, :]  # [T, D/2] fp32, as HF computes
+            emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
+            self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 class Backbone(nn.Module):
@@ -155,6 +206,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         head_dim = self.model.layers[0].self_attn.head_dim
         self.register_buffer("inv_freq", inv_frequencies(config, head_dim), persistent=False)  # [D/2] fp32
+        self.fused_ops: bool | None = None  # None: on CUDA unless PDPOOL_FUSED_OPS=0 (see the module docstring)
 
     def bind_kv_cache(self, kv_cache: torch.Tensor, backend: AttentionBackend) -> None:
         """kv_cache: [num_blocks, num_layers, 2, block_size, Hkv, D]; each layer keeps its strided K and V views."""
@@ -165,12 +217,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden [T, H]
         x = self.model.embed_tokens(input_ids)
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, D/2] fp32, as HF computes
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        fused = self.fused_ops if self.fused_ops is not None else fused_ops_default(x.device)
+        rope = Rope(positions, self.inv_freq, x.dtype, fused)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rope)
+        return self.model.norm(x, residual, fused=fused)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [R, H] -> logits [R, V] float32

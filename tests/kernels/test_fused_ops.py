@@ -44,6 +44,21 @@ def test_rms_norm_matches_reference(with_residual, hidden, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_per_head_on_strided_views(dtype):
+    """Qwen3's q/k norm: [T, heads, D] rows of the fused qkv projection, normalized per (token, head)."""
+    hq, hkv, d = (32, 8, 128) if ON_GPU else (4, 2, 32)
+    qkv = rand(T, (hq + 2 * hkv) * d, dtype=dtype)
+    q = qkv[:, :hq * d].view(T, hq, d)
+    weight = (1 + 0.1 * torch.randn(d, device=DEVICE)).to(dtype)
+    out = poisoned_like(q.contiguous())
+    rms_norm(q, weight, 1e-6, out=out)
+    assert rel_err(out, rms_norm_ref(q, weight, 1e-6).float()) < TOLERANCE[dtype]
+    ref = rms_norm_ref(q, weight, 1e-6)
+    rms_norm(q, weight, 1e-6, out=q)  # in place, on the strided view
+    assert rel_err(q, ref.float()) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("scaling", [None, LLAMA3])
 def test_rotary_matches_reference(scaling, dtype):
     hq, hkv, d = (32, 8, 128) if ON_GPU else (4, 2, 32)

@@ -11,7 +11,8 @@ import torch
 from kernel_builders import (DEVICE, DTYPES, HEADS, ON_GPU, TOLERANCE, paged_step, poisoned_like,  # noqa: I001
                              queries, rel_err)
 from pdpool.engine.attention import get_backend
-from pdpool.kernels.decode_attention import paged_decode
+from pdpool.engine.cuda_graphs import bucket_sizes
+from pdpool.kernels.decode_attention import choose_num_splits, paged_decode
 from pdpool.kernels.paged_ref import paged_attention_ref
 from pdpool.kernels.prefill_attention import paged_prefill
 
@@ -54,6 +55,50 @@ def test_paged_decode_matches_reference(num_splits, hq, hkv, d, dtype):
     paged_decode(q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables, rows,
                  d ** -0.5, num_splits)
     assert rel_err(out, step_ref(q, k_cache, v_cache, meta, d ** -0.5)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_min_split_len_leaves_trailing_splits_empty(dtype):
+    hq, hkv, d = HEADS[0]
+    lens = [1, 17, 90, 31, 64] if not ON_GPU else [1, 17, 300, 1000, 4097]
+    meta, k_cache, v_cache, _ = paged_step([1] * len(lens), lens, hkv, d, dtype)
+    q = queries(meta, hq, d, dtype)
+    out = poisoned_like(q)
+    rows = torch.arange(len(lens), dtype=torch.int32, device=DEVICE)
+    paged_decode(q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables, rows,
+                 d ** -0.5, 8, min_split_len=32 if not ON_GPU else 256)
+    assert rel_err(out, step_ref(q, k_cache, v_cache, meta, d ** -0.5)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("num_sms", [4, 108, 132])
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 8])
+def test_num_splits_same_for_a_batch_and_its_graph_bucket(num_kv_heads, num_sms):
+    """A decode CUDA graph is planned for its bucket; the eager step it replaces must split the same way."""
+    for max_num_seqs in (8, 100, 256, 512):
+        buckets = bucket_sizes(max_num_seqs)
+        for n in range(1, max_num_seqs + 1):
+            bucket = next(b for b in buckets if b >= n)
+            assert choose_num_splits(n, num_kv_heads, num_sms) == choose_num_splits(bucket, num_kv_heads, num_sms)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_row_does_not_depend_on_its_batch(dtype):
+    """Through the backend: a request's output is bit-identical whatever the other rows' contexts are (the split
+    count follows the row count only), so graph replays and eager steps agree token for token."""
+    hq, hkv, d = HEADS[0]
+    lens = [600, 300] if not ON_GPU else [3000, 3, 700, 17]  # CPU: 2 rows, so the 4 fake SMs split them
+    meta, k_cache, v_cache, _ = paged_step([1] * len(lens), lens, hkv, d, dtype)
+    q = queries(meta, hq, d, dtype)
+    backend = get_backend("triton")
+    first = backend.forward(q, k_cache, v_cache, meta, d ** -0.5)
+    short = dict(vars(meta), plan={})  # the longest context gone: the old heuristic split differently
+    short["seq_lens"] = meta.seq_lens.clone()
+    short["seq_lens"][0] = 1
+    short["seq_lens_cpu"] = [1] + meta.seq_lens_cpu[1:]
+    short["max_seq_len"] = max(short["seq_lens_cpu"])
+    second = backend.forward(q, k_cache, v_cache, type(meta)(**short), d ** -0.5)
+    assert meta.plan["triton"].num_splits > 1
+    assert torch.equal(first[1:], second[1:])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,0 +1,98 @@
+"""The overlapped step loop (``LLMEngine.overlap_steps``, on by default on CUDA) gives what the plain loop gives.
+
+It runs here on the CPU, where the device work is synchronous, so only the bookkeeping is under test: placeholder
+tokens booked before sampling, filled before anything reads them, stop tokens seen one step late, the fallback
+for penalties and min_tokens, preemption, abort."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdpool import LLM, SamplingParams
+from pdpool.engine.llm_engine import PLACEHOLDER
+
+
+@pytest.fixture(scope="module")
+def llm(demo_model_dir):
+    return LLM("demo", dtype="float32", num_threads=1, max_num_seqs=3, max_model_len=256, num_kv_blocks=64)
+
+
+PROMPTS = ["The capital of Italy is", "1, 2, 3, 4,", "Hello! How are", "The ocean is", "In 1969, humans"]
+
+
+def run(llm, overlap: bool, params):
+    llm.engine.overlap_steps = overlap
+    streamed: dict[str, list[int]] = {}
+    engine = llm.engine
+    for i, (prompt, p) in enumerate(zip(PROMPTS, params)):
+        engine.add_request(f"{overlap}-{i}", prompt, p)
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert PLACEHOLDER not in out.output_token_ids and PLACEHOLDER not in out.new_token_ids
+            streamed.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                final[out.request_id] = out
+    assert engine._in_flight is None and not engine.scheduler.running
+    outs = [final[f"{overlap}-{i}"] for i in range(len(PROMPTS))]
+    for out in outs:
+        assert streamed[out.request_id] == out.output_token_ids
+    return [(o.output_token_ids, o.text, o.finish_reason, o.stop_reason,
+             [(e.token_id, round(e.logprob, 4)) for e in o.logprobs or []]) for o in outs]
+
+
+def test_overlapped_matches_plain_loop(llm):
+    """More prompts than max_num_seqs (admission as slots free), seeded sampling, logprobs, a stop token, a stop
+    string, EOS allowed."""
+    plain = run(llm, False, [SamplingParams(max_tokens=12, temperature=0.0)] * len(PROMPTS))
+    second = plain[0][0][1]
+    text = plain[1][1]
+    params = [SamplingParams(max_tokens=12, temperature=0.0, logprobs=2),
+              SamplingParams(max_tokens=12, temperature=0.8, seed=7),
+              SamplingParams(max_tokens=12, temperature=0.0, stop=[text.split()[1][:2]] if len(text.split()) > 1
+                             else []),
+              SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[second]),
+              SamplingParams(max_tokens=30, temperature=0.9, seed=3, top_p=0.9)]
+    params[3] = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[plain[3][0][2]])
+    assert run(llm, True, params) == run(llm, False, params)
+
+
+def test_penalties_and_min_tokens_take_the_plain_order(llm):
+    params = [SamplingParams(max_tokens=10, temperature=0.0, repetition_penalty=1.3),
+              SamplingParams(max_tokens=10, temperature=0.0, min_tokens=6, frequency_penalty=0.5),
+              SamplingParams(max_tokens=10, temperature=0.0, min_tokens=4),
+              SamplingParams(max_tokens=10, temperature=0.0),
+              SamplingParams(max_tokens=10, temperature=0.7, seed=1, presence_penalty=1.0)]
+    assert run(llm, True, params) == run(llm, False, params)
+
+
+def test_stop_token_on_the_length_cap_wins(llm):
+    (ids, *_), *_ = run(llm, False, [SamplingParams(max_tokens=3, temperature=0.0)] * len(PROMPTS))
+    params = [SamplingParams(max_tokens=3, temperature=0.0, stop_token_ids=[ids[2]])] * len(PROMPTS)
+    overlapped = run(llm, True, params)
+    assert overlapped == run(llm, False, params)
+    assert overlapped[0][2:4] == ("stop", ids[2])
+
+
+def test_preemption_and_abort_while_a_step_is_in_flight(demo_model_dir):
+    small = LLM("demo", dtype="float32", num_threads=1, max_num_seqs=4, max_model_len=256, num_kv_blocks=12)
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)] * 4
+    prompts = PROMPTS[:4]
+    small.engine.overlap_steps = False
+    plain = [o.output_token_ids for o in small.generate(prompts, params, use_tqdm=False)]
+    before = small.engine.scheduler.num_preemptions
+    small.engine.overlap_steps = True
+    overlapped = [o.output_token_ids for o in small.generate(prompts, params, use_tqdm=False)]
+    assert small.engine.scheduler.num_preemptions > before  # 12 blocks of 16 tokens cannot hold 4 x ~45 tokens
+    assert overlapped == plain
+
+    engine = small.engine
+    total = engine.stats()["num_total_blocks"]
+    engine.add_request("abort-me", "Tell me everything about", SamplingParams(max_tokens=100, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine._in_flight is not None
+    engine.abort_request(["abort-me"])
+    while engine.has_unfinished_requests():
+        assert engine.step() == []
+    assert engine.stats()["num_free_blocks"] == total

@@ -1,0 +1,67 @@
+"""The model's fused-kernel path (``fused_ops``: RMSNorm+residual, per-head q/k norm, rotary in place, SiLU-and-mul)
+against its torch path, over one mixed step (prefills and decodes) through the paged cache; Llama (llama3 rope,
+untied) and Qwen3 (q/k norm, tied). Under the interpreter on the CPU in fp32, compiled on a GPU in bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_builders import DEVICE, ON_GPU, rel_err  # noqa: I001  (first: sets TRITON_INTERPRET on the CPU)
+from pdpool.engine.attention import AttentionMetadata, get_backend, reset_context, set_context
+from pdpool.models.llama import LlamaForCausalLM, inv_frequencies
+
+DTYPE = torch.bfloat16 if ON_GPU else torch.float32
+TOL = 2e-2 if ON_GPU else 1e-5
+BLOCK = 16
+
+
+def tiny_config(arch: str):
+    from transformers import LlamaConfig, Qwen3Config
+
+    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=300, rms_norm_eps=1e-6, max_position_embeddings=512)
+    if arch == "Qwen3ForCausalLM":
+        return Qwen3Config(**common, tie_word_embeddings=True)
+    return LlamaConfig(**common, tie_word_embeddings=False, rope_theta=500000.0,
+                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+
+
+def build(arch: str) -> LlamaForCausalLM:
+    config = tiny_config(arch)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config, arch).to(DEVICE, DTYPE)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    model.inv_freq = inv_frequencies(config, 16).to(DEVICE)
+    return model.eval()
+
+
+def forward(model, fused: bool, ids, positions, meta, kv):
+    model.fused_ops = fused
+    model.bind_kv_cache(kv, get_backend("triton"))
+    set_context(AttentionMetadata(**{k: v for k, v in vars(meta).items() if k != "plan"}))
+    try:
+        with torch.inference_mode():
+            return model(ids, positions)
+    finally:
+        reset_context()
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_fused_path_matches_torch_path(arch):
+    model = build(arch)
+    # request 0 decodes at position 40 over a cached prefix, request 1 prefills 9 tokens, request 2 decodes at 3
+    query_lens, seq_lens = [1, 9, 1], [41, 9, 4]
+    need = [-(-n // BLOCK) for n in seq_lens]
+    perm = torch.randperm(sum(need) + 2).tolist()
+    blocks = [perm[:need[0]], perm[need[0]:need[0] + need[1]], perm[need[0] + need[1]:sum(need)]]
+    meta = AttentionMetadata.build(query_lens, seq_lens, blocks, BLOCK, device=DEVICE)
+    positions = torch.tensor([40, *range(9), 3], device=DEVICE)
+    ids = torch.randint(0, 300, (positions.numel(),), device=DEVICE)
+    kv = torch.randn(len(perm), 2, 2, BLOCK, 2, 16, device=DEVICE).to(DTYPE)  # the cached prefixes: random
+    ref = forward(model, False, ids, positions, meta, kv.clone())
+    out = forward(model, True, ids, positions, meta, kv.clone())
+    assert rel_err(out, ref.float()) < TOL
