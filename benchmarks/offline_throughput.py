@@ -154,7 +154,6 @@ def main() -> None:
     if args.child:
         return child()
 
-    sys.path.insert(0, str(ROOT))
     from pdpool.models.demo import resolve_model
 
     model = str(resolve_model("demo"))

@@ -21,6 +21,12 @@ def configs(gpu: list[triton.Config], interpreter: triton.Config) -> list[triton
     return gpu[:1] if os.environ.get("PDPOOL_KERNEL_AUTOTUNE", "1") == "0" else gpu
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision: full fp32 ("ieee") for fp32 inputs, which would otherwise be rounded to tf32 (about
+    1e-3 relative; enough to flip greedy near-ties against an fp32 reference); the native one for bf16/fp16."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def assert_last_dim_contiguous(name: str, t: torch.Tensor, ndim: int) -> None:
     assert t.dim() == ndim, f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}"
     assert t.stride(-1) == 1, f"{name}: last dim must be contiguous, strides {t.stride()}"

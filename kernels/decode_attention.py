@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdpool.kernels._launch import assert_last_dim_contiguous, assert_paged_cache, configs
+from pdpool.kernels._launch import assert_last_dim_contiguous, assert_paged_cache, configs, dot_precision
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256
@@ -45,7 +45,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
                          part_o_ptr, part_lse_ptr, out_ptr, scale_log2, num_splits, min_split_len,
                          stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
                          SINGLE: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     i = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -72,13 +72,13 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
         kv_off = blk[:, None] * stride_cb + (offs_n % BLOCK_SIZE)[:, None] * stride_ct + head + d[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
         v = tl.load(v_cache_ptr + kv_off, mask=valid[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * scale_log2  # [GROUP_P2, BLOCK_N]
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [GROUP_P2, BLOCK_N]
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     hq = h * GROUP + g
@@ -178,7 +178,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         SINGLE=num_splits == 1, BLOCK_SIZE=block_size, GROUP=group,
-        GROUP_P2=max(16, triton.next_power_of_2(group)), HEAD_DIM=D)
+        GROUP_P2=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, PRECISION=dot_precision(q.dtype))
     if num_splits == 1:
         return
     _decode_reduce_kernel[(Rd, Hq)](

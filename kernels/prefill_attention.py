@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdpool.kernels._launch import assert_last_dim_contiguous, assert_paged_cache, configs
+from pdpool.kernels._launch import assert_last_dim_contiguous, assert_paged_cache, configs, dot_precision
 
 LOG2E = 1.4426950408889634
 
@@ -24,7 +24,8 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _attend_tiles(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table, head, stride_cb, stride_ct,
                   lo, hi, q_pos, seq_len, scale_log2,
-                  BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+                  BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                  PRECISION: tl.constexpr):
     d = tl.arange(0, HEAD_DIM)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -38,7 +39,7 @@ def _attend_tiles(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table, head, strid
             k = tl.load(k_cache_ptr + kv_off, mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
         else:
             k = tl.load(k_cache_ptr + kv_off)
-        qk = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_M, BLOCK_N]
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
         if MASKED:
             allowed = (offs_n[None, :] <= q_pos[:, None]) & valid[None, :]
             qk = tl.where(allowed, qk, float("-inf"))
@@ -50,7 +51,7 @@ def _attend_tiles(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table, head, strid
             v = tl.load(v_cache_ptr + kv_off, mask=valid[:, None], other=0.0)
         else:
             v = tl.load(v_cache_ptr + kv_off)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -69,7 +70,7 @@ def _attend_tiles(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table, head, strid
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, rows_ptr,
                     scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch,
                     stride_bt, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     hq = tl.program_id(0)
     m_block = tl.num_programs(1) - 1 - tl.program_id(1)
     r = tl.load(rows_ptr + tl.program_id(2))
@@ -96,11 +97,11 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, se
     full_end = (prefix + m0) // BLOCK_N * BLOCK_N
     acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table, head, stride_cb, stride_ct,
                                   0, full_end, q_pos, seq_len, scale_log2,
-                                  BLOCK_SIZE, HEAD_DIM, BLOCK_N, MASKED=False)
+                                  BLOCK_SIZE, HEAD_DIM, BLOCK_N, MASKED=False, PRECISION=PRECISION)
     hi = tl.minimum(prefix + m0 + BLOCK_M, seq_len)
     acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table, head, stride_cb, stride_ct,
                                   full_end, hi, q_pos, seq_len, scale_log2,
-                                  BLOCK_SIZE, HEAD_DIM, BLOCK_N, MASKED=True)
+                                  BLOCK_SIZE, HEAD_DIM, BLOCK_N, MASKED=True, PRECISION=PRECISION)
     o = acc / l_i[:, None]
     tl.store(o_ptr + tok[:, None] * stride_ot + hq * stride_oh + d[None, :], o.to(o_ptr.dtype.element_ty),
              mask=row_ok[:, None])
@@ -133,4 +134,4 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, rows, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        BLOCK_SIZE=block_size, GROUP=Hq // Hkv, HEAD_DIM=D)
+        BLOCK_SIZE=block_size, GROUP=Hq // Hkv, HEAD_DIM=D, PRECISION=dot_precision(q.dtype))

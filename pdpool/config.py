@@ -80,8 +80,8 @@ class DeviceConfig:
     device: str = opt("cpu", "Where the engine runs.", choices=DEVICES, crd="engine.device")
     enforce_eager: bool = opt(False, "Disable CUDA graphs.")
     num_threads: int | None = opt(None, "torch intra-op threads on CPU (default: torch's).", ge=1)
-    attention_backend: str = opt("auto", "Attention implementation; auto is triton on CUDA, torch on CPU.",
-                                 choices=("auto", "torch", "triton"))
+    attention_backend: str = opt("auto", "Attention implementation; auto is triton on CUDA, cpu (torch with a "
+                                 "native decode kernel) on CPU.", choices=("auto", "torch", "cpu", "triton"))
 
 
 @dataclass

@@ -19,8 +19,8 @@ Caches are the per-layer strided views of the node's KV tensor (see docs/archite
     block_tables[r, p // block_size] at offset p % block_size
 
 A backend implements two calls: ``write_kv`` (store the step's new K/V at ``slot_mapping``, -1 = padding, written
-nowhere) and ``forward`` (attend from the cache). ``get_backend(name)`` picks one: "torch" here, "triton" from
-``pdpool.kernels.attention.TritonAttentionBackend``.
+nowhere) and ``forward`` (attend from the cache). ``get_backend(name)`` picks one: "torch" here, "cpu" (this one
+with a native decode kernel, ``pdpool.kernels.cpu_attention``) and "triton" (``pdpool.kernels.attention``).
 """
 
 from __future__ import annotations
@@ -131,16 +131,7 @@ class TorchAttentionBackend(AttentionBackend):
         plan = meta.plan.get("torch") or meta.plan.setdefault("torch", _plan(meta, q.device))
         out = torch.empty_like(q)  # [T, Hq, D]
         if plan["decode_tokens"] is not None:
-            # Whole blocks at once: one contiguous [block_size, Hkv, D] copy per block, not one per token.
-            tables = plan["decode_tables"]  # [Rd, nb]
-            rd, nb = tables.shape
-            context = (rd, nb * k_cache.shape[1], k_cache.shape[2], k_cache.shape[3])
-            k = k_cache.index_select(0, tables.flatten()).view(context).transpose(1, 2)  # [Rd, Hkv, S, D]
-            v = v_cache.index_select(0, tables.flatten()).view(context).transpose(1, 2)
-            qd = q[plan["decode_tokens"]].unsqueeze(2)  # [Rd, Hq, 1, D]
-            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=plan["decode_mask"], scale=scale,
-                                               enable_gqa=True)  # [Rd, Hq, 1, D]
-            out[plan["decode_tokens"]] = o.squeeze(2)
+            self._decode(q, k_cache, v_cache, plan, scale, out)
         for start, end, blocks, length, mask in plan["prefills"]:
             context = (-1, k_cache.shape[2], k_cache.shape[3])
             k = k_cache.index_select(0, blocks).view(context)[:length].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
@@ -150,6 +141,19 @@ class TorchAttentionBackend(AttentionBackend):
                                                enable_gqa=True)
             out[start:end] = o[0].transpose(0, 1)
         return out
+
+    def _decode(self, q, k_cache, v_cache, plan, scale, out) -> None:
+        """The decode rows (query_len 1) into ``out``, in one padded batch."""
+        # Whole blocks at once: one contiguous [block_size, Hkv, D] copy per block, not one per token.
+        tables = plan["decode_tables"]  # [Rd, nb]
+        rd, nb = tables.shape
+        context = (rd, nb * k_cache.shape[1], k_cache.shape[2], k_cache.shape[3])
+        k = k_cache.index_select(0, tables.flatten()).view(context).transpose(1, 2)  # [Rd, Hkv, S, D]
+        v = v_cache.index_select(0, tables.flatten()).view(context).transpose(1, 2)
+        qd = q[plan["decode_tokens"]].unsqueeze(2)  # [Rd, Hq, 1, D]
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=plan["decode_mask"], scale=scale,
+                                           enable_gqa=True)  # [Rd, Hq, 1, D]
+        out[plan["decode_tokens"]] = o.squeeze(2)
 
 
 def _plan(meta: AttentionMetadata, device: torch.device) -> dict[str, Any]:
@@ -170,6 +174,7 @@ def _plan(meta: AttentionMetadata, device: torch.device) -> dict[str, Any]:
         plan["decode_tokens"] = torch.tensor([starts[r] for r in decode_rows], device=device)
         lens = torch.tensor([meta.seq_lens_cpu[r] for r in decode_rows], device=device)
         plan["decode_mask"] = (pos[None, :] < lens[:, None])[:, None, None, :]  # [Rd, 1, 1, S]
+        plan["decode_lens"] = lens
     for r, n in enumerate(meta.query_lens_cpu):
         if n == 1:
             continue
@@ -194,6 +199,7 @@ def _write_plan(slot_mapping: torch.Tensor, block_size: int):
 
 BACKENDS = {
     "torch": "pdpool.engine.attention:TorchAttentionBackend",
+    "cpu": "pdpool.kernels.cpu_attention:CpuAttentionBackend",
     "triton": "pdpool.kernels.attention:TritonAttentionBackend",
 }
 

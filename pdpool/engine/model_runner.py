@@ -281,7 +281,8 @@ class ModelRunner:
 
 
 def _pick_backend(name: str, device: torch.device) -> AttentionBackend:
-    """'auto' is triton on CUDA (torch if the kernels cannot be imported), torch elsewhere."""
+    """'auto' is triton on CUDA (torch if the kernels cannot be imported), cpu on the CPU (torch if its native
+    decode kernel cannot be built)."""
     if name != "auto":
         return get_backend(name)
     if device.type == "cuda":
@@ -289,6 +290,12 @@ def _pick_backend(name: str, device: torch.device) -> AttentionBackend:
             return get_backend("triton")
         except ImportError as e:
             log.warning("triton attention backend unavailable (%s); using torch", e)
+    elif device.type == "cpu":
+        from pdpool.kernels import cpu_attention
+
+        if cpu_attention.available():
+            return get_backend("cpu")
+        log.warning("the CPU decode kernel is unavailable; using the torch attention backend")
     return get_backend("torch")
 
 
