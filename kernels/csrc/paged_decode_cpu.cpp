@@ -43,6 +43,17 @@ inline const float* as_float(const scalar_t* row, int64_t d, float* buf) {
   }
 }
 
+// A softmax weight as it multiplies V: rounded to the cache dtype first for bf16/fp16 (the normalizer keeps the
+// fp32 values), as torch's CPU flash attention does, so reduced-precision decode rounds as SDPA does.
+template <typename scalar_t>
+inline float weight(float p) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return p;
+  } else {
+    return static_cast<float>(static_cast<scalar_t>(p));
+  }
+}
+
 constexpr int64_t kMaxGroup = 16;
 constexpr int64_t kMaxBlock = 256;
 constexpr int64_t kAhead = 4;  // blocks prefetched ahead of use
@@ -135,7 +146,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
             for (int64_t g = 0; g < group; ++g) a[g] = load8(acc.data() + (h * group + g) * d + 8 * c);
             for (int64_t t = 0; t < m; ++t) {
               const v8 vc = load8(v[t] + 8 * c);
-              for (int64_t g = 0; g < group; ++g) a[g] += scores[(h * group + g) * n + t0 + t] * vc;
+              for (int64_t g = 0; g < group; ++g) a[g] += weight<scalar_t>(scores[(h * group + g) * n + t0 + t]) * vc;
             }
             for (int64_t g = 0; g < group; ++g) store8(acc.data() + (h * group + g) * d + 8 * c, a[g]);
           }
