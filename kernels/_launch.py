@@ -40,6 +40,25 @@ def assert_paged_cache(name: str, cache: torch.Tensor, like: torch.Tensor | None
         assert cache.dtype == like.dtype and cache.device == like.device
 
 
+def check_attention_args(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                         rows: torch.Tensor) -> tuple[int, int, int, int]:
+    """The paged attention wrappers' shared checks; returns (Hq, D, block_size, Hkv)."""
+    assert_last_dim_contiguous("q", q, 3)
+    assert_last_dim_contiguous("out", out, 3)
+    assert_paged_cache("k_cache", k_cache)
+    assert_paged_cache("v_cache", v_cache, like=k_cache)
+    _, Hq, D = q.shape
+    _, block_size, Hkv, Dc = k_cache.shape
+    assert out.shape == q.shape and Dc == D and Hq % Hkv == 0, f"q {tuple(q.shape)} vs cache {tuple(k_cache.shape)}"
+    assert q.dtype == k_cache.dtype == out.dtype and D == triton.next_power_of_2(D) and D >= 16
+    for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("rows", rows)):
+        assert t.dtype == torch.int32 and t.dim() == 1 and t.is_contiguous() and t.device == q.device, name
+    assert block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.stride(1) == 1
+    assert seq_lens.numel() == block_tables.shape[0] == query_start_loc.numel() - 1
+    return Hq, D, block_size, Hkv
+
+
 def _fix_interpreter_scalar_index() -> None:
     """Triton 3.6's interpreter holds scalars as 1-element arrays and turns them into loop bounds with ``int()``,
     which NumPy >= 2.4 refuses for 1-d arrays; kernels whose loop bounds are loaded values (every paged kernel

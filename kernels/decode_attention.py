@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdpool.kernels._launch import assert_last_dim_contiguous, assert_paged_cache, configs, dot_precision
+from pdpool.kernels._launch import check_attention_args, configs, dot_precision
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256
@@ -153,18 +153,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     q, out: [T, Hq, D]; caches: [num_blocks, block_size, Hkv, D] strided views; rows: [Rd] int32 request indices
     (each with query_len 1); workspace: ``decode_workspace(Rd, Hq, D, num_splits)``, reusable across layers;
     min_split_len: no split shorter than this many tokens (later splits stay empty)."""
-    assert_last_dim_contiguous("q", q, 3)
-    assert_last_dim_contiguous("out", out, 3)
-    assert_paged_cache("k_cache", k_cache)
-    assert_paged_cache("v_cache", v_cache, like=k_cache)
-    T, Hq, D = q.shape
-    _, block_size, Hkv, Dc = k_cache.shape
-    assert out.shape == q.shape and Dc == D and Hq % Hkv == 0, f"q {tuple(q.shape)} vs cache {tuple(k_cache.shape)}"
-    assert q.dtype == k_cache.dtype == out.dtype and D == triton.next_power_of_2(D) and D >= 16
-    for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("rows", rows)):
-        assert t.dtype == torch.int32 and t.dim() == 1 and t.is_contiguous() and t.device == q.device, name
-    assert block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.stride(1) == 1
-    assert seq_lens.numel() == block_tables.shape[0] == query_start_loc.numel() - 1
+    Hq, D, block_size, Hkv = check_attention_args(q, out, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+                                                  rows)
     Rd = rows.numel()
     if Rd == 0:
         return

@@ -6,15 +6,12 @@ conversion across runs). Servers are ``pdpool serve`` subprocesses on free ports
 
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from node_process import NodeProcess
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -41,48 +38,20 @@ def demo_model_dir(pdpool_cache) -> Path:
     return Path(resolve_model("demo"))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
+class Server(NodeProcess):
     """A ``pdpool serve`` subprocess."""
 
     def __init__(self, args: list[str], log_path: Path, api_key: str | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.base_url = self.url + "/v1"
+        super().__init__("server")
         self.api_key = api_key
-        self.log_path = log_path
-        argv = [sys.executable, "-m", "pdpool.cli", "serve", "--model", "demo", "--host", "127.0.0.1",
-                "--port", str(self.port), "--num-threads", "1", *args]
         env = dict(os.environ)
         env.pop("PDPOOL_API_KEY", None)
         if api_key:
             env["PDPOOL_API_KEY"] = api_key  # from the environment, not argv
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-
-    def log_tail(self, n: int = 4000) -> str:
-        return self.log_path.read_bytes()[-n:].decode(errors="replace")
+        self._launch(list(args), env, log_path)
 
     def wait_ready(self, timeout: float = SERVER_START_TIMEOUT) -> "Server":
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                r = httpx.get(self.url + "/health/ready", timeout=2)
-                if r.status_code == 200:
-                    return self
-                if r.json().get("status") == "failed":
-                    raise RuntimeError(f"engine failed to load:\n{self.log_tail()}")
-            time.sleep(0.3)
-        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log_tail()}")
+        return super().wait_ready(timeout)
 
     def client(self, **kw):
         import openai
@@ -113,29 +82,6 @@ class Server:
 
     def headers(self) -> dict:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-    def metrics(self) -> dict[str, float]:
-        """``/metrics`` as {'name{label="v"}': value} (labels sorted), plus plain names for unlabeled ones."""
-        import httpx
-        from prometheus_client.parser import text_string_to_metric_families
-
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        values: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-                values[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-        return values
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
 
 
 @pytest.fixture(scope="session")

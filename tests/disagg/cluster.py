@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: redis_server
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: node_process, redis_server
 sys.path.insert(0, str(Path(__file__).resolve().parent))       # tests/disagg: proxy
-from redis_server import free_port  # noqa: E402
+from node_process import NodeProcess  # noqa: E402
 
 UCX_TLS = "tcp,self"
 INTERNAL_TOKEN = "internal-test-token"
@@ -26,72 +25,32 @@ REDIS_PASSWORD = "test-secret"
 BLOCK_SIZE = 16
 
 
-class Node:
+class Node(NodeProcess):
     """A node process (``pdpool serve --role ...``); ``restart()`` brings it back on the same port."""
 
     def __init__(self, name: str, role: str, flags: list[str], log_dir: Path, redis_url: str | None) -> None:
-        self.name = name
+        super().__init__(name)
         self.role = role
         self.flags = flags
         self.log_dir = log_dir
         self.redis_url = redis_url
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.base_url = self.url + "/v1"
         self.api_key = None
         self.starts = 0
         self._spawn()
 
     def _spawn(self) -> None:
         self.starts += 1
-        self.log_path = self.log_dir / f"{self.name}-{self.starts}.log"
-        argv = [sys.executable, "-m", "pdpool.cli", "serve", "--model", "demo", "--host", "127.0.0.1",
-                "--port", str(self.port), "--num-threads", "1", "--role", self.role, "--node-id", self.name,
-                "--ucx-tls", UCX_TLS, "--dtype", "float32", "--block-size", str(BLOCK_SIZE),
-                "--max-model-len", "512", "--num-kv-blocks", "96", *self.flags]
+        flags = ["--role", self.role, "--node-id", self.name, "--ucx-tls", UCX_TLS, "--dtype", "float32",
+                 "--block-size", str(BLOCK_SIZE), "--max-model-len", "512", "--num-kv-blocks", "96", *self.flags]
         if self.redis_url:
-            argv += ["--redis", self.redis_url, "--heartbeat-seconds", "0.2"]
+            flags += ["--redis", self.redis_url, "--heartbeat-seconds", "0.2"]
         env = dict(os.environ, PDPOOL_TEST_HOOKS="1", PDPOOL_INTERNAL_TOKEN=INTERNAL_TOKEN,
                    PDPOOL_REDIS_PASSWORD=REDIS_PASSWORD, UCX_TLS=UCX_TLS)
         env.pop("PDPOOL_API_KEY", None)
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-
-    def log_tail(self, n: int = 4000) -> str:
-        return self.log_path.read_bytes()[-n:].decode(errors="replace")
+        self._launch(flags, env, self.log_dir / f"{self.name}-{self.starts}.log")
 
     def wait_ready(self, timeout: float = 300.0) -> "Node":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/health/ready", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{self.name} not ready after {timeout}s:\n{self.log_tail()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-
-    def metrics(self) -> dict[str, float]:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        values: dict[str, float] = {}
-        for family in text_string_to_metric_families(httpx.get(self.url + "/metrics", timeout=10).text):
-            for s in family.samples:
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-                values[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-        return values
+        return super().wait_ready(timeout)
 
     def complete(self, body: dict) -> dict:
         r = httpx.post(self.base_url + "/completions", json=body, timeout=120)
