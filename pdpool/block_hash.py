@@ -62,9 +62,15 @@ def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int],
 def hash_prompt_blocks(token_ids: Sequence[int], block_size: int, root: BlockHash,
                        extra_keys: Sequence[str] = ()) -> list[BlockHash]:
     """Hashes of every full block of ``token_ids``; a trailing partial block has none."""
-    hashes: list[BlockHash] = []
-    parent = root
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
+    return extend_block_hashes([], token_ids, block_size, root, extra_keys)
+
+
+def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, root: BlockHash,
+                        extra_keys: Sequence[str] = ()) -> list[BlockHash]:
+    """Append to ``hashes`` (those of the leading full blocks of ``token_ids``) the hashes of the blocks that are
+    full now; returns ``hashes``. A request's hashes grow this way as its output fills blocks."""
+    parent = hashes[-1] if hashes else root
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
         parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra_keys)
         hashes.append(parent)
     return hashes

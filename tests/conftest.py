@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from node_process import NodeProcess
+from pdpool.node_process import NodeProcess
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -48,7 +48,7 @@ class Server(NodeProcess):
         env.pop("PDPOOL_API_KEY", None)
         if api_key:
             env["PDPOOL_API_KEY"] = api_key  # from the environment, not argv
-        self._launch(list(args), env, log_path)
+        self.launch(self.serve_argv(list(args)), env, log_path)
 
     def wait_ready(self, timeout: float = SERVER_START_TIMEOUT) -> "Server":
         return super().wait_ready(timeout)

@@ -8,13 +8,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from pdpool.block_hash import ModelFingerprint, hash_block_tokens, root_hash
+from pdpool.block_hash import ModelFingerprint, extend_block_hashes, root_hash
 from pdpool.engine.block_pool import BlockPool, KVBlock
 from pdpool.engine.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from pdpool.utils import cdiv
 
 
 class KVCacheManager:
@@ -45,11 +42,8 @@ class KVCacheManager:
 
     def update_block_hashes(self, request: Request) -> None:
         """Extend ``request.block_hashes`` to every full block of ``request.all_token_ids``."""
-        hashes, tokens, size = request.block_hashes, request.all_token_ids, self.block_size
-        parent = hashes[-1] if hashes else root_hash(self.fingerprint, request.cache_salt)
-        for start in range(len(hashes) * size, len(tokens) - size + 1, size):
-            parent = hash_block_tokens(parent, tokens[start:start + size])
-            hashes.append(parent)
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
+                            root_hash(self.fingerprint, request.cache_salt))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of full blocks and its token count; takes no reference.

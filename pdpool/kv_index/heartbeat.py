@@ -39,6 +39,12 @@ class NodeInfo:
     draining: bool = False
     load: NodeLoad = field(default_factory=NodeLoad)
     protocol_version: int = PROTOCOL_VERSION
+    # The block-hash fingerprint ({"model_id", "dtype", "block_size"}: pdpool.block_hash.ModelFingerprint), so a
+    # router hashes prompts as this node does, and refuses a node whose hashes could never match its own.
+    fingerprint: dict | None = None
+    # Prefix-cache counters since the node started (tokens looked up, tokens found), for `pdpool status`.
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

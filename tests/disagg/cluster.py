@@ -17,7 +17,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: node_process, redis_server
 sys.path.insert(0, str(Path(__file__).resolve().parent))       # tests/disagg: proxy
-from node_process import NodeProcess  # noqa: E402
+from pdpool.node_process import NodeProcess  # noqa: E402
 
 UCX_TLS = "tcp,self"
 INTERNAL_TOKEN = "internal-test-token"
@@ -47,7 +47,7 @@ class Node(NodeProcess):
         env = dict(os.environ, PDPOOL_TEST_HOOKS="1", PDPOOL_INTERNAL_TOKEN=INTERNAL_TOKEN,
                    PDPOOL_REDIS_PASSWORD=REDIS_PASSWORD, UCX_TLS=UCX_TLS)
         env.pop("PDPOOL_API_KEY", None)
-        self._launch(flags, env, self.log_dir / f"{self.name}-{self.starts}.log")
+        self.launch(self.serve_argv(flags), env, self.log_dir / f"{self.name}-{self.starts}.log")
 
     def wait_ready(self, timeout: float = 300.0) -> "Node":
         return super().wait_ready(timeout)

@@ -1,0 +1,222 @@
+"""The request front end, shared by a node and the router: tokenizer, chat template, prompt validation, block hashes.
+
+A node and the router must turn the same request into the same token ids and the same block hashes, or the
+router's prefix scores are fiction. Both build a ``Frontend`` from the model folder and call it the same way::
+
+    frontend = Frontend.from_model("demo")                    # or a local Hugging Face folder
+    ids = frontend.encode_prompt(prompt, add_special_tokens)  # str or token ids -> validated ids
+    text = frontend.render_chat(messages)                     # the model's chat template
+    hashes = frontend.block_hashes(ids, fingerprint, salt)    # the engines' own prefix-cache hashes
+
+The policy for special tokens is one rule: a completion prompt gets them (BOS where the tokenizer adds one); a
+chat prompt does not, because the template already wrote them.
+
+It reads ``tokenizer.json`` with the ``tokenizers`` library and renders the chat template with jinja2 the way
+transformers does (a sandbox, ``trim_blocks``, ``lstrip_blocks``, ``raise_exception``, ``tojson``,
+``strftime_now``); it never imports torch or transformers, so the router stays light. The one exception is the
+demo model's first use, whose one-time GGUF conversion needs transformers (``pdpool.models.demo``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Sequence
+
+from pdpool.block_hash import BlockHash, ModelFingerprint, hash_prompt_blocks, root_hash
+
+
+class PromptError(ValueError):
+    """A prompt the front end refuses (empty, token ids out of the vocabulary, too long); ``param`` names the
+    request field for the API's 400."""
+
+    def __init__(self, message: str, param: str | None = "prompt") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """What the front end reads of a model folder: plain JSON, no weights."""
+    path: Path
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]   # every id that ends generation (generation_config.json first, then config.json)
+
+    @classmethod
+    def read(cls, path: Path) -> "ModelFiles":
+        config = _read_json(path / "config.json") or {}
+        text_config = config.get("text_config") or {}
+        vocab = config.get("vocab_size") or text_config.get("vocab_size")
+        if not isinstance(vocab, int) or vocab <= 0:
+            raise ValueError(f"{path}/config.json has no vocab_size")
+        eos: list[int] = []
+        generation = _read_json(path / "generation_config.json") or {}
+        for value in (generation.get("eos_token_id"), config.get("eos_token_id")):
+            for token in ([value] if isinstance(value, int) else value or []):
+                if isinstance(token, int) and token not in eos:
+                    eos.append(token)
+        return cls(path, vocab, tuple(eos))
+
+
+def _read_json(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _token_text(value) -> str | None:
+    """A special token from tokenizer_config.json: a string, or an AddedToken dict with 'content'."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class Tokenizer:
+    """A Hugging Face fast tokenizer read with ``tokenizers``: encode, decode, and the chat template."""
+
+    SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer as _Tokenizer
+
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"{path} has no tokenizer.json (only fast tokenizers are supported)")
+        self._tok = _Tokenizer.from_file(str(file))
+        config = _read_json(path / "tokenizer_config.json") or {}
+        self.special_tokens = {name: _token_text(config.get(name)) for name in self.SPECIAL_NAMES}
+        self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+        self.chat_template = _chat_template(path, config)
+        eos = self.special_tokens.get("eos_token")
+        self.eos_token_id = self._tok.token_to_id(eos) if eos else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        text = self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        return _clean_up_spaces(text) if self.clean_up_tokenization_spaces else text
+
+    def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str | None]:
+        return [self._tok.id_to_token(t) for t in token_ids]
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise ValueError("this model's tokenizer has no chat template")
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+                                     documents=None, **{k: v for k, v in self.special_tokens.items() if v})
+
+    @cached_property
+    def _template(self):
+        if self.chat_template is None:
+            return None
+        from jinja2.exceptions import TemplateError
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str):
+            raise TemplateError(message)
+
+        def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                              sort_keys=sort_keys)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        return env.from_string(self.chat_template)
+
+
+def _chat_template(path: Path, config: dict) -> str | None:
+    jinja = path / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    template = config.get("chat_template") or (_read_json(path / "chat_template.json") or {}).get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) else None
+
+
+_CLEAN_UP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+             (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+
+
+def _clean_up_spaces(text: str) -> str:
+    """The English-punctuation clean-up of older tokenizers (``clean_up_tokenization_spaces``)."""
+    for before, after in _CLEAN_UP:
+        text = text.replace(before, after)
+    return text
+
+
+class Frontend:
+    """Turns requests into validated token ids and block hashes; see the module docstring."""
+
+    def __init__(self, files: ModelFiles, tokenizer: Tokenizer) -> None:
+        self.files = files
+        self.tokenizer = tokenizer
+        self.vocab_size = files.vocab_size
+        self.eos_token_ids = files.eos_token_ids
+
+    @classmethod
+    def from_model(cls, model: str) -> "Frontend":
+        """``model``: 'demo' or a local folder (never downloaded)."""
+        from pdpool.models.demo import resolve_model
+
+        path = resolve_model(model)
+        return cls(ModelFiles.read(path), Tokenizer(path))
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The chat template applied to ``messages``; raises ``PromptError`` (param ``messages``) when it fails."""
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt)
+        except Exception as exc:  # noqa: BLE001 - a template error is the client's message list
+            raise PromptError(f"cannot apply the chat template: {exc}", param="messages") from None
+
+    def encode_prompt(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt (text, or ids checked against the vocabulary); raises ``PromptError``."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens)
+        else:
+            ids = list(prompt)
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise PromptError(f"prompt token ids must be in [0, {self.vocab_size}) (the vocab size); "
+                                  f"got {bad[:5]}")
+        if not ids:
+            raise PromptError("the prompt is empty")
+        return ids
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+        """The request's output budget: ``max_tokens``, or what the context leaves when it is None. Raises
+        ``PromptError`` when the prompt and the completion do not fit in ``max_model_len``."""
+        n, limit = num_prompt_tokens, max_model_len
+        if max_tokens is None:
+            if n >= limit:
+                raise PromptError(f"This model's maximum context length is {limit} tokens. However, your prompt "
+                                  f"has {n} tokens, which leaves no room for the completion.")
+            return limit - n
+        if n + max_tokens > limit:
+            raise PromptError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion). "
+                f"Please reduce the length of the prompt or max_tokens.",
+                param="prompt" if n >= limit else "max_tokens")
+        return max_tokens
+
+    def check_token_ids(self, token_ids: Sequence[int], param: str) -> None:
+        """Token ids a request names (``stop_token_ids``, ...) must be in the vocabulary."""
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise PromptError(f"'{param}' must hold token ids in [0, {self.vocab_size}); got {bad[:5]}", param=param)
+
+    @staticmethod
+    def block_hashes(token_ids: Sequence[int], fingerprint: ModelFingerprint,
+                     cache_salt: str | None = None) -> list[BlockHash]:
+        """The engines' prefix-cache hashes of every full block of ``token_ids``."""
+        return hash_prompt_blocks(token_ids, fingerprint.block_size, root_hash(fingerprint, cache_salt))
