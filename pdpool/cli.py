@@ -1,4 +1,4 @@
-"""``pdpool`` command line: ``pdpool serve ...`` (a node) and ``pdpool operator ...``.
+"""``pdpool`` command line: ``pdpool serve`` (a node), ``pdpool router``, ``pdpool build-kernels``, ``pdpool operator``.
 
 Every ``serve`` flag comes from the config schema (``pdpool/config.py``); nothing is declared here twice.
 """
@@ -26,6 +26,18 @@ def _serve(argv: list[str]) -> int:
     return 0
 
 
+def _router(argv: list[str]) -> int:
+    from pdpool.router.main import main as router_main  # no torch: the router only tokenizes
+
+    return router_main(argv) or 0
+
+
+def _build_kernels(argv: list[str]) -> int:
+    from pdpool.kernels.build import main as build_main
+
+    return build_main(argv) or 0
+
+
 def _operator(argv: list[str]) -> int:
     from pdpool.operator.main import main as operator_main  # written by the operator; optional deps
 
@@ -34,6 +46,8 @@ def _operator(argv: list[str]) -> int:
 
 COMMANDS = {
     "serve": (_serve, "serve a model over the OpenAI API (one node)"),
+    "router": (_router, "run the pool's OpenAI gateway (prefix- and load-aware prefill/decode routing)"),
+    "build-kernels": (_build_kernels, "build the native CPU kernels ahead of serving"),
     "operator": (_operator, "run the Kubernetes operator for InferencePool resources"),
 }
 
