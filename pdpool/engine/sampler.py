@@ -9,6 +9,8 @@ default `raw_logprobs`, so a token's reported logprob does not depend on the req
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +35,9 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 
 
 class Sampler:
-    def __init__(self, eos_token_id: int | None = None, seed: int | None = None):
-        self.eos_token_id = eos_token_id  # masked, with stop_token_ids, until min_tokens are out
+    def __init__(self, eos_token_ids: Sequence[int] | int | None = (), seed: int | None = None):
+        # Every EOS id is masked, with stop_token_ids, until min_tokens are out.
+        self.eos_token_ids = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids or ())
         self.seed = seed
         self._shared: torch.Generator | None = None  # for unseeded requests, made on the logits' device
 
@@ -79,8 +82,8 @@ class Sampler:
             if len(output_token_ids[i]) >= p.min_tokens:
                 continue
             stop_ids = list(p.stop_token_ids)
-            if self.eos_token_id is not None and not p.ignore_eos:
-                stop_ids.append(self.eos_token_id)
+            if not p.ignore_eos:
+                stop_ids += self.eos_token_ids
             if stop_ids:
                 masked = logits.clone() if masked is logits else masked
                 masked[i, stop_ids] = float("-inf")

@@ -141,6 +141,6 @@ def test_min_tokens_masks_eos_and_stop_token_ids():
     params = [SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2], logprobs=0),
               SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2]),
               SamplingParams(temperature=0, min_tokens=2, ignore_eos=True)]
-    out = Sampler(eos_token_id=1).sample(logits, params, [[0]] * 3, [[3], [3, 3], [3]], [None] * 3)
+    out = Sampler(eos_token_ids=[1]).sample(logits, params, [[0]] * 3, [[3], [3, 3], [3]], [None] * 3)
     assert out.token_ids == [3, 1, 1]
     assert out.logprobs[0] == logits.log_softmax(-1)[0, 3].item()  # logprobs stay raw
