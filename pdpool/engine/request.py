@@ -41,7 +41,7 @@ class Request:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: Any, *,
-                 eos_token_id: int | None = None, arrival_time: float | None = None, priority: int = 0,
+                 eos_token_ids: Sequence[int] = (), eos_token_id: int | None = None, arrival_time: float | None = None, priority: int = 0,
                  cache_salt: str | None = None, output_token_ids: Sequence[int] = (), kv_load: Any = None,
                  hold_blocks_on_finish: bool = False) -> None:
         if not prompt_token_ids:
@@ -49,7 +49,8 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.eos_token_id = eos_token_id
+        # Every id that ends generation (Llama-3-Instruct has three); ``eos_token_id`` adds one more.
+        self.eos_token_ids = frozenset(eos_token_ids) | ({eos_token_id} if eos_token_id is not None else set())
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt

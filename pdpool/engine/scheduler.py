@@ -263,7 +263,7 @@ class Scheduler:
         params = request.sampling_params
         last = request.output_token_ids[-1]
         if request.num_output_tokens >= request.min_tokens:
-            if last == request.eos_token_id and not getattr(params, "ignore_eos", False):
+            if last in request.eos_token_ids and not getattr(params, "ignore_eos", False):
                 return RequestStatus.FINISHED_STOPPED
             if last in (getattr(params, "stop_token_ids", None) or ()):
                 request.stop_reason = last
