@@ -5,33 +5,66 @@ temperature, top-k, top-p, min-p, and the draw. Greedy rows take the argmax of t
 
 Logprobs (sampled token and top-n) come from the raw model logits, log_softmax before any processing: vLLM's
 default `raw_logprobs`, so a token's reported logprob does not depend on the request's sampling settings.
+
+One request's failure is its own. ``SamplingParams.validate`` keeps bad values out, but should a request's own work
+still raise (its stop-token masking, its penalties, its top-k/top-p/min-p, its seeded generator), that row fails
+alone: ``SamplerOutput.failed`` maps its row to the error message, its ``token_ids`` entry is -1 and its logprobs
+NaN, and every other row is sampled as if it had not been in the batch (a seeded row draws from its own generator
+only, so its tokens do not change). The caller finishes the failed requests with an error and keeps the others.
+The batched ops run inside one ``try``; only after one of them raises are they repeated row by row to find the
+failing rows, so a step where nothing fails pays no per-request Python for it. Token ids given to the sampler
+(stop ids, prompt and output ids) must be below V: the masking checks its ids first, because an out-of-range index
+is a device-side assert on CUDA that no ``try`` can catch.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
-
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import torch
 
-from pdpool.engine.sampling_params import SamplingParams
+from pdpool.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, SamplingParamsError
 
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]
+    token_ids: list[int]  # one per row; -1 for a failed row
     logprobs: list[float]  # of each sampled token; NaN for every row when no request asked for logprobs
     top_logprobs: list[list[tuple[int, float]]] | None  # None when no request asked; [] for those that did not
+    failed: dict[int, str] = field(default_factory=dict)  # row -> why that request failed; {} when none did
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator for one request; ``SamplingParamsError`` for a seed outside ``[SEED_MIN, SEED_MAX]``."""
+    if seed is not None and not (isinstance(seed, int) and SEED_MIN <= seed <= SEED_MAX):
+        raise SamplingParamsError("seed", f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {seed!r}")
     gen = torch.Generator(device=device)
     if seed is None:
         gen.seed()
     else:
         gen.manual_seed(seed)
     return gen
+
+
+def _reason(exc: BaseException) -> str:
+    return f"sampling failed: {type(exc).__name__}: {exc}"
+
+
+def _isolated(run: Callable[[list[int]], object], rows: list[int], failed: dict[int, str]) -> list:
+    """``[run(rows)]``; if that raises, ``run([row])`` for each row: the rows that raise go into ``failed``, the
+    results of the others come back in row order (``run`` must leave nothing half done when it raises)."""
+    try:
+        return [run(rows)]
+    except Exception:  # noqa: BLE001 - some row failed: find which, below
+        pass
+    results = []
+    for row in rows:
+        try:
+            results.append(run([row]))
+        except Exception as exc:  # noqa: BLE001 - this request fails alone
+            failed[row] = _reason(exc)
+    return results
 
 
 class Sampler:
@@ -49,26 +82,51 @@ class Sampler:
         output_token_ids: list[list[int]],
         generators: list[torch.Generator | None],
     ) -> SamplerOutput:
+        """One token per row. A row whose own work raises is reported in ``failed`` (see the module docstring)."""
+        failed: dict[int, str] = {}
         logits = logits.float()
-        processed = self._mask_min_tokens(logits, params, output_token_ids)
-        if any(p.has_penalties for p in params):
-            processed = apply_penalties(processed.clone() if processed is logits else processed,
-                                        params, prompt_token_ids, output_token_ids)
+        processed = self._mask_min_tokens(logits, params, output_token_ids, failed)
+        penalized = [i for i, p in enumerate(params) if p.has_penalties]
+        if penalized:
+            processed = processed.clone() if processed is logits else processed
+            _isolated(lambda rows: apply_penalties(processed, params, prompt_token_ids, output_token_ids, rows),
+                      [i for i in penalized if i not in failed] if failed else penalized, failed)
         token_ids = processed.argmax(dim=-1)  # [R]
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if failed:
+            random_rows = [i for i in random_rows if i not in failed]
         if random_rows:
-            probs = filtered_probs(processed[random_rows], [params[i] for i in random_rows])
-            q = self._exponentials(probs, [generators[i] for i in random_rows])
-            token_ids[random_rows] = (probs / q).argmax(dim=-1)  # exponential race = sampling from probs
+            chunks = _isolated(lambda rows: (rows, filtered_probs(processed[rows], [params[i] for i in rows])),
+                               random_rows, failed)
+            if len(chunks) == 1:
+                random_rows, probs = chunks[0]
+            else:  # row by row after a failure: the rows that passed
+                random_rows = [i for rows, _ in chunks for i in rows]
+                probs = torch.cat([p for _, p in chunks]) if chunks else None
+            if random_rows:
+                q = self._exponentials(probs, [generators[i] for i in random_rows], random_rows, failed)
+                token_ids[random_rows] = (probs / q).argmax(dim=-1)  # exponential race = sampling from probs
         token_ids = token_ids.tolist()  # the step's one sync
         if all(p.logprobs is None for p in params):  # a full pass over [R, V] saved: nobody reads them
-            return SamplerOutput(token_ids, [float("nan")] * len(token_ids), None)
+            out = SamplerOutput(token_ids, [float("nan")] * len(token_ids), None)
+        else:
+            out = self._with_logprobs(logits, params, token_ids)
+        if failed:
+            out.failed = failed
+            for row in failed:
+                out.token_ids[row] = -1
+                out.logprobs[row] = float("nan")
+                if out.top_logprobs is not None:
+                    out.top_logprobs[row] = []
+        return out
 
+    @staticmethod
+    def _with_logprobs(logits: torch.Tensor, params: list[SamplingParams], token_ids: list[int]) -> SamplerOutput:
         lse = torch.logsumexp(logits, dim=-1)  # [R], raw logprob normalizer
         chosen = torch.tensor(token_ids, device=logits.device)[:, None]
         sampled_logprobs = (logits.gather(1, chosen)[:, 0] - lse).tolist()
         top_logprobs = None
-        max_n = max((p.logprobs or 0) for p in params)
+        max_n = min(max((p.logprobs or 0) for p in params), logits.shape[1])
         if max_n:
             values, indices = logits.topk(max_n, dim=-1)  # [R, max_n]
             values, indices = (values - lse[:, None]).tolist(), indices.tolist()
@@ -76,8 +134,9 @@ class Sampler:
                             for i, p in enumerate(params)]
         return SamplerOutput(token_ids, sampled_logprobs, top_logprobs)
 
-    def _mask_min_tokens(self, logits, params, output_token_ids) -> torch.Tensor:
+    def _mask_min_tokens(self, logits, params, output_token_ids, failed: dict[int, str]) -> torch.Tensor:
         masked = logits
+        vocab = logits.shape[1]
         for i, p in enumerate(params):
             if len(output_token_ids[i]) >= p.min_tokens:
                 continue
@@ -85,13 +144,20 @@ class Sampler:
             if not p.ignore_eos:
                 stop_ids += self.eos_token_ids
             if stop_ids:
-                masked = logits.clone() if masked is logits else masked
-                masked[i, stop_ids] = float("-inf")
+                try:
+                    bad = [t for t in stop_ids if not 0 <= t < vocab]  # checked here: on CUDA it would be a
+                    if bad:                                              # device assert, fatal to the process
+                        raise IndexError(f"stop token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+                    masked = logits.clone() if masked is logits else masked
+                    masked[i, stop_ids] = float("-inf")
+                except Exception as exc:  # noqa: BLE001 - this request fails alone
+                    failed[i] = _reason(exc)
         return masked
 
-    def _exponentials(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    def _exponentials(self, probs: torch.Tensor, generators: list[torch.Generator | None], rows: list[int],
+                      failed: dict[int, str]) -> torch.Tensor:
         # One Exp(1) draw per vocab entry; a seeded row draws only from its own generator, so its tokens do not
-        # depend on the rest of the batch.
+        # depend on the rest of the batch. A seeded row whose generator fails goes into `failed` (by `rows`).
         q = torch.empty_like(probs)
         unseeded = [i for i, g in enumerate(generators) if g is None]
         if unseeded:
@@ -101,15 +167,21 @@ class Sampler:
                 generator=self._shared)
         for i, g in enumerate(generators):
             if g is not None:
-                q[i].exponential_(generator=g)
+                try:
+                    q[i].exponential_(generator=g)
+                except Exception as exc:  # noqa: BLE001 - this request fails alone
+                    failed[rows[i]] = _reason(exc)
+                    q[i] = 1.0
         return q.clamp_min_(torch.finfo(q.dtype).tiny)
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompt_token_ids: list[list[int]],
-                    output_token_ids: list[list[int]]) -> torch.Tensor:
-    """In place. Repetition: HF semantics over prompt + output tokens (positive logits divided, negative multiplied).
+                    output_token_ids: list[list[int]], rows: list[int] | None = None) -> torch.Tensor:
+    """In place, on ``rows`` (default: those with penalties); writes nothing when it raises.
+    Repetition: HF semantics over prompt + output tokens (positive logits divided, negative multiplied).
     Presence/frequency: OpenAI semantics over output tokens, logit -= frequency * count + presence * (count > 0)."""
-    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    if rows is None:
+        rows = [i for i, p in enumerate(params) if p.has_penalties]
     vocab, device = logits.shape[1], logits.device
     # output_counts: [r, V]; seen: [r, V] token in prompt or output. Column `vocab` takes the padding.
     outputs = _padded([output_token_ids[i] for i in rows], vocab, device)

@@ -1,4 +1,9 @@
-"""Per-request sampling parameters (vLLM / OpenAI names) and their validation."""
+"""Per-request sampling parameters (vLLM / OpenAI names) and their validation.
+
+``validate()`` is the edge check: a request that passes it cannot make the sampler fail. Every number is finite
+(and finite in float32, where the sampler works), every id is in range, and the seed fits a torch generator. No
+torch import here: the router validates with this module too.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,11 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# vLLM's bounds for `seed` (torch.long). torch.Generator.manual_seed takes [-2**63, 2**64 - 1] and maps a negative
+# seed s to 2**64 + s, so every seed in this range seeds a generator, negative ones included.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+GREEDY_TEMPERATURE = 1e-5  # below it a request is greedy (vLLM's _SAMPLING_EPS): 1/T would overflow the logits
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 class SamplingParamsError(ValueError):
@@ -41,20 +51,27 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
+        else:
+            raise SamplingParamsError("stop", f"stop must be a string or a list of strings, got {_show(self.stop)}")
+        if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
+            raise SamplingParamsError("stop_token_ids", "stop_token_ids must be a list of integers, got "
+                                      f"{_show(self.stop_token_ids)}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
-    def validate(self) -> None:
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ``SamplingParamsError`` naming the first bad field. With ``vocab_size`` (the engine's front end
+        knows it), ``stop_token_ids`` must also be below it."""
         _int("n", self.n, 1, 1, "only n=1 is supported")
         if self.max_tokens is not None:
             _int("max_tokens", self.max_tokens, 1, None)
@@ -64,7 +81,7 @@ class SamplingParams:
         _int("top_k", self.top_k, -1, None, "-1 or 0 disables it")
         _num("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
-            _int("seed", self.seed, None, None)
+            _int("seed", self.seed, SEED_MIN, SEED_MAX)
         _num("repetition_penalty", self.repetition_penalty, 0.0, 2.0, low_open=True)
         _num("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _num("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
@@ -72,12 +89,13 @@ class SamplingParams:
             _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise SamplingParamsError("stop", f"stop must be non-empty strings, got {s!r}")
+                raise SamplingParamsError("stop", f"stop must be non-empty strings, got {_show(s)}")
+        top = None if vocab_size is None else vocab_size - 1
         for t in self.stop_token_ids:
-            _int("stop_token_ids", t, 0, None)
+            _int("stop_token_ids", t, 0, top, "the vocabulary's ids" if top is not None else "")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise SamplingParamsError(name, f"{name} must be a boolean, got {getattr(self, name)!r}")
+                raise SamplingParamsError(name, f"{name} must be a boolean, got {_show(getattr(self, name))}")
 
 
 def _range(low, high, low_open=False) -> str:
@@ -85,17 +103,34 @@ def _range(low, high, low_open=False) -> str:
     return f"{lo}, {'inf)' if high is None else f'{high}]'}"
 
 
+def _show(value, limit: int = 80) -> str:
+    """``repr`` for an error message, cut short: a client's value may be huge."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int beyond sys.get_int_max_str_digits() has no repr
+        text = f"<an integer of {value.bit_length()} bits>" if isinstance(value, int) else "<unprintable>"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _int(name: str, value, low, high, hint: str = "") -> None:
     if not isinstance(value, int) or isinstance(value, bool):
-        raise SamplingParamsError(name, f"{name} must be an integer, got {value!r}")
+        raise SamplingParamsError(name, f"{name} must be an integer, got {_show(value)}")
     if (low is not None and value < low) or (high is not None and value > high):
         hint = f" ({hint})" if hint else ""
-        raise SamplingParamsError(name, f"{name} must be in {_range(low, high)}{hint}, got {value!r}")
+        raise SamplingParamsError(name, f"{name} must be in {_range(low, high)}{hint}, got {_show(value)}")
 
 
 def _num(name: str, value, low, high, low_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SamplingParamsError(name, f"{name} must be a number, got {_show(value)}")
+    try:
+        x = float(value)  # an int beyond float's range overflows here
+    except OverflowError:
+        x = math.inf
+    if math.isnan(x):
         raise SamplingParamsError(name, f"{name} must be a number, got {value!r}")
-    too_low = value <= low if low_open else value < low
-    if too_low or (high is not None and value > high) or math.isinf(value):
-        raise SamplingParamsError(name, f"{name} must be in {_range(low, high, low_open)}, got {value!r}")
+    too_low = x <= low if low_open else x < low
+    if too_low or (high is not None and x > high) or math.isinf(x):
+        raise SamplingParamsError(name, f"{name} must be in {_range(low, high, low_open)}, got {_show(value)}")
+    if abs(x) > _FLOAT32_MAX:  # the sampler works in float32, where this is inf
+        raise SamplingParamsError(name, f"{name} must be a finite float32 number, got {_show(value)}")

@@ -144,3 +144,115 @@ def test_min_tokens_masks_eos_and_stop_token_ids():
     out = Sampler(eos_token_ids=[1]).sample(logits, params, [[0]] * 3, [[3], [3, 3], [3]], [None] * 3)
     assert out.token_ids == [3, 1, 1]
     assert out.logprobs[0] == logits.log_softmax(-1)[0, 3].item()  # logprobs stay raw
+
+
+# ---- one request's failure is its own ------------------------------------------------------------
+
+def _rows_alone(logits, params, prompts, outputs, seeds):
+    """Each row sampled in a batch of its own (fresh generators from `seeds`)."""
+    return [Sampler(eos_token_ids=[1]).sample(logits[i:i + 1], [params[i]], [prompts[i]], [outputs[i]],
+                                              [make_generator(seeds[i]) if seeds[i] is not None else None])
+            for i in range(len(params))]
+
+
+def _break(p: SamplingParams, how: str, prompt: list[int], output: list[int]):
+    """Make one request's own work raise in the sampler (values validation would refuse, set behind its back)."""
+    if how == "stop_id":  # beyond the vocabulary while min_tokens holds: masking fails
+        p.min_tokens, p.max_tokens, p.stop_token_ids = len(output) + 1, 64, [VOCAB + 7]
+    elif how == "penalty_ids":  # a prompt id beyond the vocabulary with penalties on: the scatter fails
+        p.repetition_penalty = 1.3
+        prompt.append(VOCAB + 3)
+    elif how == "top_p":  # not a number: the filtering fails
+        p.temperature, p.top_p = 0.8, "0.5"
+    return p
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(params_strategy, st.one_of(st.none(), st.integers(-2**63, 2**63 - 1)),
+                          st.sampled_from([None, None, "stop_id", "penalty_ids", "top_p", "generator"])),
+                min_size=1, max_size=6), st.integers(0, 2**16))
+def test_a_failing_request_fails_alone(rows, seed):
+    logits, prompts, outputs = make_batch(len(rows), seed=seed)
+    params, seeds, bad = [], [], set()
+    for i, (p, request_seed, how) in enumerate(rows):
+        p = SamplingParams(**{**p.__dict__, "seed": request_seed})
+        if how == "generator" and (request_seed is None or p.is_greedy):
+            how = None  # only a seeded random row draws from its generator
+        if how is not None:
+            bad.add(i)
+            _break(p, how, prompts[i], outputs[i])
+        params.append(p)
+        seeds.append(request_seed)
+    gens = [make_generator(s) if s is not None else None for s in seeds]
+    for i, (_, _, how) in enumerate(rows):
+        if i in bad and how == "generator":
+            gens[i] = object()  # stands for a generator that raises when drawn from
+    out = Sampler(eos_token_ids=[1]).sample(logits, params, prompts, outputs, gens)
+
+    assert set(out.failed) == bad
+    alone = _rows_alone(logits, params, prompts, outputs, seeds)
+    for i, p in enumerate(params):
+        if i in bad:
+            assert out.token_ids[i] == -1 and out.failed[i].startswith("sampling failed: ")
+            assert math.isnan(out.logprobs[i])
+            continue
+        assert alone[i].failed == {}
+        if p.is_greedy or p.seed is not None:  # deterministic: as if the failing rows had not been there
+            assert out.token_ids[i] == alone[i].token_ids[0], (i, p)
+        else:
+            assert 0 <= out.token_ids[i] < VOCAB
+
+
+def test_a_stop_id_beyond_the_vocabulary_fails_its_row_with_a_clear_reason():
+    logits = torch.tensor([[0.0, 9.0, 8.0, 1.0]]).repeat(2, 1)
+    bad = SamplingParams(temperature=0, min_tokens=2, logprobs=2)
+    bad.stop_token_ids = [10 ** 6]
+    out = Sampler().sample(logits, [bad, SamplingParams(temperature=0, logprobs=1)], [[0], [0]], [[], []],
+                           [None, None])
+    assert out.token_ids == [-1, 1] and out.top_logprobs[0] == [] and len(out.top_logprobs[1]) == 1
+    assert "outside the vocabulary" in out.failed[0]
+
+
+def test_make_generator_takes_every_valid_seed_and_refuses_others():
+    from pdpool.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParamsError
+
+    for seed in (SEED_MIN, -1, 0, SEED_MAX):
+        a, b = make_generator(seed), make_generator(seed)
+        assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
+    for seed in (SEED_MIN - 1, SEED_MAX + 1, 10 ** 29, "1"):
+        try:
+            make_generator(seed)
+        except SamplingParamsError as exc:
+            assert exc.param == "seed"
+        else:
+            raise AssertionError(f"seed {seed!r} was taken")
+
+
+extreme_floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-10 ** 40, 10 ** 40),
+                           st.sampled_from([1e-300, 1e-45, 1e-7, 3.5e38, -0.0, 2.0, 1.0]))
+
+
+def _num(lo, hi):  # mostly valid values, sometimes anything
+    return st.one_of(st.floats(lo, hi), st.floats(lo, hi), st.floats(lo, hi), extreme_floats)
+
+
+@settings(max_examples=300, deadline=None)
+@given(temperature=_num(0, 3), top_p=_num(1e-9, 1), top_k=st.integers(-3, 10 ** 30), min_p=_num(0, 1),
+       repetition_penalty=_num(1e-9, 2), presence_penalty=_num(-2, 2), frequency_penalty=_num(-2, 2),
+       seed=st.one_of(st.none(), st.integers(-2 ** 70, 2 ** 70)), min_tokens=st.integers(-1, 4),
+       stop_token_ids=st.lists(st.integers(-2, VOCAB + 2), max_size=3),
+       logprobs=st.one_of(st.none(), st.integers(-1, 25)))
+def test_whatever_validates_samples_without_failing(**kwargs):
+    """The edge check's promise: params that pass ``validate(vocab_size)`` never fail in the sampler."""
+    from pdpool.engine.sampling_params import SamplingParamsError
+
+    try:
+        p = SamplingParams(max_tokens=8, **kwargs)
+        p.validate(vocab_size=VOCAB)
+    except SamplingParamsError:
+        return
+    logits, prompts, outputs = make_batch(2, seed=7)
+    params = [p, SamplingParams(temperature=0.7)]
+    gens = [make_generator(p.seed) if p.seed is not None else None, None]
+    out = Sampler(eos_token_ids=[1]).sample(logits, params, prompts, [[], [2]], gens)
+    assert out.failed == {} and all(0 <= t < VOCAB for t in out.token_ids)

@@ -64,3 +64,67 @@ def test_validate_after_mutation():
     with pytest.raises(SamplingParamsError, match=r"top_p must be in \(0.0, 1.0\], got 2.0") as err:
         p.validate()
     assert err.value.param == "top_p"
+
+
+# ---- the edge check: nothing it passes can break the sampler ------------------------------------
+
+FLOAT_FIELDS = ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"]
+
+
+@pytest.mark.parametrize("param", FLOAT_FIELDS)
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), 10 ** 400, -(10 ** 400), "1", None,
+                                   [1.0]], ids=["nan", "inf", "-inf", "int1e400", "-int1e400", "str", "None", "list"])
+def test_every_float_field_refuses_non_finite_and_non_numbers(param, value):
+    with pytest.raises(SamplingParamsError) as err:
+        SamplingParams(**{param: value})
+    assert err.value.param == param
+    assert len(str(err.value)) < 300
+
+
+def test_temperature_must_be_finite_in_float32_and_a_tiny_one_is_greedy():
+    with pytest.raises(SamplingParamsError, match="float32") as err:
+        SamplingParams(temperature=1e39)
+    assert err.value.param == "temperature"
+    assert SamplingParams(temperature=3e38).is_greedy is False
+    assert SamplingParams(temperature=1e-300).is_greedy  # 1/T would overflow: vLLM treats T < 1e-5 as greedy
+    assert SamplingParams(temperature=1e-5).is_greedy is False
+
+
+@pytest.mark.parametrize("seed, ok", [
+    (0, True), (-1, True), (-(2 ** 63), True), (2 ** 63 - 1, True),  # vLLM's range: torch.long, negatives included
+    (2 ** 63, False), (-(2 ** 63) - 1, False), (10 ** 29, False), (1.0, False), (True, False),
+])
+def test_seed_fits_a_torch_generator(seed, ok):
+    if ok:
+        assert SamplingParams(seed=seed).seed == seed
+        return
+    with pytest.raises(SamplingParamsError) as err:
+        SamplingParams(seed=seed)
+    assert err.value.param == "seed"
+
+
+def test_stop_token_ids_are_checked_against_the_vocabulary_when_it_is_known():
+    p = SamplingParams(stop_token_ids=[0, 99, 100])
+    p.validate(vocab_size=101)
+    with pytest.raises(SamplingParamsError, match=r"\[0, 99\] \(the vocabulary's ids\), got 100") as err:
+        p.validate(vocab_size=100)
+    assert err.value.param == "stop_token_ids"
+
+
+@pytest.mark.parametrize("param, value", [
+    ("stop", 5), ("stop", {"a": 1}), ("stop", [None]), ("stop_token_ids", 5), ("stop_token_ids", "12"),
+    ("stop_token_ids", [1.5]), ("stop_token_ids", [True]), ("max_tokens", 2.0), ("min_tokens", None),
+    ("top_k", 10 ** 30 + 0.5), ("logprobs", True), ("skip_special_tokens", 1),
+])
+def test_wrong_types_are_sampling_params_errors(param, value):
+    with pytest.raises(SamplingParamsError) as err:
+        SamplingParams(**{param: value})
+    assert err.value.param == param
+
+
+def test_error_messages_cut_huge_values_short():
+    for kwargs in ({"seed": 10 ** 5000}, {"stop": ["x" * 10 ** 6, ""]}, {"temperature": -(10 ** 5000)},
+                   {"stop_token_ids": [-(10 ** 5000)]}):
+        with pytest.raises(SamplingParamsError) as err:
+            SamplingParams(**kwargs)
+        assert len(str(err.value)) < 300
