@@ -54,10 +54,11 @@ class SamplingParams:
         elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
         else:
-            raise SamplingParamsError("stop", f"stop must be a string or a list of strings, got {_show(self.stop)}")
+            raise SamplingParamsError("stop", "stop must be a string or a list of strings, got "
+                                      f"{short_repr(self.stop)}")
         if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
             raise SamplingParamsError("stop_token_ids", "stop_token_ids must be a list of integers, got "
-                                      f"{_show(self.stop_token_ids)}")
+                                      f"{short_repr(self.stop_token_ids)}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
 
@@ -89,13 +90,13 @@ class SamplingParams:
             _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise SamplingParamsError("stop", f"stop must be non-empty strings, got {_show(s)}")
+                raise SamplingParamsError("stop", f"stop must be non-empty strings, got {short_repr(s)}")
         top = None if vocab_size is None else vocab_size - 1
         for t in self.stop_token_ids:
             _int("stop_token_ids", t, 0, top, "the vocabulary's ids" if top is not None else "")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise SamplingParamsError(name, f"{name} must be a boolean, got {_show(getattr(self, name))}")
+                raise SamplingParamsError(name, f"{name} must be a boolean, got {short_repr(getattr(self, name))}")
 
 
 def _range(low, high, low_open=False) -> str:
@@ -103,7 +104,7 @@ def _range(low, high, low_open=False) -> str:
     return f"{lo}, {'inf)' if high is None else f'{high}]'}"
 
 
-def _show(value, limit: int = 80) -> str:
+def short_repr(value, limit: int = 80) -> str:
     """``repr`` for an error message, cut short: a client's value may be huge."""
     try:
         text = repr(value)
@@ -114,15 +115,15 @@ def _show(value, limit: int = 80) -> str:
 
 def _int(name: str, value, low, high, hint: str = "") -> None:
     if not isinstance(value, int) or isinstance(value, bool):
-        raise SamplingParamsError(name, f"{name} must be an integer, got {_show(value)}")
+        raise SamplingParamsError(name, f"{name} must be an integer, got {short_repr(value)}")
     if (low is not None and value < low) or (high is not None and value > high):
         hint = f" ({hint})" if hint else ""
-        raise SamplingParamsError(name, f"{name} must be in {_range(low, high)}{hint}, got {_show(value)}")
+        raise SamplingParamsError(name, f"{name} must be in {_range(low, high)}{hint}, got {short_repr(value)}")
 
 
 def _num(name: str, value, low, high, low_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise SamplingParamsError(name, f"{name} must be a number, got {_show(value)}")
+        raise SamplingParamsError(name, f"{name} must be a number, got {short_repr(value)}")
     try:
         x = float(value)  # an int beyond float's range overflows here
     except OverflowError:
@@ -131,6 +132,6 @@ def _num(name: str, value, low, high, low_open: bool = False) -> None:
         raise SamplingParamsError(name, f"{name} must be a number, got {value!r}")
     too_low = x <= low if low_open else x < low
     if too_low or (high is not None and x > high) or math.isinf(x):
-        raise SamplingParamsError(name, f"{name} must be in {_range(low, high, low_open)}, got {_show(value)}")
+        raise SamplingParamsError(name, f"{name} must be in {_range(low, high, low_open)}, got {short_repr(value)}")
     if abs(x) > _FLOAT32_MAX:  # the sampler works in float32, where this is inf
-        raise SamplingParamsError(name, f"{name} must be a finite float32 number, got {_show(value)}")
+        raise SamplingParamsError(name, f"{name} must be a finite float32 number, got {short_repr(value)}")

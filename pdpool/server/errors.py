@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+import uuid
+
 from aiohttp import web
+
+logger = logging.getLogger("pdpool.server")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
@@ -25,13 +30,16 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def error_response(err: APIError) -> web.Response:
-    return web.json_response(err.body(), status=err.status)
+def error_response(err: APIError, headers: dict | None = None) -> web.Response:
+    return web.json_response(err.body(), status=err.status, headers=headers)
 
 
 @web.middleware
 async def error_middleware(request: web.Request, handler):
-    """Turn every failure into OpenAI error JSON; the server keeps serving."""
+    """Turn every failure into OpenAI error JSON; the server keeps serving. aiohttp's own errors (404 for an
+    unknown path, 405 with its ``Allow`` header, 413 for too large a body) keep their status. An unexpected
+    exception is a 500 whose message names only an error id: the traceback goes to the log under that id, and
+    no internal text reaches the client."""
     try:
         return await handler(request)
     except APIError as err:
@@ -39,7 +47,11 @@ async def error_middleware(request: web.Request, handler):
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return error_response(APIError(exc.reason or "HTTP error", status=exc.status))
-    except Exception as exc:  # noqa: BLE001 - the server must stay up
-        request.app.logger.exception("internal error on %s %s", request.method, request.path)
-        return error_response(APIError(f"internal error: {type(exc).__name__}: {exc}", status=500))
+        allow = exc.headers.get("Allow")
+        return error_response(APIError(exc.reason or "HTTP error", status=exc.status),
+                              headers={"Allow": allow} if allow is not None else None)
+    except Exception:  # noqa: BLE001 - the server must stay up
+        error_id = uuid.uuid4().hex[:16]
+        logger.exception("internal error %s on %s %s", error_id, request.method, request.path)
+        return error_response(APIError(f"internal server error (error id {error_id}; the server log has the "
+                                       "details)", status=500))

@@ -2,19 +2,28 @@
 
 Every check raises ``APIError`` (400) naming the offending ``param``; nothing here touches the engine
 beyond ``SamplingParams.validate()``. Fields beyond OpenAI's (``priority``, ``cache_salt``, ``top_k``, ...)
-follow vLLM's names. ``kv_transfer_params`` is kept as given, for the disaggregation work.
+follow vLLM's names. ``kv_transfer_params`` is kept as given, for the disaggregation work, except that a request
+to a prefill node (``do_remote_decode``) must be one plain choice: no stream, ``n`` 1, one prompt.
+
+``read_json_body`` is the one JSON reader of every route (the OpenAI ones and the internal ones): strict UTF-8,
+strict JSON (no ``NaN``/``Infinity``, no number that overflows to inf), at most ``MAX_JSON_DEPTH`` levels, an
+object at the top. Anything else is a 400, never a 500.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
-from pdpool.engine.sampling_params import SamplingParams, SamplingParamsError
+from pdpool.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, SamplingParamsError, short_repr
 from pdpool.server.errors import APIError
 
 MAX_LOGPROBS = 20
+MAX_N = 16
+MAX_JSON_DEPTH = 32  # an OpenAI body needs about 5 (messages[i].content[j].text); deeper is an attack or a bug
+INT64_MIN, INT64_MAX = SEED_MIN, SEED_MAX
 
 Prompt = str | list[int]
 
@@ -37,17 +46,79 @@ class GenerationRequest:
     kv_transfer_params: dict | None = None
     user: str | None = None
     return_token_ids: bool = False  # vLLM's extension: choices carry token_ids, the response prompt_token_ids
+    # pdpool's extension (``pdpool_prompt_token_ids``): the token ids of each prompt, computed by the router with
+    # the same front end, so router and engine hash the same tokens; the node does not tokenize again.
+    prompt_token_ids: list[list[int]] | None = None
 
 
 async def read_json(request) -> dict:
+    """The body of an aiohttp request as a JSON object (``read_json_body``). A ``Content-Type`` other than JSON
+    is a 400; none at all is taken as JSON, as simple clients send none. Too large a body is aiohttp's 413."""
+    content_type = request.headers.get("Content-Type")
+    if content_type is not None and not _is_json_type(request.content_type):
+        raise APIError(f"Content-Type must be application/json, got {short_repr(content_type)}")
+    return read_json_body(await request.read())
+
+
+def read_json_body(raw: bytes) -> dict:
+    """``raw`` as a JSON object, or ``APIError`` (400) saying what is wrong with it."""
+    if not raw:
+        raise APIError("the request body is empty; send a JSON object")
     try:
-        raw = await request.read()
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(f"malformed JSON body: {exc}") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(f"the request body is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        body = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except RecursionError:
+        body = _TOO_DEEP  # deeper than the interpreter's recursion limit: refused just below
+    except ValueError as exc:  # JSONDecodeError, a refused constant or number, an int of too many digits
+        raise APIError(f"malformed JSON body: {str(exc)[:200]}") from None
+    if body is _TOO_DEEP or not _nesting_within(body, MAX_JSON_DEPTH):
+        raise APIError(f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep")
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
     return body
+
+
+def _is_json_type(content_type: str) -> bool:
+    return content_type == "application/json" or (content_type.startswith("application/")
+                                                  and content_type.endswith("+json"))
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not JSON (numbers must be finite)")
+
+
+def _finite_float(literal: str) -> float:
+    x = float(literal)
+    if math.isinf(x):
+        raise ValueError(f"the number {short_repr(literal, 40)} is out of range (it would be infinite)")
+    return x
+
+
+_LEAVES = frozenset((str, int, float, bool, type(None)))
+_TOO_DEEP = object()
+
+
+def _nesting_within(value, limit: int) -> bool:
+    """Whether ``value``'s arrays and objects nest at most ``limit`` deep. Iterative, and a list of scalars (a
+    long token-id prompt) is checked in C, so a large body costs little."""
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        v, depth = stack.pop()
+        if depth > limit:
+            return False
+        if isinstance(v, dict):
+            children = v.values()
+        elif isinstance(v, list):
+            if _LEAVES.issuperset(map(type, v)):
+                continue
+            children = v
+        else:
+            continue
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return True
 
 
 # ---- typed field readers -------------------------------------------------------------------------
@@ -64,11 +135,11 @@ def get_int(body: dict, name: str, default: int | None = None, *, ge: int | None
     if isinstance(v, float) and v.is_integer():
         v = int(v)
     if not _is_int(v):
-        raise APIError(f"'{name}' must be an integer, got {v!r}", param=name)
+        raise APIError(f"'{name}' must be an integer, got {short_repr(v)}", param=name)
     if ge is not None and v < ge:
-        raise APIError(f"'{name}' must be >= {ge}, got {v}", param=name)
+        raise APIError(f"'{name}' must be >= {ge}, got {short_repr(v)}", param=name)
     if le is not None and v > le:
-        raise APIError(f"'{name}' must be <= {le}, got {v}", param=name)
+        raise APIError(f"'{name}' must be <= {le}, got {short_repr(v)}", param=name)
     return v
 
 
@@ -77,8 +148,11 @@ def get_float(body: dict, name: str, default: float | None = None) -> float | No
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise APIError(f"'{name}' must be a number, got {v!r}", param=name)
-    return float(v)
+        raise APIError(f"'{name}' must be a number, got {short_repr(v)}", param=name)
+    try:
+        return float(v)
+    except OverflowError:  # an int beyond float's range
+        raise APIError(f"'{name}' must be a finite number, got {short_repr(v)}", param=name) from None
 
 
 def get_bool(body: dict, name: str, default: bool = False) -> bool:
@@ -86,7 +160,7 @@ def get_bool(body: dict, name: str, default: bool = False) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise APIError(f"'{name}' must be a boolean, got {v!r}", param=name)
+        raise APIError(f"'{name}' must be a boolean, got {short_repr(v)}", param=name)
     return v
 
 
@@ -95,8 +169,18 @@ def get_str(body: dict, name: str, default: str | None = None) -> str | None:
     if v is None:
         return default
     if not isinstance(v, str):
-        raise APIError(f"'{name}' must be a string, got {v!r}", param=name)
-    return v
+        raise APIError(f"'{name}' must be a string, got {short_repr(v)}", param=name)
+    return _text(v, name)
+
+
+def _text(s: str, name: str) -> str:
+    """``s`` if it is encodable text: JSON's ``\\ud800`` escapes can smuggle in unpaired surrogates, which no
+    tokenizer or UTF-8 response can take."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(f"'{name}' contains an unpaired UTF-16 surrogate escape", param=name) from None
+    return s
 
 
 def _stop(body: dict) -> list[str]:
@@ -109,7 +193,7 @@ def _stop(body: dict) -> list[str]:
         raise APIError("'stop' must be a string or a list of strings", param="stop")
     if any(s == "" for s in v):
         raise APIError("'stop' strings must not be empty", param="stop")
-    return v
+    return [_text(s, "stop") for s in v]
 
 
 def _int_list(v: Any, name: str) -> list[int]:
@@ -140,7 +224,7 @@ def _common(body: dict, kind: str, served_model_names: list[str]) -> dict:
                        param="model", code="model_not_found")
     stream = get_bool(body, "stream")
     include_usage, continuous = _stream_options(body, stream)
-    n = get_int(body, "n", 1, ge=1, le=16)
+    n = get_int(body, "n", 1, ge=1, le=MAX_N)
     best_of = get_int(body, "best_of", None, ge=1)
     if best_of is not None and best_of != n:
         raise APIError("'best_of' other than 'n' is not supported", param="best_of")
@@ -150,7 +234,8 @@ def _common(body: dict, kind: str, served_model_names: list[str]) -> dict:
     if kv is not None and not isinstance(kv, dict):
         raise APIError("'kv_transfer_params' must be an object", param="kv_transfer_params")
     return dict(kind=kind, model=model, stream=stream, include_usage=include_usage, continuous_usage=continuous,
-                n=n, priority=get_int(body, "priority", 0), cache_salt=get_str(body, "cache_salt"),
+                n=n, priority=get_int(body, "priority", 0, ge=INT64_MIN, le=INT64_MAX),
+                cache_salt=get_str(body, "cache_salt"),
                 kv_transfer_params=kv, user=get_str(body, "user"),
                 return_token_ids=get_bool(body, "return_token_ids"))
 
@@ -196,10 +281,10 @@ def _completion_prompts(body: dict) -> list[Prompt]:
     if p is None:
         raise APIError("'prompt' is required", param="prompt")
     if isinstance(p, str):
-        return [p]
+        return [_text(p, "prompt")]
     if isinstance(p, list) and p:
         if all(isinstance(x, str) for x in p):
-            return list(p)
+            return [_text(x, "prompt") for x in p]
         if all(_is_int(x) for x in p):
             return [list(p)]
         if all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in p):
@@ -218,8 +303,8 @@ def parse_completion(body: dict, served_model_names: list[str]) -> GenerationReq
     if echo and logprobs is not None:
         raise APIError("'echo' together with 'logprobs' (prompt logprobs) is not supported", param="echo")
     max_tokens = get_int(body, "max_tokens", 16, ge=1)
-    return GenerationRequest(prompts=prompts, params=_sampling(body, max_tokens, logprobs),
-                             max_tokens_given=True, echo=echo, logprobs=logprobs, **common)
+    return _checked(GenerationRequest(prompts=prompts, params=_sampling(body, max_tokens, logprobs),
+                                      max_tokens_given=True, echo=echo, logprobs=logprobs, **common))
 
 
 # ---- /v1/chat/completions ------------------------------------------------------------------------
@@ -244,7 +329,7 @@ def _messages(body: dict) -> list[dict]:
             content = ""
         if not isinstance(content, str):
             raise APIError(f"messages[{i}].content must be a string or a list of text parts", param="messages")
-        out.append({"role": m["role"], "content": content})
+        out.append({"role": _text(m["role"], "messages"), "content": _text(content, "messages")})
     return out
 
 
@@ -266,5 +351,25 @@ def parse_chat(body: dict, served_model_names: list[str], render) -> GenerationR
     except Exception as exc:  # noqa: BLE001 - a template error is the client's message list
         raise APIError(f"cannot apply the chat template: {exc}", param="messages") from None
     # Without max_tokens (None) the engine fills the rest of the context.
-    return GenerationRequest(prompts=[prompt], params=_sampling(body, max_tokens, logprobs),
-                             max_tokens_given=max_tokens is not None, logprobs=logprobs, **common)
+    return _checked(GenerationRequest(prompts=[prompt], params=_sampling(body, max_tokens, logprobs),
+                                      max_tokens_given=max_tokens is not None, logprobs=logprobs, **common))
+
+
+def _checked(req: GenerationRequest) -> GenerationRequest:
+    """Checks across fields, once the request is parsed."""
+    seed = req.params.seed
+    if seed is not None and req.n > 1 and seed + req.n - 1 > SEED_MAX:  # choice j is seeded seed + j
+        raise APIError(f"'seed' must be <= {SEED_MAX - req.n + 1} with n={req.n} (choice j uses seed + j)",
+                       param="seed")
+    if req.kv_transfer_params and req.kv_transfer_params.get("do_remote_decode"):
+        # A prefill node hands back one KV handle per response: one choice, in one JSON body.
+        if req.stream:
+            raise APIError("'stream' must be false with kv_transfer_params.do_remote_decode (a prefill request "
+                           "returns one KV handle in its JSON body)", param="stream")
+        if req.n != 1:
+            raise APIError("'n' must be 1 with kv_transfer_params.do_remote_decode (one KV handle per request)",
+                           param="n")
+        if len(req.prompts) != 1:
+            raise APIError("'prompt' must be a single prompt with kv_transfer_params.do_remote_decode (one KV "
+                           "handle per request)", param="prompt")
+    return req

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import re
 
 import httpx
 import openai
@@ -10,8 +13,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from pdpool.server.errors import error_middleware
-
+from pdpool.server.errors import APIError, error_middleware
+from pdpool.server.protocol import MAX_JSON_DEPTH, read_json_body
 
 
 def post(server, path, body=None, *, content=None, headers=None):
@@ -122,5 +125,132 @@ async def _unexpected_exception():
         r = await c.get("/broken")
         assert r.status == 500
         err = (await r.json())["error"]
-        assert err["type"] == "internal_server_error" and "boom" in err["message"]
+        assert err["type"] == "internal_server_error"
+        assert "boom" not in err["message"] and "RuntimeError" not in err["message"]  # nothing internal leaks
+        error_id = re.search(r"error id ([0-9a-f]+)", err["message"]).group(1)
         assert (await c.get("/fine")).status == 200
+    return error_id
+
+
+def test_a_500_names_an_error_id_that_the_log_has_with_the_traceback(caplog):
+    with caplog.at_level(logging.ERROR, logger="pdpool.server"):
+        error_id = asyncio.run(_unexpected_exception())
+    logged = [r for r in caplog.records if error_id in r.getMessage()]
+    assert logged and "boom" in logged[0].exc_text
+
+
+# ---- the JSON reader: every malformed body is a 400 ---------------------------------------------
+
+def nested(depth: int, leaf: str = "1") -> bytes:
+    return ('{"a": ' + "[" * (depth - 1) + leaf + "]" * (depth - 1) + "}").encode()
+
+
+@pytest.mark.parametrize("raw, says", [
+    (b"", "empty"),
+    (b"\xff\xfe{}", "UTF-8"),
+    ('{"prompt": "caf\u00e9"}'.encode("latin-1"), "UTF-8"),
+    (b'{"temperature": NaN}', "NaN is not JSON"),
+    (b'{"temperature": Infinity}', "Infinity is not JSON"),
+    (b'{"temperature": -Infinity}', "-Infinity is not JSON"),
+    (b'{"temperature": 1e400}', "out of range"),
+    (b'{"temperature": -1e400}', "out of range"),
+    (b'{"seed": ' + b"9" * 5000 + b"}", "malformed JSON"),  # beyond Python's int digit limit
+    (b"\xef\xbb\xbf{}", "malformed JSON"),  # a UTF-8 BOM
+    (b"[1, 2]", "JSON object"),
+    (b'"text"', "JSON object"),
+    (b'{"a": 1', "malformed JSON"),
+    (nested(MAX_JSON_DEPTH + 1), "nested"),
+    (nested(5000), "nested"),
+    (nested(200_000), "nested"),
+    (b'{"a": ' + b'{"b": ' * 3000 + b"1" + b"}" * 3000 + b"}", "nested"),
+])
+def test_read_json_body_refuses_with_a_400(raw, says):
+    with pytest.raises(APIError) as info:
+        read_json_body(raw)
+    assert info.value.status == 400 and says in info.value.message, info.value.message
+    assert len(info.value.message) < 400
+
+
+def test_read_json_body_takes_what_an_openai_body_needs():
+    assert read_json_body(nested(MAX_JSON_DEPTH)) == json.loads(nested(MAX_JSON_DEPTH))
+    big = {"prompt": list(range(200_000)), "stop": ["\u00e9", "\U0001f600"], "temperature": 1e300, "seed": -1}
+    assert read_json_body(json.dumps(big).encode()) == big
+    assert read_json_body(json.dumps(big, ensure_ascii=False).encode()) == big
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("content, content_type", [
+    (nested(5000), "application/json"),
+    (b'{"model": "demo", "prompt": "hi", "temperature": NaN}', "application/json"),
+    (b'{"model": "demo", "prompt": "hi", "max_tokens": 1e400}', "application/json"),
+    (b"\xc3\x28", "application/json"),
+    (b"", "application/json"),
+    (b"model=demo&prompt=hi", "application/x-www-form-urlencoded"),
+    (b'{"model": "demo", "prompt": "hi"}', "text/plain"),
+], ids=["deep", "nan", "inf", "utf8", "empty", "form", "text-plain"])
+def test_malformed_bodies_are_400_at_the_node(server, path, content, content_type):
+    assert_error(post(server, path, content=content, headers={"Content-Type": content_type}), 400)
+
+
+def test_405_keeps_its_allow_header(server):
+    r = httpx.delete(server.url + "/v1/completions", headers=server.headers(), timeout=30)
+    assert_error(r, 405)
+    assert "POST" in r.headers["Allow"]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("seed", 10 ** 29), ("seed", -(2 ** 63) - 1), ("temperature", 1e39), ("priority", 2 ** 63),
+    ("stop_token_ids", [-1]), ("prompt", "\ud800 unpaired"), ("stop", ["\udfff"]), ("user", "\ud83d"),
+    ("frequency_penalty", 10 ** 400),
+])
+def test_values_the_engine_cannot_take_are_400_naming_the_param(server, field, value):
+    body = json.dumps({"model": "demo", "prompt": "hi", "max_tokens": 2, field: value})
+    assert_error(post(server, "/v1/completions", content=body.encode(),
+                      headers={"Content-Type": "application/json"}), 400, param=field)
+
+
+def test_a_negative_seed_is_taken_and_reproducible(server):
+    body = {"model": "demo", "prompt": "Once", "max_tokens": 4, "seed": -(2 ** 63), "return_token_ids": True}
+    first, second = post(server, "/v1/completions", body), post(server, "/v1/completions", body)
+    assert first.status_code == 200, first.text
+    assert first.json()["choices"][0]["token_ids"] == second.json()["choices"][0]["token_ids"]
+
+
+def test_n_with_a_seed_at_the_top_of_the_range_is_400(server):
+    body = {"model": "demo", "prompt": "hi", "max_tokens": 2, "n": 2, "seed": 2 ** 63 - 1}
+    assert_error(post(server, "/v1/completions", body), 400, param="seed")
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"stream": True}, "stream"), ({"n": 2}, "n"), ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": [[1, 2], [3, 4]]}, "prompt"),
+])
+def test_a_prefill_request_is_one_plain_choice(server, extra, param):
+    body = {"model": "demo", "prompt": "hi", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True},
+            **extra}
+    assert_error(post(server, "/v1/completions", body), 400, param=param)
+    chat = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True}, **extra}
+    chat.pop("prompt", None)
+    if param != "prompt":
+        assert_error(post(server, "/v1/chat/completions", chat), 400, param=param)
+
+
+def test_a_request_that_fails_in_the_sampler_fails_alone(server):
+    """Item 3: a request whose own sampling fails (here a stop token id beyond the vocabulary while min_tokens
+    holds, which only the engine can check) never fails the valid requests that share its steps."""
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers(), timeout=120) as c:
+            good = {"model": "demo", "prompt": "The sky is", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            bad = {**good, "min_tokens": 4, "stop_token_ids": [10 ** 6]}
+            return await asyncio.gather(*[c.post("/v1/completions", json=bad if i % 4 == 1 else good)
+                                          for i in range(8)])
+
+    responses = asyncio.run(run())
+    for i, r in enumerate(responses):
+        if i % 4 == 1:
+            assert_error(r, 400, param="stop_token_ids")
+        else:
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 8
+    assert post(server, "/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 2}).status_code == 200
