@@ -3,8 +3,8 @@
 The metadata comes from Redis (``nixl:<node>:<incarnation>``, via ``IndexReader``); when Redis is down or
 does not have it, from the peer itself (``GET /internal/kv/agent``), which answers for its *current*
 incarnation only. A handle whose incarnation is not the one found is stale (the prefill node restarted):
-``StaleHandleError``, and nothing is read from the new agent. The connection is warmed by the agent on the
-first transfer.
+``StaleHandleError``, and nothing is read from the new agent. Loading a peer and its connection warm-up run in a
+thread, off the event loop.
 """
 
 from __future__ import annotations
@@ -39,9 +39,14 @@ class PeerDirectory:
         self.timeout = timeout
         self.loaded: dict[str, tuple[str, str]] = {}  # node id -> (incarnation, agent name)
         self.num_fetches = 0
+        self._locks: dict[str, asyncio.Lock] = {}  # node id -> one load at a time
 
     async def agent(self, handle: KVHandle) -> str:
         """The NIXL peer name of the handle's agent, its metadata loaded."""
+        async with self._locks.setdefault(handle.node_id, asyncio.Lock()):
+            return await self._agent(handle)
+
+    async def _agent(self, handle: KVHandle) -> str:
         known = self.loaded.get(handle.node_id)
         if known is not None and known[0] == handle.incarnation:
             return known[1]
@@ -49,11 +54,17 @@ class PeerDirectory:
         name, _, _ = unpack_metadata(metadata)
         if name != handle.agent_name:
             raise StaleHandleError(f"agent of node {handle.node_id} is {name}, the handle names {handle.agent_name}")
+        loop = asyncio.get_running_loop()
         if known is not None:  # a new incarnation: drop the old agent
-            self.worker.remove_peer(known[1])
-        self.worker.add_peer(metadata)
+            await loop.run_in_executor(None, self.worker.remove_peer, known[1])
+        # NIXL loads the metadata and UCX connects and warms up (tens of ms): in a thread, not on the event loop.
+        await loop.run_in_executor(None, self._add_and_warm, metadata, name)
         self.loaded[handle.node_id] = (handle.incarnation, name)
         return name
+
+    def _add_and_warm(self, metadata: bytes, name: str) -> None:
+        self.worker.add_peer(metadata)
+        self.worker.agent.warm_up(name, self.timeout)
 
     async def _fetch(self, handle: KVHandle) -> bytes:
         self.num_fetches += 1

@@ -26,12 +26,14 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from pdpool import internal_api
+from pdpool.block_hash import root_hash
 from pdpool.engine.kv_connector import LoadPlan, plan_load, test_hooks_enabled
 from pdpool.engine.llm_engine import InvalidRequestError, TokenLogprobs
-from pdpool.engine.request import Request
+from pdpool.engine.request import Request, RequestStatus
 from pdpool.engine.scheduler import SchedulerOutput
 from pdpool.kv_transfer.agent import KVTransferError
-from pdpool.kv_transfer.handle import IncompatibleKVError, KVFingerprint, KVHandle, KVHandleError
+from pdpool.kv_transfer.handle import (IncompatibleKVError, KVFingerprint, KVHandle, KVHandleError,
+                                       partial_block_hash)
 from pdpool.decode_node.peers import PeerDirectory
 
 logger = logging.getLogger(__name__)
@@ -52,6 +54,7 @@ class LoadJob:
     started: bool = False
     cancelled: bool = False           # aborted while the transfer runs: abort once it ended
     lease_ended: bool = False         # notified the prefill node (or the lease is gone anyway)
+    push_unanswered: bool = False     # asked for a push that did not answer: it may still write our blocks
     test_hold: dict = field(default_factory=dict)
 
 
@@ -76,6 +79,8 @@ class DecodeSide:
         self.done: deque[tuple[str, str]] = deque()  # (request id, outcome), event loop -> engine thread
         self.tasks: set[asyncio.Task] = set()
         self.first_logprobs: dict[str, TokenLogprobs] = {}  # the prefill node's first token, for the first output
+        self.finished_by_first_token: dict[str, RequestStatus] = {}  # finish at the next step, nothing to load
+        self.finished_outputs: list = []  # their outputs, added to the step's
 
     # ---- engine hooks (engine thread) ------------------------------------------------------------
 
@@ -100,6 +105,11 @@ class DecodeSide:
         if lp is not None and getattr(request.sampling_params, "logprobs", None) is not None:
             top = [(int(t), float(v)) for t, v in lp["top"]] if lp.get("top") is not None else None
             self.first_logprobs[request.request_id] = TokenLogprobs(handle.first_token_id, float(lp["logprob"]), top)
+        status = self.scheduler._check_stop(request)
+        if status is not None:  # EOS, a stop token id or max_tokens 1: the answer is complete, load nothing
+            self._on_loop(self._end_lease, job)
+            self.finished_by_first_token[request.request_id] = status
+            return None
         if test_hooks_enabled():
             job.test_hold = dict(handle.extra.get(TEST_HOLD_KEY) or {})
         request.kv_load = job
@@ -116,8 +126,13 @@ class DecodeSide:
         if handle.num_tokens != request.num_prompt_tokens:
             raise InvalidRequestError(f"kv_transfer_params are for a prompt of {handle.num_tokens} tokens, this "
                                       f"one has {request.num_prompt_tokens}", param="kv_transfer_params")
-        self.engine.kv_cache_manager.update_block_hashes(request)
-        if [h.hex() for h in request.block_hashes[:len(handle.block_hashes)]] != handle.block_hashes:
+        kv = self.engine.kv_cache_manager
+        kv.update_block_hashes(request)
+        num_full = request.num_prompt_tokens // self.block_size
+        tail = partial_block_hash(request.prompt_token_ids, request.block_hashes, self.block_size,
+                                  root_hash(kv.fingerprint, request.cache_salt))
+        if ([h.hex() for h in request.block_hashes[:num_full]] != handle.block_hashes
+                or tail != handle.partial_block_hash):
             raise InvalidRequestError("kv_transfer_params were made for a different prompt (block hashes differ)",
                                       param="kv_transfer_params")
 
@@ -129,6 +144,7 @@ class DecodeSide:
             self._on_loop(self._load, job)
 
     def before_step(self) -> None:
+        self._finish_by_first_token()
         while self.done:
             rid, outcome = self.done.popleft()
             job = self.jobs.pop(rid, None)
@@ -140,21 +156,31 @@ class DecodeSide:
                 self.scheduler.finish_remote_load(rid, outcome == "ok")
 
     def after_step(self, outputs) -> None:
+        outputs.extend(self.finished_outputs)
+        self.finished_outputs = []
         if not self.first_logprobs:
             return
         for out in outputs:
             lp = self.first_logprobs.pop(out.request_id, None)
-            if lp is not None and out.new_logprobs is not None:
-                out.new_logprobs.insert(0, lp)
-                out.logprobs.insert(0, lp)
-                state = self.engine._states.get(out.request_id)  # later outputs copy the request's list
-                if state is not None:
-                    state.logprobs.insert(0, lp)
+            if lp is not None:  # the request's first output: its tokens start with the prefill node's
+                out.new_logprobs = [lp, *(out.new_logprobs or ())]
+
+    def _finish_by_first_token(self) -> None:
+        """Finish the requests whose first token ended them (before the schedule, so none is scheduled); their
+        outputs go out with this step's."""
+        pending, self.finished_by_first_token = self.finished_by_first_token, {}
+        for rid, status in pending.items():
+            state = self.engine._states.get(rid)
+            if state is None:
+                continue
+            self.scheduler.finish_requests([rid], status)
+            self.finished_outputs.append(self.engine._make_output(state, None))
 
     def on_abort(self, request_ids: list[str]) -> set[str]:
         deferred = set()
         for rid in request_ids:
             self.first_logprobs.pop(rid, None)
+            self.finished_by_first_token.pop(rid, None)
             job = self.jobs.get(rid)
             if job is None:
                 continue
@@ -194,6 +220,8 @@ class DecodeSide:
                                                   f"({type(exc).__name__}: {exc}); --kv-load-failure-policy is fail")
         if not job.cancelled:
             self.metrics.outcome(outcome)
+        if job.push_unanswered:  # the prefill node's WRITE is bounded by its --kv-transfer-timeout (the pool's)
+            await asyncio.sleep(self.timeout)
         self.done.append((job.request_id, outcome))
         self.wake()
 
@@ -245,7 +273,14 @@ class DecodeSide:
         job.lease_ended = True
         body = {"agent_metadata": base64.b64encode(self.worker.metadata()).decode(),
                 "block_ids": job.plan.local_ids, "remote_block_ids": job.plan.remote_ids}
-        reply = await self._post(job, "push", body)
+        job.push_unanswered = True
+        try:
+            reply = await self._post(job, "push", body)
+        except KVTransferError as exc:
+            if isinstance(exc.__cause__, aiohttp.ClientConnectorError):
+                job.push_unanswered = False  # it never reached the prefill node
+            raise
+        job.push_unanswered = False
         await self._hold(job, "after_transfer")
         return bool(reply.get("held"))
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import kopf
 import redis.exceptions
 
+from pdpool.kv_index.cleanup import delete_pool_keys
 from pdpool.operator import builders, crd, reconcile, status
 from pdpool.operator.kube import ApiError, Kube
-from pdpool.operator.redis_keys import delete_pool_keys
 from pdpool.operator.spec import Pool, SpecError, parse_pool
 
 FINALIZER = "pdpool.io/redis-keys"

@@ -1,6 +1,8 @@
 """The prefill node's lease table: KV blocks held for a decode node, until notified or expired.
 
-Pure Python, touched only on the engine thread (HTTP handlers reach it through ``AsyncLLM.call``). A lease
+Pure Python, changed only on the engine thread (HTTP handlers reach it through ``AsyncLLM.call``); a scrape of
+``/metrics`` reads ``num_leased_blocks`` and ``len(leases)`` from another thread, so both are kept as plain values
+(never an iteration over the dict, which the engine thread may change meanwhile). A lease
 ends exactly once, by the first of:
 
 * ``notify(lease_id)``: the decode node finished its pull (or gave up); answers whether the lease was still
@@ -37,11 +39,8 @@ class LeaseTable:
         self.reserved: dict[str, int] = {}  # request id -> blocks it will hold once prefilled
         self.num_expired = 0
         self.num_notified = 0
+        self.num_leased_blocks = 0  # sum over leases, kept up to date by issue/notify/expire
         self._ended: dict[str, bool] = {}  # lease id -> held at notification (answers a repeated notify)
-
-    @property
-    def num_leased_blocks(self) -> int:
-        return sum(len(lease.block_ids) for lease in self.leases.values())
 
     def reserve(self, request_id: str, num_blocks: int) -> bool:
         """Count a prefill's blocks against the cap before it runs; False when they do not fit."""
@@ -58,6 +57,7 @@ class LeaseTable:
         self.reserved.pop(request_id, None)
         lease = Lease(uuid.uuid4().hex, request_id, list(block_ids), self.clock() + self.lease_seconds)
         self.leases[lease.lease_id] = lease
+        self.num_leased_blocks += len(lease.block_ids)
         return lease
 
     def remaining(self, lease: Lease) -> float:
@@ -76,6 +76,7 @@ class LeaseTable:
         if lease is None:
             return self._ended.get(lease_id, False), None
         del self.leases[lease_id]
+        self.num_leased_blocks -= len(lease.block_ids)
         self.num_notified += 1
         self._remember(lease_id, True)
         return True, lease
@@ -88,6 +89,7 @@ class LeaseTable:
             if lease.expires_at > now:
                 break
             del self.leases[lease.lease_id]
+            self.num_leased_blocks -= len(lease.block_ids)
             self._remember(lease.lease_id, False)
             ended.append(lease)
         self.num_expired += len(ended)

@@ -11,11 +11,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from pdpool.block_hash import root_hash
 from pdpool.engine.request import Request
 from pdpool.engine.scheduler import SchedulerOutput
-from pdpool.kv_transfer.handle import KVFingerprint, KVHandle
-from pdpool.server.errors import APIError
+from pdpool.kv_transfer.handle import KVFingerprint, KVHandle, partial_block_hash
 from pdpool.prefill_node.leases import Lease, LeaseTable
+from pdpool.server.errors import APIError
+from pdpool.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +38,6 @@ class NodeIdentity:
 class LeaseCapError(APIError):
     def __init__(self, message: str) -> None:
         super().__init__(message, status=429, code="kv_lease_cap")
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class PrefillSide:
@@ -127,10 +125,13 @@ class PrefillSide:
 
     def _handle(self, request: Request, lease: Lease, out) -> KVHandle:
         n, bs = request.num_prompt_tokens, self.block_size
-        self.engine.kv_cache_manager.update_block_hashes(request)
+        kv = self.engine.kv_cache_manager
+        kv.update_block_hashes(request)
+        tail = partial_block_hash(request.prompt_token_ids, request.block_hashes, bs,
+                                  root_hash(kv.fingerprint, request.cache_salt))
         first_logprobs = None
-        if out.logprobs:
-            lp = out.logprobs[0]
+        if out.new_logprobs:  # the request finishes on its first (only) token
+            lp = out.new_logprobs[0]
             first_logprobs = {"token_id": lp.token_id, "logprob": lp.logprob,
                               "top": [[t, v] for t, v in lp.top] if lp.top is not None else None}
         ident = self.identity
@@ -140,6 +141,6 @@ class PrefillSide:
             node_id=ident.node_id, incarnation=ident.incarnation, agent_name=ident.agent_name,
             lease_id=lease.lease_id,
             lease_remaining_s=round(self.table.remaining(lease) * (1 - LEASE_SAFETY_MARGIN), 6),
-            block_hashes=[h.hex() for h in request.block_hashes[:n // bs]], num_tokens=n,
+            block_hashes=[h.hex() for h in request.block_hashes[:n // bs]], num_tokens=n, partial_block_hash=tail,
             fingerprint=self.fingerprint, rank_layouts=list(self.rank_layouts), transfer_mode=self.transfer_mode,
             first_token_id=request.output_token_ids[0], first_token_logprobs=first_logprobs)

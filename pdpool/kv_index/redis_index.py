@@ -7,11 +7,14 @@ the network); the first call that reaches Redis again rewrites the node's whole 
 Redis that restarted empty is noticed by the heartbeat (``SADD nodes`` answers 1 for a node already
 registered) and healed the same way.
 
-* ``publish(stored, removed)``: one engine step's block events, one pipelined MULTI (SREM + SADD + PEXPIRE).
+* ``publish(stored, removed)``: one engine step's block events. It only queues them and returns (the engine thread
+  never waits on Redis); the publisher thread drains the queue in order, coalescing what piled up into one
+  pipelined MULTI (SREM + SADD + PEXPIRE), and retries a dirty index on its own. ``flush(timeout)`` waits for it.
 * ``resync(all_hashes=None)``: full replace (DEL + SADD in chunks) in one MULTI, at start and periodically.
 * ``heartbeat(info)``: SET ``hb:`` with TTL, refresh the TTLs of ``blocks:`` and ``nixl:``, SADD ``nodes``.
 * ``set_agent_metadata(md)``: the KV agent's metadata under ``nixl:<node>:<incarnation>``.
-* ``deregister()``: DEL all the node's keys, SREM from ``nodes``.
+* ``deregister()``: stop the publisher (queued events are dropped, with a log, after a short flush), DEL all the
+  node's keys, SREM from ``nodes``.
 
 Router side (``IndexReader``): ``lookup(block_hashes) -> {node_id: leading blocks held}`` over live nodes and
 ``live_nodes()``, each **one round trip** (a Lua script). Lookup cost, run atomically inside Redis:
@@ -29,16 +32,17 @@ import logging
 import secrets
 import threading
 import time
+from collections import deque
 from typing import Iterable, Sequence
 
 import redis
 
+from pdpool.block_hash import HASH_BYTES
 from pdpool.kv_index.heartbeat import NodeInfo
 from pdpool.kv_index.keys import PoolKeys
 
 logger = logging.getLogger(__name__)
 
-HASH_BYTES = 16
 _SADD_CHUNK = 10_000
 _REDIS_ERRORS = (redis.RedisError, OSError)
 
@@ -72,7 +76,7 @@ def _chunks(items: Sequence[bytes], n: int) -> Iterable[Sequence[bytes]]:
 
 
 class NodeIndex:
-    """One node's writes to the index. Thread-safe (engine thread + heartbeat thread)."""
+    """One node's writes to the index. Thread-safe (engine thread + heartbeat thread + its publisher thread)."""
 
     def __init__(self, client: redis.Redis, keys: PoolKeys, node_id: str, incarnation: str, *,
                  heartbeat_ttl: float = 6.0, state_ttl: float | None = None,
@@ -95,6 +99,14 @@ class NodeIndex:
         self._failures = 0
         self._retry_at = 0.0
         self.num_errors = 0
+        # publish() -> publisher thread. Only this condition's lock is taken on the engine thread, never _lock
+        # (held across Redis calls).
+        self._events: deque[tuple[list[bytes], list[bytes]]] = deque()
+        self._events_cv = threading.Condition()
+        self._num_queued = 0
+        self._num_done = 0
+        self._publisher: threading.Thread | None = None
+        self._stopping = False
 
     @classmethod
     def from_config(cls, disagg, node_id: str, incarnation: str) -> "NodeIndex":
@@ -114,16 +126,30 @@ class NodeIndex:
 
     # ---- public API: never raises for Redis errors; returns whether Redis now matches the mirror ----
 
-    def publish(self, stored: Iterable[bytes | str] = (), removed: Iterable[bytes | str] = ()) -> bool:
-        """One engine step's events. A hash in both is removed, then stored (net: held)."""
-        stored_raw = [_raw(h) for h in stored]
-        removed_raw = [_raw(h) for h in removed]
-        with self._lock:
-            self._held.difference_update(removed_raw)
-            self._held.update(stored_raw)
-            if not stored_raw and not removed_raw and not self._dirty:
-                return True
-            return self._attempt(lambda pipe: self._queue_delta(pipe, stored_raw, removed_raw))
+    def publish(self, stored: Iterable[bytes | str] = (), removed: Iterable[bytes | str] = ()) -> None:
+        """Queue one engine step's events and return at once. A hash in both is removed, then stored (net: held)."""
+        event = ([_raw(h) for h in stored], [_raw(h) for h in removed])
+        with self._events_cv:
+            if self._stopping:
+                return
+            if self._publisher is None:
+                self._publisher = threading.Thread(target=self._publish_loop, name="pdpool-index-publisher",
+                                                   daemon=True)
+                self._publisher.start()
+            self._events.append(event)
+            self._num_queued += 1
+            self._events_cv.notify()
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until every event published so far was handled; True if Redis now matches the mirror."""
+        deadline = time.monotonic() + timeout
+        with self._events_cv:
+            target = self._num_queued
+            while self._num_done < target:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._events_cv.wait(left):
+                    return False
+        return not self._dirty
 
     def resync(self, all_hashes: Iterable[bytes | str] | None = None) -> bool:
         """Replace the node's set with ``all_hashes`` (default: the mirror, to heal lost updates)."""
@@ -146,8 +172,18 @@ class NodeIndex:
             self._last_info = info
             return self._attempt(lambda pipe: self._queue_heartbeat(pipe), check_registration=True)
 
-    def deregister(self) -> bool:
-        """Remove every key of this node (clean shutdown)."""
+    def deregister(self, flush_timeout: float = 1.0) -> bool:
+        """Remove every key of this node (clean shutdown); events still queued after ``flush_timeout`` are
+        dropped (their keys are deleted anyway)."""
+        self.flush(flush_timeout)
+        with self._events_cv:
+            self._stopping = True
+            if self._events:
+                logger.info("dropping %d queued block events of %s at deregistration", len(self._events),
+                            self.node_id)
+                self._num_done += len(self._events)
+                self._events.clear()
+            self._events_cv.notify_all()
         with self._lock:
             self._registered = False
             k = self.keys
@@ -164,6 +200,39 @@ class NodeIndex:
                 return False
 
     # ---- internals ----------------------------------------------------------------------------
+
+    def _publish_loop(self) -> None:
+        """Drain the queue in order; what piled up (a slow Redis) goes out as one net delta."""
+        while True:
+            with self._events_cv:
+                while not self._events and not self._stopping:
+                    retry_in = self._retry_at - time.monotonic() if self._dirty else None
+                    if retry_in is not None and retry_in <= 0:
+                        break  # a dirty index heals without waiting for the next event
+                    self._events_cv.wait(retry_in)
+                if self._stopping:
+                    return
+                events = list(self._events)
+                self._events.clear()
+            stored: set[bytes] = set()
+            removed: set[bytes] = set()
+            for step_stored, step_removed in events:
+                stored.difference_update(step_removed)
+                removed.update(step_removed)
+                removed.difference_update(step_stored)
+                stored.update(step_stored)
+            try:
+                with self._lock:
+                    self._held.difference_update(removed)
+                    self._held.update(stored)
+                    if stored or removed or self._dirty:
+                        self._attempt(lambda pipe: self._queue_delta(pipe, list(stored), list(removed)))
+            except Exception:  # never let the thread die: the next event or retry rewrites the state
+                logger.exception("publishing block events of %s failed", self.node_id)
+                self._dirty = True
+            with self._events_cv:
+                self._num_done += len(events)
+                self._events_cv.notify_all()
 
     def _attempt(self, queue_fn, check_registration: bool = False) -> bool:
         now = time.monotonic()
@@ -306,21 +375,3 @@ class IndexReader:
             return self.client.get(self.keys.nixl(node_id, incarnation))
         except _REDIS_ERRORS as exc:
             raise IndexUnavailableError(f"agent metadata fetch failed: {exc}") from exc
-
-
-def delete_pool_keys(client: redis.Redis, namespace: str, pool: str, batch: int = 500) -> int:
-    """Delete every key of one pool (SCAN by its prefix, UNLINK in batches; never KEYS). Returns the count.
-
-    The prefix ends with the pool's hash tag and a colon, so pool ``a`` never matches pool ``ab``.
-    """
-    pattern = PoolKeys(namespace, pool).scan_pattern
-    deleted = 0
-    pending: list[bytes] = []
-    for key in client.scan_iter(match=pattern, count=batch):
-        pending.append(key)
-        if len(pending) >= batch:
-            deleted += client.unlink(*pending)
-            pending = []
-    if pending:
-        deleted += client.unlink(*pending)
-    return deleted

@@ -7,17 +7,26 @@ they fit (``do_remote_prefill``, ``do_remote_decode``, ``remote_engine_id``, ``r
 
 Time is relative: ``lease_remaining_s`` is how long the prefill node still holds the blocks, measured when
 the handle was issued, so no two nodes need to agree on a clock.
+
+A handle is for one prompt exactly. ``block_hashes`` has the chained hash of every full block of the prompt and
+``partial_block_hash`` chains the trailing partial block (empty when the prompt fills its blocks) onto them::
+
+    | block 0 | block 1 | ... | block k-1 | tail (num_tokens % block_size tokens) |
+      h[0]      h[1]            h[k-1]      partial_block_hash = H(h[k-1] or root, tail)
+
+Version 2 added ``partial_block_hash`` and requires every full block's hash (version 1 accepted none).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, Sequence
 
+from pdpool.block_hash import BlockHash, hash_block_tokens
 from pdpool.kv_transfer.layout import KV_LAYOUT, KVRegion, block_bytes_of
 
-HANDLE_VERSION = 1
+HANDLE_VERSION = 2
 TRANSFER_MODES = ("pull", "push")
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
@@ -84,6 +93,7 @@ class KVHandle:
     lease_remaining_s: float
     block_hashes: list[str]           # hex, one per full block, chained (pdpool.block_hash)
     num_tokens: int                   # prompt tokens whose KV the blocks hold
+    partial_block_hash: str           # hex, the trailing partial block chained on block_hashes (see above)
     fingerprint: KVFingerprint
     rank_layouts: list[KVRegion]      # one per tensor-parallel rank (one today)
     transfer_mode: str = "pull"
@@ -120,8 +130,9 @@ class KVHandle:
                f"in blocks of {bs} (expected {-(-self.num_tokens // bs)})")
         _check(isinstance(self.block_hashes, list) and all(_is_hex16(h) for h in self.block_hashes),
                "block_hashes must be a list of 32-digit hex strings")
-        _check(len(self.block_hashes) in (0, self.num_tokens // bs),
+        _check(len(self.block_hashes) == self.num_tokens // bs,
                f"{len(self.block_hashes)} block_hashes for {self.num_tokens // bs} full blocks")
+        _check(_is_hex16(self.partial_block_hash), "partial_block_hash must be a 32-digit hex string")
         _check(self.first_token_id is None or _is_int(self.first_token_id),
                f"first_token_id must be an int >= 0 or null, got {self.first_token_id!r}")
         _check(self.first_token_logprobs is None or isinstance(self.first_token_logprobs, dict),
@@ -173,6 +184,17 @@ class KVHandle:
 
 
 _OPTIONAL = {"transfer_mode", "first_token_id", "first_token_logprobs", "pdpool_version", "extra"}
+
+
+def partial_block_hash(prompt_token_ids: Sequence[int], full_block_hashes: Sequence[BlockHash], block_size: int,
+                       root: BlockHash) -> str:
+    """The handle's ``partial_block_hash``: the prompt's tail after its full blocks, chained on the last one's hash
+    (on ``root`` when the prompt is shorter than a block); ``full_block_hashes`` has at least the full blocks'."""
+    num_full = len(prompt_token_ids) // block_size
+    if len(full_block_hashes) < num_full:
+        raise ValueError(f"{len(full_block_hashes)} hashes for {num_full} full blocks")
+    parent = full_block_hashes[num_full - 1] if num_full else root
+    return hash_block_tokens(parent, prompt_token_ids[num_full * block_size:]).hex()
 
 
 def fields_required(name: str) -> bool:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdpool.engine.kv_connector import plan_load
 from pdpool.prefill_node.leases import LeaseTable
@@ -61,3 +63,52 @@ class Handle:
 def test_plan_leaves_out_the_local_prefix_hit(hit_tokens, local, remote):
     plan = plan_load(Handle([1, 2, 3]), hit_tokens, [7, 8, 9, 10], 16)  # block 10: room for the decode
     assert (plan.local_ids, plan.remote_ids) == (local, remote)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["issue", "notify", "tick"]), st.integers(0, 7)), max_size=60))
+def test_leased_block_count_is_the_sum_over_leases(ops):
+    clock = Clock()
+    table = LeaseTable(3.0, clock=clock)
+    issued: list[str] = []
+    for op, n in ops:
+        if op == "issue":
+            issued.append(table.issue(f"r{len(issued)}", list(range(n))).lease_id)
+        elif op == "notify" and issued:
+            table.notify(issued[n % len(issued)])
+        else:
+            clock.now += n * 0.5
+            table.expire()
+        assert table.num_leased_blocks == sum(len(lease.block_ids) for lease in table.leases.values())
+
+
+def test_a_scrape_while_the_engine_thread_changes_leases():
+    """The collector runs on the HTTP thread while the engine thread issues and ends leases."""
+    import threading
+
+    from pdpool.kv_metrics import KVMetrics, KVMetricsCollector
+
+    table = LeaseTable(60.0)
+    for i in range(2000):  # a long lease dict: an iteration over it would be interrupted
+        table.issue(f"old{i}", [i])
+    metrics = KVMetrics()
+    metrics.leased_blocks = lambda: table.num_leased_blocks
+    metrics.num_leases = lambda: len(table.leases)
+    stop = threading.Event()
+
+    def engine_thread():
+        i = 0
+        while not stop.is_set():
+            table.notify(table.issue(f"r{i}", [1, 2, 3]).lease_id)
+            i += 1
+
+    thread = threading.Thread(target=engine_thread)
+    thread.start()
+    try:
+        collector = KVMetricsCollector(metrics)
+        for _ in range(300):
+            values = {f.name: f.samples[0].value for f in collector.collect() if f.name.startswith("pdpool_kv_lease")}
+            assert values["pdpool_kv_leased_blocks"] in (2000, 2003)
+    finally:
+        stop.set()
+        thread.join()

@@ -1,7 +1,9 @@
-"""The Redis index against a real redis-server: publish/resync/lookup, liveness, pool isolation, outages."""
+"""The Redis index against a real redis-server: publish/resync/lookup, liveness, pool isolation (and the operator's
+key deletion), outages."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from pdpool.block_hash import ModelFingerprint, hash_prompt_blocks, root_hash
@@ -35,14 +37,17 @@ def test_lookup_counts_leading_blocks_of_live_nodes(redis_server):
     c, c_info = make_node(redis_server, "c")
     for index, info in ((a, a_info), (b, b_info), (c, c_info)):
         assert index.heartbeat(info)
-    assert a.publish(stored=HASHES[:4])
-    assert b.publish(stored=[HASHES[0], HASHES[1], HASHES[3]])  # a gap at block 2
+    a.publish(stored=HASHES[:4])
+    assert a.flush()
+    b.publish(stored=[HASHES[0], HASHES[1], HASHES[3]])  # a gap at block 2
+    assert b.flush()
     reader = make_reader(redis_server)
     assert reader.lookup(HASHES[:5]) == {"a": 4, "b": 2, "c": 0}
     assert reader.lookup([h.hex() for h in HASHES[:5]]) == {"a": 4, "b": 2, "c": 0}  # hex works too
     assert reader.lookup([]) == {"a": 0, "b": 0, "c": 0}
 
-    assert a.publish(stored=[HASHES[4]], removed=[HASHES[1]])
+    a.publish(stored=[HASHES[4]], removed=[HASHES[1]])
+    assert a.flush()
     assert reader.lookup(HASHES[:5]) == {"a": 1, "b": 2, "c": 0}
 
     # One round trip each: the lookup is one EVALSHA, a step's publish one MULTI with one SADD for 100 blocks.
@@ -51,6 +56,7 @@ def test_lookup_counts_leading_blocks_of_live_nodes(redis_server):
     reader.lookup(HASHES)
     many = [i.to_bytes(16, "big") for i in range(100)]
     c.publish(stored=many, removed=[])
+    assert c.flush()
     after = cmdstats(client)
     assert after["evalsha"] - before["evalsha"] == 1
     assert after["multi"] - before["multi"] == 1
@@ -62,6 +68,7 @@ def test_long_prompt_lookup_crosses_chunks(redis_server):
     a.heartbeat(info)
     hashes = hash_prompt_blocks(list(range(3000 * 4)), 4, ROOT)  # 3000 blocks: several SMISMEMBER chunks
     a.publish(stored=hashes[:2500])
+    assert a.flush()
     assert make_reader(redis_server).lookup(hashes) == {"a": 2500}
 
 
@@ -71,7 +78,9 @@ def test_dead_node_is_excluded_then_pruned(redis_server):
     live.heartbeat(live_info)
     dead.heartbeat(dead_info)
     live.publish(stored=HASHES[:2])
+    assert live.flush()
     dead.publish(stored=HASHES[:6])
+    assert dead.flush()
     reader = make_reader(redis_server)
     assert reader.lookup(HASHES) == {"live": 2, "dead": 6}
     assert set(reader.live_nodes()) == {"live", "dead"}
@@ -104,6 +113,7 @@ def test_resync_replaces_the_set(redis_server):
     a, info = make_node(redis_server, "a")
     a.heartbeat(info)
     a.publish(stored=HASHES[:5])
+    assert a.flush()
     assert a.resync(HASHES[5:7])
     members = redis_server.client().smembers(PoolKeys("ns", "p1").blocks("a"))
     assert members == set(HASHES[5:7])
@@ -123,7 +133,9 @@ def test_pools_are_isolated_and_delete_pool_keys(redis_server):
         index.set_agent_metadata(b"md")
         nodes[namespace, pool] = index
     nodes["ns", "p1"].publish(stored=HASHES[:3])
+    assert nodes["ns", "p1"].flush()
     nodes["ns", "p1x"].publish(stored=HASHES[:1])
+    assert nodes["ns", "p1x"].flush()
     client.set("unrelated:key", "1")
     assert make_reader(redis_server, "p1", "ns").lookup(HASHES) == {"n": 3}
     assert make_reader(redis_server, "p1x", "ns").lookup(HASHES) == {"n": 1}
@@ -132,7 +144,7 @@ def test_pools_are_isolated_and_delete_pool_keys(redis_server):
     p1_keys = {k for k in client.scan_iter(match=PoolKeys("ns", "p1").scan_pattern)}
     assert len(p1_keys) == 4  # nodes, hb:n, blocks:n, nixl:n:inc1
     before = set(client.scan_iter())
-    assert delete_pool_keys(client, "ns", "p1", batch=2) == 4
+    assert asyncio.run(delete_pool_keys(redis_server.url, redis_server.password, "ns", "p1", batch=2)) == 4
     assert set(client.scan_iter()) == before - p1_keys
     assert make_reader(redis_server, "p1", "ns").lookup(HASHES) == {}
     assert make_reader(redis_server, "p1x", "ns").lookup(HASHES) == {"n": 1}
@@ -144,6 +156,7 @@ def test_deregister_removes_the_node(redis_server):
     a.heartbeat(info)
     a.set_agent_metadata(b"md")
     a.publish(stored=HASHES[:2])
+    assert a.flush()
     assert a.deregister()
     assert list(redis_server.client().scan_iter()) == []
 
@@ -153,22 +166,23 @@ def test_redis_outage_never_raises_and_heals(redis_server):
     a.heartbeat(info)
     a.set_agent_metadata(b"md")
     a.publish(stored=HASHES[:3])
+    assert a.flush()
     redis_server.stop()
 
     t0 = time.monotonic()
-    for i in range(3, 8):  # engine steps during the outage: return False quickly, keep the mirror
-        assert a.publish(stored=[HASHES[i]], removed=[HASHES[0]] if i == 3 else []) is False
+    for i in range(3, 8):  # engine steps during the outage: queued, the publisher fails and keeps the mirror
+        a.publish(stored=[HASHES[i]], removed=[HASHES[0]] if i == 3 else [])
         assert a.heartbeat(info) is False
+    assert a.flush() is False
     assert a.resync() is False
     assert time.monotonic() - t0 < 2.0
     assert a.dirty and a.num_errors >= 1
 
     redis_server.start()  # same port, empty (no persistence)
     deadline = time.monotonic() + 5
-    while not a.publish():  # an empty step: retries once the backoff allows, rewriting everything
+    while a.dirty:  # the publisher retries once the backoff allows, rewriting everything, with no new event
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    assert not a.dirty
     reader = make_reader(redis_server)
     assert reader.lookup(HASHES[1:8]) == {"a": 7}
     assert reader.agent_metadata("a", "inc1") == b"md"
@@ -179,6 +193,7 @@ def test_silent_redis_restart_is_noticed_by_the_heartbeat(redis_server):
     a, info = make_node(redis_server, "a")
     a.heartbeat(info)
     a.publish(stored=HASHES[:4])
+    assert a.flush()
     redis_server.client().flushall()  # as if Redis restarted between two calls
     assert a.heartbeat(info)
     assert make_reader(redis_server).lookup(HASHES) == {"a": 4}
@@ -187,6 +202,7 @@ def test_silent_redis_restart_is_noticed_by_the_heartbeat(redis_server):
 def test_heartbeat_thread(redis_server):
     a, info = make_node(redis_server, "a", hb_ttl=0.5)
     a.publish(stored=HASHES[:2])
+    assert a.flush()
     thread = HeartbeatThread(a, lambda: info, period=0.05, resync_every=3).start()
     try:
         reader = make_reader(redis_server)
@@ -215,3 +231,32 @@ def test_node_index_from_config(redis_server):
     assert index.heartbeat(NodeInfo("node-1:8000", "decode", "http://n1:8000", incarnation))
     assert set(make_reader(redis_server, "p9", "team").live_nodes()) == {"node-1:8000"}
     assert new_incarnation() != incarnation
+
+
+def test_publish_never_waits_on_a_stalled_redis(redis_server):
+    """Redis stopped (SIGSTOP: connections hang, nothing is refused): an engine step's publish only queues."""
+    import os
+    import signal
+
+    a, info = make_node(redis_server, "a")
+    a.heartbeat(info)
+    a.publish(stored=HASHES[:2])
+    assert a.flush()
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        durations = []
+        for i in range(2, 10):
+            t0 = time.perf_counter()
+            a.publish(stored=[HASHES[i]], removed=[HASHES[0]] if i == 2 else [])
+            durations.append(time.perf_counter() - t0)
+            time.sleep(0.05)  # the publisher meanwhile blocks on Redis (0.5 s socket timeout)
+        assert max(durations) < 1e-3, durations
+        assert a.flush(timeout=0.2) is False  # still stuck on Redis
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while not (a.flush(timeout=1.0) and not a.dirty):
+        assert time.monotonic() < deadline, "the index did not heal"
+    assert make_reader(redis_server).lookup(HASHES) == {"a": 0}  # block 0 was removed
+    assert make_reader(redis_server).lookup(HASHES[1:]) == {"a": 9}
+    assert a.deregister()

@@ -8,20 +8,24 @@ import pytest
 
 from pdpool.block_hash import ModelFingerprint, hash_prompt_blocks, root_hash
 from pdpool.kv_transfer.handle import (HANDLE_VERSION, IncompatibleKVError, KVFingerprint, KVHandle,
-                                       KVHandleError)
+                                       KVHandleError, partial_block_hash)
 from pdpool.kv_transfer.layout import KVRegion
 
 FP = KVFingerprint(model="demo", dtype="float32", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64)
 
 
+ROOT = root_hash(ModelFingerprint("demo", "float32", 16))
+TOKENS = list(range(40))  # 2 full blocks + 8 tokens
+
+
 def make_handle(**overrides) -> KVHandle:
-    tokens = list(range(40))  # 2 full blocks + 8 tokens
-    hashes = hash_prompt_blocks(tokens, 16, root_hash(ModelFingerprint("demo", "float32", 16)))
+    hashes = hash_prompt_blocks(TOKENS, 16, ROOT)
     fields = dict(
         do_remote_prefill=True, do_remote_decode=False, remote_engine_id="prefill-0",
         remote_block_ids=[7, 3, 12], remote_host="10.0.0.5", remote_port=8000,
         node_id="prefill-0", incarnation="a1b2", agent_name="prefill-0#a1b2", lease_id="lease-42",
         lease_remaining_s=29.5, block_hashes=[h.hex() for h in hashes], num_tokens=40,
+        partial_block_hash=partial_block_hash(TOKENS, hashes, 16, ROOT),
         first_token_id=1234, first_token_logprobs={"1234": -0.25}, fingerprint=FP, transfer_mode="pull",
         rank_layouts=[KVRegion(base_addr=0x7F0000000000, num_blocks=64, block_bytes=FP.block_bytes)])
     fields.update(overrides)
@@ -61,7 +65,7 @@ def test_rank_count_must_match():
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (dict(pdpool_version=2), "version 2"),
+    (dict(pdpool_version=1), "version 1"),
     (dict(do_remote_decode=True), "cannot both"),
     (dict(transfer_mode="teleport"), "transfer_mode"),
     (dict(remote_port=0), "remote_port"),
@@ -72,6 +76,9 @@ def test_rank_count_must_match():
     (dict(remote_block_ids=[7, 3, 64]), "outside rank 0's 64 blocks"),
     (dict(block_hashes=["zz" * 16, "00" * 16]), "32-digit hex"),
     (dict(block_hashes=["00" * 16]), "1 block_hashes for 2 full blocks"),
+    (dict(block_hashes=[]), "0 block_hashes for 2 full blocks"),
+    (dict(partial_block_hash="xyz"), "partial_block_hash"),
+    (dict(partial_block_hash=None), "partial_block_hash"),
     (dict(agent_name=""), "agent_name"),
     (dict(first_token_id=-1), "first_token_id"),
     (dict(rank_layouts=[]), "rank_layouts is empty"),
@@ -95,3 +102,17 @@ def test_from_dict_errors():
         KVHandle.from_dict({})
     with pytest.raises(KVHandleError, match="must be an object"):
         KVHandle.from_dict([])
+
+
+def test_partial_block_hash_covers_the_tail_and_chains_on_the_full_blocks():
+    hashes = hash_prompt_blocks(TOKENS, 16, ROOT)
+    h = partial_block_hash(TOKENS, hashes, 16, ROOT)
+    assert partial_block_hash(TOKENS[:-1] + [999], hashes, 16, ROOT) != h           # only the tail differs
+    other = hash_prompt_blocks([1] + TOKENS[1:], 16, ROOT)
+    assert partial_block_hash([1] + TOKENS[1:], other, 16, ROOT) != h               # only a full block differs
+    salted = root_hash(ModelFingerprint("demo", "float32", 16), "salt")
+    assert partial_block_hash(TOKENS[:8], [], 16, salted) != partial_block_hash(TOKENS[:8], [], 16, ROOT)
+    full = TOKENS[:32]
+    assert partial_block_hash(full, hashes, 16, ROOT) != partial_block_hash(full[:16], hashes[:1], 16, ROOT)
+    with pytest.raises(ValueError, match="2 full blocks"):
+        partial_block_hash(TOKENS, hashes[:1], 16, ROOT)

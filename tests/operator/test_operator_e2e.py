@@ -13,7 +13,7 @@ import yaml
 
 from operator_examples import EXAMPLES, ROOT
 from operator_procs import OperatorProcess, RedisServer, wait_until
-from pdpool.operator.redis_keys import key_prefix
+from pdpool.kv_index.keys import key_prefix
 
 POOL = "inferencepools.pdpool.io"
 CHILD_KINDS = {"deployments", "services", "configmaps", "secrets", "networkpolicies"}

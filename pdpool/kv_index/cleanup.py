@@ -1,31 +1,26 @@
-"""Finalizer side: drop every Redis key of a pool (``pdpool:v1:{<namespace>/<pool>}:…``).
+"""Drop every Redis key of a pool (the operator's finalizer): SCAN by the pool's prefix, UNLINK in batches.
 
-The hash tag ``{<namespace>/<pool>}`` keeps one pool's keys in one Redis Cluster slot. Deletion is SCAN by prefix
-in batches (never KEYS, which blocks Redis), so it is safe on a shared external Redis.
+Never KEYS, which blocks Redis, so it is safe on a shared external Redis. The prefix ends with the pool's hash tag
+and a colon (``pdpool.kv_index.keys``), so pool ``a`` never matches pool ``ab``. Imports only ``redis.asyncio``, when
+called: the operator loads this without pdpool's index client or torch.
 """
 
 from __future__ import annotations
 
-import redis.asyncio as aioredis
-
-
-def key_prefix(namespace: str, pool: str) -> str:
-    return f"pdpool:v1:{{{namespace}/{pool}}}:"
-
-
-def _glob_escape(s: str) -> str:
-    return "".join("\\" + c if c in "*?[]\\" else c for c in s)
+from pdpool.kv_index.keys import PoolKeys
 
 
 async def delete_pool_keys(url: str, password: str | None, namespace: str, pool: str,
                            batch: int = 500, timeout: float = 5.0) -> int:
     """Delete the pool's keys; returns how many were deleted."""
+    import redis.asyncio as aioredis
+
     client = aioredis.from_url(url, password=password, socket_timeout=timeout, socket_connect_timeout=timeout)
     deleted = 0
     try:
         pending: list = []
-        async for k in client.scan_iter(match=_glob_escape(key_prefix(namespace, pool)) + "*", count=batch):
-            pending.append(k)
+        async for key in client.scan_iter(match=PoolKeys(namespace, pool).scan_pattern, count=batch):
+            pending.append(key)
             if len(pending) >= batch:
                 deleted += await client.unlink(*pending)
                 pending = []
