@@ -11,7 +11,12 @@ from pathlib import Path
 
 import pytest
 
+import hypothesis_profiles
 from pdpool.node_process import NodeProcess
+
+# dev by default, ci when CI is set, or HYPOTHESIS_PROFILE=<name>; loaded before any test module builds its
+# @settings, which inherit from it (docs/testing.md)
+hypothesis_profiles.load()
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

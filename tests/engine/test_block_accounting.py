@@ -10,6 +10,7 @@ from collections import Counter
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from hypothesis_profiles import scaled
 from pdpool.config import SchedulerConfig
 from pdpool.engine.kv_cache_manager import KVCacheManager
 from pdpool.engine.request import Request, RequestStatus
@@ -26,6 +27,38 @@ def make_request(request_id: str, prompt: list[int], *, max_tokens: int, priorit
     return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), eos_token_id=EOS, priority=priority,
                    arrival_time=0.0, cache_salt=salt, kv_load="handle" if kv_load else None,
                    hold_blocks_on_finish=hold, output_token_ids=() if first_token is None else [first_token])
+
+
+def drain_bound(sched: Scheduler) -> int:
+    """Rounds within which ``drain`` must finish every request: the scheduler's progress argument, not a guess.
+
+    At the start of a drain round no load is in flight and no lease holds blocks, so every used block belongs
+    to a running request, and the head of ``running`` (scheduled first, budget >= 1) fits once the others are
+    preempted: no request outgrows the cache (prompt <= max_model_len <= capacity, and the harness keeps
+    prompt + first token <= max_model_len). FCFS preempts from the tail, so the head computes at least one token
+    every round until it finishes: at most prompt + max_tokens rounds each, plus one round per remote load.
+    The priority policy may preempt the head itself (it is then the worst key; one more round), and the next
+    head has a better key, so between two finishes each request leads at most once: n + 1 times that bound.
+    """
+    requests = sched.requests.values()
+    work = sum(r.num_prompt_tokens + r.max_tokens + 2 for r in requests)
+    return work * (len(requests) + 1 if sched.waiting.by_priority else 1)
+
+
+def drain(sched: Scheduler) -> int:
+    """Run every unfinished request to completion; each round first ends the remote loads (successfully) and
+    the leases, then runs one step sampling a non-stop token. Returns the rounds it took; fails on a livelock."""
+    bound = drain_bound(sched)
+    for rounds in range(bound + 1):
+        if not sched.requests:
+            return rounds
+        for rid in list(sched.loading):
+            sched.finish_remote_load(rid, True)
+        for rid in list(sched.held_blocks):  # leases end; otherwise they may starve the rest
+            sched.release_held_blocks(rid)
+        out = sched.schedule()
+        sched.update_from_output(out, {s.request.request_id: 7 for s in out.scheduled if s.samples})
+    raise AssertionError(f"livelock: unfinished after {bound} rounds: {sched.requests}")
 
 
 class BlockAccounting(RuleBasedStateMachine):
@@ -112,21 +145,45 @@ class BlockAccounting(RuleBasedStateMachine):
         if not hasattr(self, "sched"):
             return
         sched = self.sched
-        for _ in range(200):  # drain: everything runs to completion (no livelock)
-            if not sched.requests:
-                break
-            for rid in list(sched.loading):
-                sched.finish_remote_load(rid, True)
-            for rid in list(sched.held_blocks):  # leases end; otherwise they may starve the rest
-                sched.release_held_blocks(rid)
-            out = sched.schedule()
-            sched.update_from_output(out, {s.request.request_id: 7 for s in out.scheduled if s.samples})
-        assert not sched.requests, sched.requests
+        drain(sched)
         for rid in list(sched.held_blocks):
             sched.release_held_blocks(rid)
         assert sched.num_free_blocks == sched.num_total_blocks and sched.kv.req_blocks == {}
         assert all(r.is_finished and r.finish_reason in ("stop", "length", "abort") for r in self.all.values())
 
 
-BlockAccounting.TestCase.settings = settings(max_examples=250, stateful_step_count=40, deadline=None)
+BlockAccounting.TestCase.settings = settings(max_examples=scaled(250), stateful_step_count=40)
 TestBlockAccounting = BlockAccounting.TestCase
+
+
+def fcfs_rounds(request: Request) -> int:
+    """Drain rounds of one request alone under a one-token budget, without prefix caching: one per prompt token
+    and per output token but the last (sampled, never computed); a remote load instead takes the round that
+    starts it and one for the last prompt token (the rest arrives computed)."""
+    if request.kv_load is not None:
+        return 1 + request.max_tokens
+    return request.num_prompt_tokens + request.max_tokens - 1
+
+
+def test_a_long_queue_drains_under_a_one_token_budget():
+    """The fresh-clone failure (seed 312135948058746821298179294727609467235) was the old fixed 200-round
+    drain, not a livelock: with a one-token budget and one sequence the queue needed 201 rounds, and the last
+    request was one step from finishing (computed = tokens - 1). Here the same setup, requests like the
+    shrunk example's (remote loads, held blocks, shared prefixes), needs more than 200 rounds: exactly one
+    after another, FCFS."""
+    cfg = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=1, scheduling_policy="fcfs")
+    sched = Scheduler(cfg, KVCacheManager(3, BLOCK, False))
+    shapes = [(PREFIXES[1], 1, False, False), (PREFIXES[2] + [3, 3, 3], 1, False, False), ([5], 4, True, False),
+              ([3] * 9, 3, False, False), ([5], 1, True, True), ([5], 4, False, True)]
+    requests = [make_request(f"r{i}", prompt, max_tokens=max_tokens, priority=0, kv_load=kv_load, hold=hold,
+                             first_token=None, salt=None)
+                for i, (prompt, max_tokens, kv_load, hold) in enumerate(shapes * 7)]
+    for request in requests:
+        sched.add_request(request)
+    expected = sum(fcfs_rounds(r) for r in requests)
+    assert 200 < expected <= drain_bound(sched)
+    assert drain(sched) == expected
+    assert all(r.finish_reason == "length" for r in requests)
+    assert list(sched.held_blocks) == [requests[-1].request_id]  # the last one's lease has not ended yet
+    assert sched.release_held_blocks(requests[-1].request_id)
+    assert sched.num_free_blocks == sched.num_total_blocks

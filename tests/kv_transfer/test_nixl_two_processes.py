@@ -109,26 +109,54 @@ def test_pull_non_contiguous_blocks_with_read(pair):
     assert agent.stats.warmups == 1
 
 
+def stop_process(pid: int) -> None:
+    """SIGSTOP, and wait until every thread of the process is stopped (state T), not only signalled."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5.0
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that just ended
+                pass
+        if all(state in "tT" for state in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} did not stop: thread states {states}"
+        time.sleep(0.001)
+
+
 def test_pull_from_an_asyncio_loop(pair):
-    _, agent, kv, peer, *_ = pair
+    """``wait_async`` leaves the event loop free while a pull is outstanding.
+
+    The peer is stopped (SIGSTOP) before the READ is posted, so over TCP the READ cannot complete until it
+    resumes. The pull task polls it; another task on the same loop then finds it still pending, and only that
+    task resumes the peer. So the pull can end only if the loop ran other work while the transfer was
+    outstanding: a wait that held the loop would time out instead. No outcome depends on timing."""
+    _, agent, kv, peer, _, _, proc = pair
+    agent.read_blocks(peer, remote_block_ids=[0], local_block_ids=[0], timeout=TIMEOUT)  # connected and warm
     kv.zero_()
+    events = []
 
-    async def pull():
-        ticks = 0
+    async def pull_while_the_peer_is_stopped():
+        pending = agent.start_read(peer, remote_block_ids=list(range(16)), local_block_ids=list(range(16)))
+        pull = asyncio.create_task(pending.wait_async(TIMEOUT))
+        for _ in range(50):  # the pull task runs between these turns (it was ready first) and polls
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.05)  # and through timed sleeps of its own
+        events.append(("pending", pull.done(), pending.done))
+        os.kill(proc.pid, signal.SIGCONT)
+        events.append("resumed")
+        await pull
+        events.append(("done", pending.done))
 
-        async def ticker():  # proves the loop keeps running while the transfer is polled
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await asyncio.sleep(0)
-
-        task = asyncio.create_task(ticker())
-        await agent.start_read(peer, remote_block_ids=list(range(16)), local_block_ids=list(range(16))) \
-            .wait_async(TIMEOUT)
-        task.cancel()
-        return ticks
-
-    assert asyncio.run(pull()) > 0
+    stop_process(proc.pid)
+    try:
+        asyncio.run(pull_while_the_peer_is_stopped())
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    assert events == [("pending", False, False), "resumed", ("done", True)]
     assert torch.equal(kv, known_kv())
 
 
