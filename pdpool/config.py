@@ -90,7 +90,8 @@ class ServerConfig:
     port: int = opt(8000, "HTTP port.", ge=0, le=65535)
     role: str = opt("both", "Node role in a disaggregated pool.", choices=ROLES)
     api_key: str | None = opt(None, "Bearer key clients must present.", secret=True)
-    max_log_len: int = opt(0, "Characters of prompts to log (0: none).", ge=0)
+    max_log_len: int = opt(0, "Characters of each prompt to log at its arrival, with its request id (0: none).",
+                           ge=0)
 
 
 @dataclass
@@ -115,8 +116,6 @@ class DisaggConfig:
     ucx_tls: str | None = opt(None, "UCX_TLS for the NIXL agent.", crd="kvTransfer.ucxTls")
     ucx_net_devices: str | None = opt(None, "UCX_NET_DEVICES for the NIXL agent (e.g. mlx5_0:1).",
                                       crd="kvTransfer.ucxNetDevices")
-    kv_transfer_backend: str = opt("nixl", "How KV blocks move between nodes.", choices=("nixl", "tcp"),
-                                   crd="kvTransfer.backend")
     nixl_port: int = opt(5600, "Port of the NIXL agent's side channel (metadata exchange).", ge=1, le=65535)
 
 
@@ -144,7 +143,17 @@ class NodeConfig:
 
 @dataclass
 class RouterConfig:
-    """The OpenAI gateway in front of a pool: picks a prefill and a decode node per request."""
+    """The OpenAI gateway in front of a pool: picks a prefill and a decode node per request (docs/router.md)."""
+    model: str = opt("demo", "Model whose tokenizer the router uses: 'demo' or a local HF folder (no weights read).",
+                     crd="model.name")
+    served_model_name: str | None = opt(None, "Name the API serves the model as (default: --model); also the "
+                                        "model id of the block-hash fingerprint.", crd="model.servedModelName")
+    dtype: str = opt("auto", "The nodes' dtype, part of the block-hash fingerprint; auto adopts the first node's.",
+                     choices=DTYPES, crd="engine.dtype")
+    block_size: int = opt(16, "The nodes' tokens per KV block (block hashes).", choices=(8, 16, 32, 64, 128),
+                          crd="engine.blockSize")
+    config: str | None = opt(None, "YAML file: any of these settings, and the scheduler's filters, scorers and "
+                             "picker with their weights (docs/router.md).")
     host: str = opt("0.0.0.0", "Address to listen on.")
     port: int = opt(8000, "HTTP port of the router.", ge=1, le=65535, crd="router.port")
     api_key: str | None = opt(None, "Bearer key clients must present.", secret=True)
@@ -153,11 +162,30 @@ class RouterConfig:
     redis_password: str | None = opt(None, "Redis password.", secret=True)
     pool: str = opt("default", "Pool name; Redis keys are namespaced by it.")
     namespace: str = opt("default", "Kubernetes namespace of the pool.")
+    prefill: list[str] = opt([], "Static prefill node URL (repeatable).")
+    decode: list[str] = opt([], "Static decode node URL (repeatable).")
+    both: list[str] = opt([], "Static colocated node URL, pdpool or any OpenAI server (repeatable).")
+    kubernetes: bool = opt(False, "Discover nodes from the EndpointSlices of the pool's Services.")
+    kube_api: str | None = opt(None, "Kubernetes API URL (default: in-cluster).")
+    discovery_seconds: float = opt(0.5, "Seconds between refreshes of the node list and loads.", ge=0.01)
     prefix_weight: float = opt(3.0, "Weight of the prefix-cache-hit scorer.", ge=0, crd="router.weights.prefix")
     queue_weight: float = opt(2.0, "Weight of the queue-depth scorer.", ge=0, crd="router.weights.queue")
     kv_usage_weight: float = opt(2.0, "Weight of the KV-cache-usage scorer.", ge=0, crd="router.weights.kvUsage")
+    picker: str = opt("max-score", "How a node is picked from the scores.",
+                      choices=("max-score", "round-robin", "random"))
+    load_margin_tokens: int = opt(2048, "Prefix affinity yields to load when the best-prefix node's queued prefill "
+                                  "tokens exceed the least-loaded node's by more than this.", ge=0)
+    # The router counts a prompt's *uncached* tokens on the chosen decode node against it (docs/router.md).
     disagg_min_tokens: int = opt(0, "Prompts shorter than this skip prefill and go to a decode node (0: never).",
                                  ge=0, crd="kvTransfer.disaggMinTokens")
+    approx_index_entries: int = opt(100_000, "Block hashes the approximate (router-local) prefix index remembers.",
+                                    ge=1)
+    max_inflight: int = opt(0, "Requests in flight beyond which the router answers 429 (0: no limit).", ge=0)
+    max_retries: int = opt(2, "Decode nodes tried after the first fails before its first byte.", ge=0)
+    prefill_timeout: float = opt(60.0, "Seconds before a prefill leg is abandoned (the request goes decode-only).",
+                                 ge=0.01)
+    connect_timeout: float = opt(2.0, "Seconds to connect to a node.", ge=0.01)
+    node_cooldown: float = opt(2.0, "Seconds a node that failed to answer is left out.", ge=0)
     request_timeout: float = opt(600.0, "Seconds before a proxied request is abandoned.", ge=1)
 
 
@@ -168,6 +196,10 @@ class RouterCommandConfig:
 
     def __post_init__(self) -> None:
         validate(self)
+
+    @property
+    def served_model_name(self) -> str:
+        return self.router.served_model_name or self.router.model
 
 
 SECTIONS = {
@@ -193,6 +225,8 @@ def _base_type(f: dataclasses.Field) -> type:
     t = f.type
     if isinstance(t, str):
         t = eval(t, {"Literal": Literal}, {})  # annotations are postponed strings
+    if get_origin(t) is list:  # a repeatable flag
+        return list
     if get_origin(t) is not None:  # X | None
         args = [a for a in get_args(t) if a is not type(None)]
         t = args[0]
@@ -226,6 +260,8 @@ def add_arguments(parser: argparse.ArgumentParser, cfg_cls: type = NodeConfig) -
             kw: dict[str, Any] = dict(dest=f"{sec}.{f.name}", default=argparse.SUPPRESS, help=f.metadata["help"])
             if t is bool:
                 kw["action"] = argparse.BooleanOptionalAction
+            elif t is list:  # repeatable: --decode URL --decode URL
+                kw.update(action="append", type=str, metavar=f.name.upper())
             else:
                 kw["type"] = t
                 if f.metadata.get("choices"):
@@ -283,6 +319,9 @@ def to_argv(cfg, cfg_cls: type = NodeConfig, *, include_secrets: bool = False) -
                 continue
             if isinstance(value, bool):
                 argv.append(flag_name(f) if value else "--no-" + flag_name(f)[2:])
+            elif isinstance(value, list):
+                for item in value:
+                    argv += [flag_name(f), str(item)]
             else:
                 argv += [flag_name(f), str(value)]
     return argv
@@ -295,6 +334,10 @@ def _check_field(sec: str, f: dataclasses.Field, value: Any) -> None:
     t = _base_type(f)
     if t is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
+    if t is list:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{name}: expected a list of strings, got {value!r}")
+        return
     if t is not Any and not isinstance(value, t):
         raise ConfigError(f"{name}: expected {t.__name__}, got {value!r}")
     m = f.metadata

@@ -1,0 +1,99 @@
+"""A node as the router sees it, and the pool snapshot that discovery keeps current.
+
+Discovery sources replace the whole list of endpoints they know (``Pool.replace``); the router's own
+observations (a failed connection, a 429) live here too, as a cooldown, so every source gets them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from pdpool.block_hash import ModelFingerprint
+
+logger = logging.getLogger("pdpool.router")
+
+DECODE_ROLES = ("decode", "both")
+
+
+@dataclass
+class Load:
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_usage: float = 0.0
+    num_free_blocks: int = 0
+
+
+@dataclass
+class Endpoint:
+    node_id: str
+    url: str                               # http://host:port, no trailing slash
+    role: str                              # prefill | decode | both
+    source: str = "static"                 # static | redis | kubernetes
+    pdpool: bool | None = None             # speaks pdpool's extensions (token ids, kv_transfer_params)
+    incarnation: str | None = None
+    fingerprint: ModelFingerprint | None = None
+    ready: bool = True
+    draining: bool = False
+    load: Load = field(default_factory=Load)
+    max_model_len: int | None = None
+
+    @property
+    def can_decode(self) -> bool:
+        return self.role in DECODE_ROLES
+
+    @property
+    def can_prefill(self) -> bool:
+        return self.role == "prefill" and self.pdpool is not False
+
+
+class Pool:
+    """The endpoints of every source, plus the router's cooldowns (node id -> monotonic time it ends)."""
+
+    def __init__(self, cooldown_seconds: float = 2.0) -> None:
+        self.cooldown_seconds = cooldown_seconds
+        self._by_source: dict[str, dict[str, Endpoint]] = {}
+        self.endpoints: dict[str, Endpoint] = {}
+        self._cooldown_until: dict[str, float] = {}
+        self.listeners: list = []           # fn(old: Endpoint | None, new: Endpoint | None) on every change
+
+    def replace(self, source: str, endpoints: list[Endpoint]) -> None:
+        new = {e.node_id: e for e in endpoints}
+        self._by_source[source] = new
+        merged: dict[str, Endpoint] = {}
+        for eps in self._by_source.values():
+            merged.update(eps)
+        for node_id in set(self.endpoints) | set(merged):
+            old, cur = self.endpoints.get(node_id), merged.get(node_id)
+            if old is None or cur is None or old.incarnation != cur.incarnation:
+                for fn in self.listeners:
+                    fn(old, cur)
+        self.endpoints = merged
+
+    def usable(self, e: Endpoint, now: float | None = None) -> bool:
+        if not e.ready or e.draining:
+            return False
+        until = self._cooldown_until.get(e.node_id)
+        return until is None or (now or time.monotonic()) >= until
+
+    def cool_down(self, node_id: str, seconds: float | None = None) -> None:
+        """Leave a node out for a while: it refused a connection, timed out, or answered 5xx/429."""
+        self._cooldown_until[node_id] = time.monotonic() + (self.cooldown_seconds if seconds is None else seconds)
+
+    def recovered(self, node_id: str) -> None:
+        self._cooldown_until.pop(node_id, None)
+
+    def decode_candidates(self) -> list[Endpoint]:
+        now = time.monotonic()
+        eps = [e for e in self.endpoints.values() if e.can_decode and self.usable(e, now)]
+        if not eps:  # a prefill node serves whole requests too: better than a 503
+            eps = [e for e in self.endpoints.values() if e.role == "prefill" and self.usable(e, now)]
+        return eps
+
+    def prefill_candidates(self) -> list[Endpoint]:
+        now = time.monotonic()
+        return [e for e in self.endpoints.values() if e.can_prefill and self.usable(e, now)]
+
+    def any_ready(self) -> bool:
+        return bool(self.decode_candidates())

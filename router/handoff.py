@@ -1,0 +1,262 @@
+"""The request path: a routing decision, the prefill leg, the decode leg with retries, streaming, cancellation.
+
+    plan -> [prefill: do_remote_decode, max_tokens 1, stream false] -> decode (+ kv_transfer_params) -> client
+            prefill fails (connect, 5xx, 429, timeout)  -> decode-only on the same decode node ("fallback")
+            decode fails before its first byte          -> next decode node, at most --max-retries times
+            decode fails after streaming started        -> a final SSE error event, then close
+            client disconnects                          -> upstream connections closed (the nodes abort), and a
+                                                           prefill lease the decode node may not have reached is
+                                                           released at once (POST .../notify {"release": true})
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import aiohttp
+from aiohttp import web
+
+from pdpool.router.log import HEADER as REQUEST_ID_HEADER
+from pdpool.router.request import RoutedRequest
+from pdpool.router.scheduler import NoNodeError, RoutePlan
+from pdpool.router.sse import SSERelay
+from pdpool.router.upstream import ClientErrorReply, UpstreamError, classify_status
+from pdpool.server.errors import APIError
+
+logger = logging.getLogger("pdpool.router")
+
+
+def _cached_tokens(payload: dict | None) -> int | None:
+    usage = (payload or {}).get("usage") if isinstance(payload, dict) else None
+    details = (usage or {}).get("prompt_tokens_details") if isinstance(usage, dict) else None
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    return value if isinstance(value, int) else None
+
+
+class RequestPath:
+    def __init__(self, scheduler, upstream, pool, index, inflight, metrics, *, max_retries: int,
+                 prefill_timeout: float) -> None:
+        self.scheduler = scheduler
+        self.upstream = upstream
+        self.pool = pool
+        self.index = index
+        self.inflight = inflight
+        self.metrics = metrics
+        self.max_retries = max_retries
+        self.prefill_timeout = prefill_timeout
+        self._background: set[asyncio.Task] = set()
+
+    # ---- bookkeeping --------------------------------------------------------------------------------
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _failed(self, endpoint, err: UpstreamError) -> None:
+        self.metrics.upstream_errors.labels(endpoint.node_id, err.kind).inc()
+        self.pool.cool_down(endpoint.node_id)
+        if err.kind in ("connect", "timeout"):
+            self.index.distrust(endpoint.node_id, endpoint.incarnation)  # maybe restarted: entries unproven
+        logger.warning("%s leg on %s failed (%s): %s", endpoint.role, endpoint.node_id, err.kind, err)
+
+    def _answered(self, endpoint) -> None:
+        self.pool.recovered(endpoint.node_id)
+        self.index.trust(endpoint.node_id)
+
+    def _count_hits(self, role: str, rr: RoutedRequest, plan: RoutePlan, endpoint, realized: int | None) -> None:
+        n = rr.num_prompt_tokens
+        bs = self.scheduler.block_size
+        predicted = min(plan.matched_blocks.get(endpoint.node_id, 0) * bs, (n - 1) // bs * bs)
+        self.metrics.prompt_tokens.labels(role).inc(n)
+        self.metrics.predicted_hit_tokens.labels(role).inc(predicted)
+        if realized is not None:
+            self.metrics.realized_hit_tokens.labels(role).inc(realized)
+
+    def _release(self, prefill, handle: dict | None, request_id: str) -> None:
+        lease_id = (handle or {}).get("lease_id")
+        if prefill is not None and isinstance(lease_id, str):
+            self.metrics.lease_releases.inc()
+            self._spawn(self.upstream.release_lease(prefill.url, lease_id, request_id))
+
+    # ---- the path ---------------------------------------------------------------------------------------
+
+    async def serve(self, http_request: web.Request, rr: RoutedRequest) -> web.StreamResponse:
+        try:
+            plan = await self.scheduler.plan(rr.num_prompt_tokens, rr.block_hashes, disaggregable=rr.disaggregable)
+        except NoNodeError as exc:
+            raise APIError(f"no ready node can serve the request: {exc}", status=503, code="no_ready_node") from None
+        self.metrics.decision_seconds.observe(plan.seconds)
+        if "affinity_yield" in plan.events:
+            self.metrics.affinity_yields.inc()
+        handle = None
+        decision = "decode_only"
+        if plan.prefill is not None:
+            logger.info("route: prefill %s -> decode %s (matched blocks %s)", plan.prefill.node_id,
+                        plan.decode[0].node_id, plan.matched_blocks)
+            handle = await self._prefill(rr, plan)
+            decision = "disaggregated" if handle is not None else "fallback"
+        else:
+            logger.info("route: decode-only %s (matched blocks %s)", plan.decode[0].node_id, plan.matched_blocks)
+        self.metrics.requests.labels(decision).inc()
+        return await self._decode(http_request, rr, plan, handle)
+
+    async def _prefill(self, rr: RoutedRequest, plan: RoutePlan) -> dict | None:
+        """The KV handle, or None when the request should go decode-only. A 4xx is the client's to see."""
+        p = plan.prefill
+        body = rr.upstream_body(p.pdpool, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+        body.pop("stream_options", None)
+        if "max_completion_tokens" in body:
+            body["max_completion_tokens"] = 1
+        ticket = self.inflight.add(p.node_id, rr.num_prompt_tokens - plan.matched_blocks.get(p.node_id, 0)
+                                   * self.scheduler.block_size)
+        self.index.record(plan.block_hashes, p)
+        leg = asyncio.ensure_future(self.upstream.post_json(p.url + rr.path, body, rr.request_id,
+                                                            timeout=self.prefill_timeout))
+        try:
+            payload = await asyncio.shield(leg)
+        except asyncio.CancelledError:
+            # The client left mid-prefill: let the (one-token) prefill finish, then free its lease at once.
+            leg.add_done_callback(lambda t: self._release_after(t, p, rr.request_id))
+            raise
+        except UpstreamError as err:
+            self._failed(p, err)
+            return None
+        except ClientErrorReply as reply:
+            raise _PassThrough(reply) from None
+        finally:
+            ticket.done()
+        self._answered(p)
+        handle = payload.get("kv_transfer_params") if isinstance(payload, dict) else None
+        self._count_hits("prefill", rr, plan, p, _cached_tokens(payload))
+        if not isinstance(handle, dict):
+            self._failed(p, UpstreamError("http_5xx", "the prefill answer has no kv_transfer_params"))
+            return None
+        return handle
+
+    def _release_after(self, leg: asyncio.Future, prefill, request_id: str) -> None:
+        if leg.cancelled() or leg.exception() is not None:
+            return
+        result = leg.result()
+        self._release(prefill, result.get("kv_transfer_params") if isinstance(result, dict) else None, request_id)
+
+    async def _decode(self, http_request: web.Request, rr: RoutedRequest, plan: RoutePlan,
+                      handle: dict | None) -> web.StreamResponse:
+        tries = plan.decode[:1 + self.max_retries]
+        last: UpstreamError | None = None
+        for attempt, d in enumerate(tries):
+            if attempt:
+                self.metrics.requests.labels("retry").inc()
+                logger.info("retrying on decode node %s (attempt %d)", d.node_id, attempt + 1)
+            changes = {"kv_transfer_params": handle} if handle is not None else {}
+            hide_usage = False
+            if rr.stream and d.pdpool and not rr.parsed.include_usage:
+                changes["stream_options"] = {**(rr.body.get("stream_options") or {}), "include_usage": True}
+                hide_usage = True
+            body = rr.upstream_body(d.pdpool, **changes)
+            uncached = 0 if handle is not None else rr.num_prompt_tokens - plan.matched_blocks.get(
+                d.node_id, 0) * self.scheduler.block_size
+            ticket = self.inflight.add(d.node_id, uncached)
+            self.index.record(plan.block_hashes, d)
+            try:
+                return await self._decode_on(http_request, rr, plan, d, body, hide_usage, ticket)
+            except UpstreamError as err:
+                last = err
+                self._failed(d, err)
+                if handle is not None:  # the next node prefills locally; free the lease now
+                    self._release(plan.prefill, handle, rr.request_id)
+                    handle = None
+            except BaseException:  # the client left, or the node refused the request itself (4xx)
+                if handle is not None:
+                    self._release(plan.prefill, handle, rr.request_id)
+                raise
+            finally:
+                ticket.done()
+        raise APIError(f"every decode node tried failed; last: {last}", status=503, code="upstream_unavailable")
+
+    async def _decode_on(self, http_request, rr, plan, d, body, hide_usage, ticket) -> web.StreamResponse:
+        resp = await self.upstream.open(d.url + rr.path, body, rr.request_id)
+        try:
+            kind = classify_status(resp.status)
+            if kind or resp.status != 200:
+                data = await _read_or(resp, b"")
+                if kind:
+                    raise UpstreamError(kind, f"{d.node_id} answered {resp.status}: {data[:300]!r}", resp.status)
+                raise _PassThrough(ClientErrorReply(resp.status, data, resp.content_type))
+            if not rr.stream:
+                try:
+                    data = await resp.read()
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    raise UpstreamError("stream_broken", f"{d.node_id}: {type(exc).__name__}: {exc}") from exc
+                ticket.prefill_done()
+                self._answered(d)
+                try:
+                    payload = json.loads(data)
+                except ValueError:
+                    payload = None
+                self._count_hits("decode", rr, plan, d, _cached_tokens(payload))
+                return web.Response(body=data, status=200, content_type="application/json",
+                                    headers={REQUEST_ID_HEADER: rr.request_id})
+            return await self._stream(http_request, rr, plan, d, resp, hide_usage, ticket)
+        finally:
+            resp.close()
+
+    async def _stream(self, http_request, rr, plan, d, resp, hide_usage, ticket) -> web.StreamResponse:
+        relay = SSERelay(hide_usage)
+        try:
+            first = await resp.content.readany()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise UpstreamError("stream_broken", f"{d.node_id} broke before its first byte: {exc}") from exc
+        if not first:
+            raise UpstreamError("stream_broken", f"{d.node_id} closed the stream before its first byte")
+        ticket.prefill_done()
+        self._answered(d)
+        out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
+                                                      "Cache-Control": "no-cache", REQUEST_ID_HEADER: rr.request_id})
+        await out.prepare(http_request)
+        error = None
+        try:
+            chunk = first
+            while chunk:
+                data = relay.feed(chunk)
+                if data:
+                    await out.write(data)
+                chunk = await resp.content.readany()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        if not relay.done:
+            tail = relay.tail()
+            if tail:
+                await out.write(tail)
+            error = error or "the node closed the stream before [DONE]"
+            self.metrics.upstream_errors.labels(d.node_id, "stream_broken").inc()
+            self.pool.cool_down(d.node_id)
+            logger.warning("decode stream from %s broke after it started: %s", d.node_id, error)
+            err = APIError(f"upstream node failed mid-stream: {error}", status=502, code="upstream_stream_broken")
+            await out.write((b"\n\n" if tail else b"") + b"data: " + json.dumps(err.body()).encode() + b"\n\n")
+        self._count_hits("decode", rr, plan, d, _cached_tokens({"usage": relay.usage}))
+        await out.write_eof()
+        return out
+
+
+class _PassThrough(Exception):
+    """A node's own 4xx answer, for the client as is."""
+
+    def __init__(self, reply: ClientErrorReply) -> None:
+        super().__init__(str(reply))
+        self.reply = reply
+
+
+async def _read_or(resp: aiohttp.ClientResponse, default: bytes) -> bytes:
+    try:
+        return await resp.read()
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return default
+
+
+def pass_through_response(exc: _PassThrough, request_id: str) -> web.Response:
+    r = exc.reply
+    return web.Response(body=r.body, status=r.status, content_type=r.content_type or "application/json",
+                        headers={REQUEST_ID_HEADER: request_id})

@@ -1,0 +1,64 @@
+"""``pdpool router``: parse the flags (and ``--config`` YAML), build the router, serve until SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+from aiohttp import web
+
+from pdpool.router import log, settings
+
+logger = logging.getLogger("pdpool.router")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        cfg, scheduler = settings.load(argv)
+        profile = settings.profile(cfg, scheduler)
+    except settings.SettingsError as exc:
+        print(f"pdpool router: error: {exc}", file=sys.stderr)
+        return 2
+    r = cfg.router
+    if not (r.prefill or r.decode or r.both or r.redis or r.kubernetes):
+        print("pdpool router: error: no discovery source: give --redis (with --pool), static node URLs "
+              "(--prefill/--decode/--both) or --kubernetes", file=sys.stderr)
+        return 2
+    log.configure()
+    from pdpool.frontend import Frontend  # tokenizers + jinja2; never torch
+    from pdpool.router.app import Router, create_app
+
+    try:
+        frontend = Frontend.from_model(r.model)
+    except (OSError, ValueError) as exc:
+        print(f"pdpool router: error: cannot read the tokenizer of --model {r.model}: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(_serve(create_app(Router(cfg, profile, frontend)), r.host, r.port))
+    return 0
+
+
+async def _serve(app: web.Application, host: str, port: int) -> None:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=1024)
+    await site.start()
+    logger.info("pdpool router listening on http://%s:%d", host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    try:
+        await stop.wait()
+    finally:
+        logger.info("router shutting down")
+        await runner.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""``GET /openapi.json``: what the router serves, truthfully (the routes are read from the app itself)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+_ERROR = {"description": "OpenAI error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+_GEN_RESPONSES = {
+    "200": {"description": "The completion (JSON), or server-sent events when `stream` is true.",
+            "content": {"application/json": {"schema": {"type": "object"}},
+                        "text/event-stream": {"schema": {"type": "string"}}}},
+    "400": _ERROR, "401": _ERROR, "404": _ERROR, "429": _ERROR, "503": _ERROR,
+}
+_DOCS = {
+    ("POST", "/v1/completions"): ("Text completion (OpenAI), routed to a prefill and a decode node.",
+                                  ["model", "prompt"], "prompt"),
+    ("POST", "/v1/chat/completions"): ("Chat completion (OpenAI), routed to a prefill and a decode node.",
+                                       ["model", "messages"], "messages"),
+    ("GET", "/v1/models"): ("The served model.", None, None),
+    ("GET", "/health/live"): ("200 while the process runs.", None, None),
+    ("GET", "/health/ready"): ("200 when at least one decode-capable node is usable, else 503.", None, None),
+    ("GET", "/metrics"): ("Prometheus metrics (pdpool_router_*).", None, None),
+    ("GET", "/openapi.json"): ("This document.", None, None),
+}
+
+
+def spec(app: web.Application, title: str = "pdpool router") -> dict:
+    paths: dict = {}
+    for route in app.router.routes():
+        path = route.resource.canonical if route.resource is not None else None
+        doc = _DOCS.get((route.method, path))
+        if doc is None:
+            continue
+        summary, required, _ = doc
+        op: dict = {"summary": summary, "parameters": [
+            {"name": "X-Request-Id", "in": "header", "required": False, "schema": {"type": "string"},
+             "description": "Request id carried to the nodes and echoed back (generated if absent)."}]}
+        if required:
+            op["requestBody"] = {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "required": required, "additionalProperties": True,
+                "properties": {"model": {"type": "string"}, "stream": {"type": "boolean"},
+                               "max_tokens": {"type": "integer", "minimum": 1},
+                               "stream_options": {"type": "object"}}}}}}
+            op["responses"] = _GEN_RESPONSES
+            op["security"] = [{"bearer": []}]
+        else:
+            op["responses"] = {"200": {"description": "OK"}}
+        paths.setdefault(path, {})[route.method.lower()] = op
+    return {"openapi": "3.1.0", "info": {"title": title, "version": "1"}, "paths": paths,
+            "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+                           "schemas": {"Error": {"type": "object", "properties": {"error": {
+                               "type": "object", "properties": {"message": {"type": "string"},
+                                                                "type": {"type": "string"},
+                                                                "param": {"type": ["string", "null"]},
+                                                                "code": {}}}}}}}}

@@ -1,0 +1,40 @@
+"""Pickers: rank scored candidates, best first (the rest are the retry order)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+from pdpool.router.plugins import Context, Plugin, register
+
+
+@register("max-score-picker")
+class MaxScorePicker(Plugin):
+    """Highest total score first; ties broken at random, so equal nodes share a burst."""
+
+    def rank(self, ctx: Context, scored: list[tuple[object, float]]) -> list:
+        shuffled = random.sample(scored, len(scored))
+        shuffled.sort(key=lambda es: -es[1])  # stable: equal scores keep the random order
+        return [e for e, _ in shuffled]
+
+
+@register("round-robin-picker")
+class RoundRobinPicker(Plugin):
+    """Ignores scores: each role's candidates in turn (a baseline for benchmarks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._counters: dict[str, itertools.count] = {}
+
+    def rank(self, ctx: Context, scored: list[tuple[object, float]]) -> list:
+        eps = sorted((e for e, _ in scored), key=lambda e: e.node_id)
+        i = next(self._counters.setdefault(ctx.role, itertools.count())) % len(eps)
+        return eps[i:] + eps[:i]
+
+
+@register("random-picker")
+class RandomPicker(Plugin):
+    """Ignores scores: a uniformly random order (a baseline)."""
+
+    def rank(self, ctx: Context, scored: list[tuple[object, float]]) -> list:
+        return random.sample([e for e, _ in scored], len(scored))

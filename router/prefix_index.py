@@ -1,0 +1,143 @@
+"""How many leading blocks of a prompt each node holds: precise from Redis, approximate from a local LRU.
+
+Precise: the nodes publish their block hashes to Redis; one Lua round trip (``IndexReader.lookup``) answers for
+every live node, so two routers share one truthful view (active-active). Approximate: the router remembers, in
+an LRU of block hashes, where it sent recent prompts. It is filled on every routed request, so it is warm when
+Redis goes away; while Redis is unreachable the router uses it (logged once, ``pdpool_router_index_mode``) and
+retries Redis after a backoff, without touching the network inside the backoff window.
+
+Stale state: the approximate entries are tagged with the node's incarnation and ignored after a restart. A
+node's Redis set is rewritten in the same transaction as its first heartbeat of a new incarnation; until the
+router has seen that heartbeat, a node it failed to reach is *distrusted*: its entries count for nothing until
+its incarnation changes or it answers again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from typing import Sequence
+
+from pdpool.block_hash import BlockHash
+from pdpool.kv_index import IndexUnavailableError
+
+logger = logging.getLogger("pdpool.router")
+
+
+class ApproxIndex:
+    """block hash -> {node_id: incarnation}, LRU-bounded to ``capacity`` hashes."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._lru: OrderedDict[bytes, dict[str, str | None]] = OrderedDict()
+
+    def record(self, hashes: Sequence[BlockHash], node_id: str, incarnation: str | None) -> None:
+        lru = self._lru
+        for h in hashes:
+            owners = lru.get(h)
+            if owners is None:
+                lru[h] = {node_id: incarnation}
+                if len(lru) > self.capacity:
+                    lru.popitem(last=False)
+            else:
+                owners[node_id] = incarnation
+                lru.move_to_end(h)
+
+    def lookup(self, hashes: Sequence[BlockHash], incarnations: dict[str, str | None]) -> dict[str, int]:
+        """Leading blocks per node, counting only entries made under the node's current incarnation."""
+        matched = {n: 0 for n in incarnations}
+        alive = set(incarnations)
+        for i, h in enumerate(hashes):
+            owners = self._lru.get(h)
+            if not owners:
+                break
+            alive = {n for n in alive if n in owners and owners[n] == incarnations[n]}
+            if not alive:
+                break
+            for n in alive:
+                matched[n] = i + 1
+        return matched
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+
+class PrefixIndex:
+    """``lookup(hashes, endpoints) -> {node_id: matched leading blocks}`` in the current mode."""
+
+    def __init__(self, reader, approx: ApproxIndex, run_sync, metrics=None, backoff_initial: float = 0.5,
+                 backoff_max: float = 5.0) -> None:
+        self.reader = reader              # IndexReader or None (no Redis: approximate only)
+        self.approx = approx
+        self.run_sync = run_sync
+        self.metrics = metrics
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        self._failures = 0
+        self._retry_at = 0.0
+        self.distrusted: dict[str, str | None] = {}   # node_id -> incarnation it had when it failed
+        self.mode = "precise" if reader is not None else "approximate"
+        self._set_mode(self.mode)
+
+    def _set_mode(self, mode: str) -> None:
+        self.mode = mode
+        if self.metrics is not None:
+            self.metrics.set_index_mode(mode)
+
+    # ---- stale state ----------------------------------------------------------------------------------
+
+    def distrust(self, node_id: str, incarnation: str | None) -> None:
+        self.distrusted[node_id] = incarnation
+
+    def trust(self, node_id: str) -> None:
+        self.distrusted.pop(node_id, None)
+
+    def on_change(self, old, new) -> None:
+        """Pool listener: a node came, went, or restarted (new incarnation)."""
+        if old is not None and new is not None and old.incarnation != new.incarnation:
+            logger.info("node %s restarted (incarnation %s -> %s); its old index entries are ignored",
+                        new.node_id, old.incarnation, new.incarnation)
+        if new is not None and self.distrusted.get(new.node_id, new.incarnation) != new.incarnation:
+            self.trust(new.node_id)
+
+    # ---- lookup -----------------------------------------------------------------------------------------
+
+    async def lookup(self, hashes: Sequence[BlockHash], endpoints) -> dict[str, int]:
+        incarnations = {e.node_id: e.incarnation for e in endpoints}
+        matched = None
+        if hashes and self.reader is not None and time.monotonic() >= self._retry_at:
+            try:
+                found = await self.run_sync(self.reader.lookup, hashes)
+                matched = {n: found.get(n, 0) for n in incarnations}
+                self._on_success()
+            except IndexUnavailableError as exc:
+                self._on_failure(exc)
+        if matched is None:
+            matched = self.approx.lookup(hashes, incarnations) if hashes else {n: 0 for n in incarnations}
+        for n in self.distrusted:
+            if n in matched:
+                matched[n] = 0
+        return matched
+
+    def record(self, hashes: Sequence[BlockHash], endpoint) -> None:
+        if hashes:
+            self.approx.record(hashes, endpoint.node_id, endpoint.incarnation)
+
+    def _on_success(self) -> None:
+        if self._failures:
+            logger.info("Redis reachable again: prefix index back to precise mode")
+        self._failures = 0
+        if self.mode != "precise":
+            self._set_mode("precise")
+
+    def _on_failure(self, exc: Exception) -> None:
+        self._failures += 1
+        delay = min(self.backoff_max, self.backoff_initial * 2 ** (self._failures - 1))
+        self._retry_at = time.monotonic() + delay
+        if self.mode != "approximate":
+            logger.warning("Redis unreachable (%s): prefix index degraded to approximate mode (router-local LRU); "
+                           "retrying Redis with backoff", exc)
+            if self.metrics is not None:
+                self.metrics.index_degradations.inc()
+            self._set_mode("approximate")

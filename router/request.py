@@ -1,0 +1,77 @@
+"""An OpenAI request as the router needs it: validated exactly as a node validates it (same 400s, before any
+routing), tokenized once with the shared front end, and hashed into the engines' block hashes on demand.
+
+Token-id forwarding: a pdpool node gets the ids in ``pdpool_prompt_token_ids`` (one list per prompt) and skips
+its own tokenization, so router and engine hash exactly the same tokens. A plain OpenAI node gets the body as is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdpool import frontend as _frontend
+from pdpool.frontend import Frontend
+from pdpool.server import protocol
+from pdpool.server.errors import APIError
+
+TOKEN_IDS_FIELD = "pdpool_prompt_token_ids"
+# The front end's refusal (named PromptError before the node-core rework, InvalidRequestError after it).
+_REFUSED = getattr(_frontend, "InvalidRequestError", None) or getattr(_frontend, "PromptError")
+
+
+@dataclass
+class RoutedRequest:
+    path: str                         # /v1/completions | /v1/chat/completions
+    body: dict                        # the client's body, untouched
+    parsed: protocol.GenerationRequest
+    prompt_token_ids: list[list[int]]
+    request_id: str
+    _hashes: dict = field(default_factory=dict)
+
+    @property
+    def stream(self) -> bool:
+        return self.parsed.stream
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids[0])
+
+    @property
+    def disaggregable(self) -> bool:
+        """The handoff moves one prompt's KV to one decode request."""
+        return len(self.prompt_token_ids) == 1 and self.parsed.n == 1
+
+    def block_hashes(self, fingerprint) -> list:
+        if fingerprint not in self._hashes:
+            self._hashes[fingerprint] = Frontend.block_hashes(self.prompt_token_ids[0], fingerprint,
+                                                              self.parsed.cache_salt)
+        return self._hashes[fingerprint]
+
+    def upstream_body(self, pdpool_node: bool | None, **changes) -> dict:
+        body = dict(self.body)
+        body.pop("kv_transfer_params", None)  # the router owns the handoff
+        body.pop(TOKEN_IDS_FIELD, None)
+        if pdpool_node:
+            body[TOKEN_IDS_FIELD] = self.prompt_token_ids
+        body.update(changes)
+        return body
+
+
+def parse(path: str, body: dict, frontend: Frontend, served_names: list[str], request_id: str) -> RoutedRequest:
+    """Raises ``APIError`` (4xx) for what a node would refuse before generating; the context length is the
+    nodes' to check (their 400 reaches the client as is)."""
+    if TOKEN_IDS_FIELD in body:
+        raise APIError(f"'{TOKEN_IDS_FIELD}' is set by the router, not by clients", param=TOKEN_IDS_FIELD)
+    if path.endswith("/chat/completions"):
+        req = protocol.parse_chat(body, served_names, frontend.render_chat)
+    else:
+        req = protocol.parse_completion(body, served_names)
+    add_special = req.kind != "chat"
+    try:
+        ids = [frontend.encode_prompt(p, add_special) for p in req.prompts]
+        stop_ids = getattr(req.params, "stop_token_ids", None)
+        if stop_ids:
+            _frontend.check_token_ids(stop_ids, frontend.vocab_size, "stop_token_ids")
+    except _REFUSED as exc:
+        raise APIError(str(exc), param=exc.param) from None
+    return RoutedRequest(path, body, req, ids, request_id)

@@ -1,0 +1,62 @@
+"""Server-sent events passed through event by event (never a whole response buffered).
+
+The router may ask a node for ``stream_options.include_usage`` to learn the realized prefix hits; then the
+final usage chunk, and the ``"usage": null`` field of the other chunks, are kept from a client that did not
+ask for them. ``usage`` is whatever usage the stream carried; ``done`` whether ``[DONE]`` arrived.
+"""
+
+from __future__ import annotations
+
+import json
+
+_NULL_USAGE = (b', "usage": null', b',"usage":null')
+
+
+class SSERelay:
+    def __init__(self, hide_usage: bool) -> None:
+        self.hide_usage = hide_usage
+        self._pending = b""
+        self.usage: dict | None = None
+        self.done = False
+        self.at_boundary = True          # the client has received whole events only
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Bytes to send now: the complete events in ``pending + chunk``."""
+        data = self._pending + chunk
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self._pending = data
+            return b""
+        complete, self._pending = data[:end + 2], data[end + 2:]
+        if b'"usage"' not in complete and b"[DONE]" not in complete:
+            return complete
+        out = []
+        for event in complete.split(b"\n\n")[:-1]:
+            out.append(self._event(event))
+        return b"".join(e for e in out if e)
+
+    def _event(self, event: bytes) -> bytes:
+        payload = event[6:] if event.startswith(b"data: ") else None
+        if payload == b"[DONE]":
+            self.done = True
+        elif payload is not None and b'"usage": {' in payload or payload is not None and b'"usage":{' in payload:
+            try:
+                obj = json.loads(payload)
+            except ValueError:
+                obj = None
+            if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+                self.usage = obj["usage"]
+                if self.hide_usage:
+                    if not obj.get("choices"):
+                        return b""
+                    obj.pop("usage")
+                    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+        elif self.hide_usage and payload is not None:
+            for null in _NULL_USAGE:
+                event = event.replace(null, b"")
+        return event + b"\n\n"
+
+    def tail(self) -> bytes:
+        """What is left at the end (an incomplete event: passed on as is)."""
+        rest, self._pending = self._pending, b""
+        return rest

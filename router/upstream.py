@@ -1,0 +1,101 @@
+"""HTTP legs to the nodes (one shared aiohttp session), with failures classified for retries and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import aiohttp
+
+from pdpool import internal_api
+from pdpool.router.log import HEADER as REQUEST_ID_HEADER
+
+logger = logging.getLogger("pdpool.router")
+
+
+class UpstreamError(Exception):
+    """A leg failed before the client saw anything: ``kind`` is connect, timeout, http_5xx, http_429 or
+    stream_broken."""
+
+    def __init__(self, kind: str, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.status = status
+
+
+class ClientErrorReply(Exception):
+    """A node refused the request itself (4xx other than 429): the client gets the node's answer as is."""
+
+    def __init__(self, status: int, body: bytes, content_type: str) -> None:
+        super().__init__(f"node answered {status}")
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+
+
+def classify_status(status: int) -> str | None:
+    if status == 429:
+        return "http_429"
+    if status >= 500:
+        return "http_5xx"
+    return None
+
+
+class Upstream:
+    def __init__(self, session: aiohttp.ClientSession, *, connect_timeout: float, request_timeout: float,
+                 internal_token: str | None) -> None:
+        self.session = session
+        self.connect_timeout = connect_timeout
+        self.request_timeout = request_timeout
+        self.internal_token = internal_token
+
+    def headers(self, request_id: str) -> dict[str, str]:
+        return {REQUEST_ID_HEADER: request_id, **internal_api.headers(self.internal_token)}
+
+    def timeout(self, total: float | None = None) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=total or self.request_timeout, sock_connect=self.connect_timeout)
+
+    async def open(self, url: str, body: dict, request_id: str, timeout: float | None = None
+                   ) -> aiohttp.ClientResponse:
+        """POST and wait for the status line; the caller reads and closes the response."""
+        try:
+            return await self.session.post(url, json=body, headers=self.headers(request_id),
+                                           timeout=self.timeout(timeout))
+        except asyncio.TimeoutError as exc:
+            raise UpstreamError("timeout", f"{url}: no answer in time") from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamError("connect", f"{url}: {type(exc).__name__}: {exc}") from exc
+
+    async def post_json(self, url: str, body: dict, request_id: str, timeout: float | None = None) -> dict:
+        """A whole JSON answer; 4xx -> ``ClientErrorReply``, 5xx/429/transport -> ``UpstreamError``."""
+        resp = await self.open(url, body, request_id, timeout)
+        try:
+            data = await resp.read()
+        except asyncio.TimeoutError as exc:
+            raise UpstreamError("timeout", f"{url}: body not read in time") from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamError("stream_broken", f"{url}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            resp.close()
+        kind = classify_status(resp.status)
+        if kind:
+            raise UpstreamError(kind, f"{url} answered {resp.status}: {data[:300]!r}", resp.status)
+        if resp.status != 200:
+            raise ClientErrorReply(resp.status, data, resp.content_type)
+        try:
+            return json.loads(data)
+        except ValueError as exc:
+            raise UpstreamError("http_5xx", f"{url} answered malformed JSON") from exc
+
+    async def release_lease(self, node_url: str, lease_id: str, request_id: str) -> None:
+        """Tell a prefill node to free a lease's blocks now (best effort; the lease expires anyway)."""
+        url = f"{node_url}/internal/kv/leases/{lease_id}/notify"
+        try:
+            async with self.session.post(url, json={"release": True}, headers=self.headers(request_id),
+                                         timeout=self.timeout(5.0)) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    logger.warning("lease %s release at %s answered %d", lease_id, node_url, resp.status)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            logger.info("could not release lease %s at %s (it expires on its own): %s", lease_id, node_url, exc)

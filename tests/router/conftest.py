@@ -1,0 +1,57 @@
+"""Router fixtures: one redis-server and one 1 prefill + 2 decode cluster per module (tests/disagg/cluster.py),
+and router processes started by the tests (``start_router``), stopped after the module."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "disagg"))
+from cluster import REDIS_PASSWORD, Node  # noqa: E402  (puts tests/ on sys.path)
+from redis_server import RedisServer  # noqa: E402
+from routers import RouterProcess  # noqa: E402
+
+# Decode nodes get a small cache (40 blocks of 16 tokens) so that the prefix-routing workload cannot keep every
+# group's system prompt on every node; the prefill node's lease cap (24 blocks) lets one test provoke a 429.
+CLUSTER = {
+    "p0": ("prefill", ["--max-leased-blocks", "24"]),
+    "d0": ("decode", ["--num-kv-blocks", "40"]),
+    "d1": ("decode", ["--num-kv-blocks", "40"]),
+}
+
+
+@pytest.fixture(scope="module")
+def redis_module():
+    with RedisServer(password=REDIS_PASSWORD) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def cluster(demo_model_dir, tmp_path_factory, redis_module):
+    log_dir = tmp_path_factory.mktemp("nodes")
+    nodes = {name: Node(name, role, flags, log_dir, redis_module.url) for name, (role, flags) in CLUSTER.items()}
+    try:
+        for node in nodes.values():
+            node.wait_ready()
+        yield nodes
+    finally:
+        for node in nodes.values():
+            node.stop()
+
+
+@pytest.fixture(scope="module")
+def start_router(demo_model_dir, tmp_path_factory):
+    started: list[RouterProcess] = []
+    log_dir = tmp_path_factory.mktemp("routers")
+
+    def start(flags: list[str], name: str | None = None, api_key: str | None = None, wait: bool = True):
+        router = RouterProcess(name or f"router-{len(started)}", flags, log_dir, api_key)
+        started.append(router)
+        return router.wait_ready() if wait else router
+
+    yield start
+    for router in started:
+        router.stop(grace=5)

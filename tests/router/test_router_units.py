@@ -1,0 +1,177 @@
+"""The router's pure parts: plugins, the approximate index, the SSE relay, settings and the CLI (no nodes)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, strategies as st
+
+from pdpool import config
+from pdpool.router import settings
+from pdpool.router.endpoints import Endpoint, Load
+from pdpool.router.filters import LoadMarginFilter
+from pdpool.router.inflight import InflightTracker
+from pdpool.router.pickers import MaxScorePicker, RoundRobinPicker
+from pdpool.router.plugins import Context
+from pdpool.router.prefix_index import ApproxIndex
+from pdpool.router.scorers import KVUsageScorer, PrefixCacheScorer, QueueScorer
+from pdpool.router.sse import SSERelay
+
+
+def make_endpoint(node_id: str, **load) -> Endpoint:
+    return Endpoint(node_id, f"http://{node_id}", "decode", load=Load(**load))
+
+
+def make_ctx(matched: dict, tokens: int = 160, inflight: InflightTracker | None = None) -> Context:
+    return Context("decode", tokens, 16, matched, inflight or InflightTracker())
+
+
+def test_prefix_scorer_is_matched_over_prompt_blocks():
+    eps = [make_endpoint("a"), make_endpoint("b")]
+    assert PrefixCacheScorer().score(make_ctx({"a": 5, "b": 0}), eps) == {"a": 0.5, "b": 0.0}
+
+
+def test_queue_scorer_counts_the_routers_own_inflight_at_once():
+    tracker = InflightTracker()
+    eps = [make_endpoint("a"), make_endpoint("b")]
+    for _ in range(4):
+        tracker.add("a", 100)
+    scores = QueueScorer(maxQueue=8).score(make_ctx({}, inflight=tracker), eps)
+    assert scores == {"a": 0.5, "b": 1.0}
+
+
+def test_kv_usage_scorer():
+    assert KVUsageScorer().score(make_ctx({}), [make_endpoint("a", kv_usage=0.25)]) == {"a": 0.75}
+
+
+def test_ties_are_broken_at_random():
+    picker = MaxScorePicker()
+    eps = [make_endpoint("a"), make_endpoint("b")]
+    firsts = {picker.rank(make_ctx({}), [(e, 1.0) for e in eps])[0].node_id for _ in range(64)}
+    assert firsts == {"a", "b"}
+
+
+def test_round_robin_alternates():
+    picker = RoundRobinPicker()
+    eps = [(make_endpoint("a"), 0.0), (make_endpoint("b"), 5.0)]
+    assert [picker.rank(make_ctx({}), eps)[0].node_id for _ in range(4)] == ["a", "b", "a", "b"]
+
+
+def test_affinity_yields_to_load_beyond_the_margin():
+    tracker = InflightTracker()
+    hot, cold = make_endpoint("hot"), make_endpoint("cold")
+    ctx = make_ctx({"hot": 8, "cold": 0}, inflight=tracker)
+    f = LoadMarginFilter(marginTokens=1000)
+    assert f.filter(ctx, [hot, cold]) == [hot, cold]
+    for _ in range(11):
+        tracker.add("hot", 100)  # 1100 queued prefill tokens on the best-prefix node
+    assert f.filter(ctx, [hot, cold]) == [cold]
+    assert ctx.events == ["affinity_yield"]
+
+
+def test_approx_index_counts_leading_blocks_of_the_current_incarnation():
+    idx = ApproxIndex(capacity=100)
+    hashes = [bytes([i]) * 16 for i in range(6)]
+    idx.record(hashes[:4], "a", "inc1")
+    idx.record(hashes[:2], "b", "x")
+    assert idx.lookup(hashes, {"a": "inc1", "b": "x", "c": None}) == {"a": 4, "b": 2, "c": 0}
+    assert idx.lookup(hashes, {"a": "inc2"}) == {"a": 0}  # restarted: old entries ignored
+
+
+def test_approx_index_is_bounded():
+    idx = ApproxIndex(capacity=10)
+    idx.record([bytes([i]) * 16 for i in range(50)], "a", None)
+    assert len(idx) == 10
+
+
+SSE = (b'data: {"choices": [{"text": "a"}], "usage": null}\n\n'
+       b'data: {"choices": [{"text": "b"}], "usage": null}\n\n'
+       b'data: {"choices": [], "usage": {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 8}}}\n\n'
+       b"data: [DONE]\n\n")
+
+
+@given(st.lists(st.integers(1, len(SSE)), max_size=12))
+def test_sse_relay_hides_usage_whatever_the_chunking(cuts):
+    relay = SSERelay(hide_usage=True)
+    points = sorted(set(c for c in cuts if c < len(SSE)))
+    out = b""
+    for a, b in zip([0, *points], [*points, len(SSE)]):
+        out += relay.feed(SSE[a:b])
+    out += relay.tail()
+    assert out == b'data: {"choices": [{"text": "a"}]}\n\ndata: {"choices": [{"text": "b"}]}\n\ndata: [DONE]\n\n'
+    assert relay.done and relay.usage["prompt_tokens_details"]["cached_tokens"] == 8
+
+
+def test_sse_relay_passes_usage_through_when_asked():
+    relay = SSERelay(hide_usage=False)
+    assert relay.feed(SSE) == SSE and relay.done
+
+
+def test_yaml_config_and_flags(tmp_path):
+    path = tmp_path / "router.yaml"
+    path.write_text("decode: [http://d0:8000, http://d1:8000]\nmax-inflight: 7\nport: 9000\n"
+                    "scheduler:\n  scorers:\n    - {type: prefix-cache-scorer, weight: 5}\n"
+                    "    - {type: queue-scorer, weight: 1, parameters: {maxQueue: 4}}\n"
+                    "  picker: {type: random-picker}\n")
+    cfg, sched = settings.load(["--config", str(path), "--port", "9100"], environ={})
+    assert cfg.router.decode == ["http://d0:8000", "http://d1:8000"]
+    assert cfg.router.max_inflight == 7 and cfg.router.port == 9100  # the flag wins
+    prof = settings.profile(cfg, sched)
+    assert [(s.type_name, w) for s, w in prof.scorers] == [("prefix-cache-scorer", 5.0), ("queue-scorer", 1.0)]
+    assert prof.picker.type_name == "random-picker"
+    default = settings.profile(*settings.load(["--redis", "redis://x"], environ={}))
+    assert [(s.type_name, w) for s, w in default.scorers] == [
+        ("prefix-cache-scorer", 3.0), ("queue-scorer", 2.0), ("kv-usage-scorer", 2.0)]
+    assert [f.type_name for f in default.filters] == ["load-margin-filter"]
+
+
+@pytest.mark.parametrize("yaml_text, message", [
+    ("nonsense: 1\n", "unknown setting"),
+    ("scheduler:\n  scorers: [{type: no-such-scorer}]\n", "unknown scheduling plugin"),
+    ("scheduler:\n  picker: {type: queue-scorer}\n", "not a rank plugin"),
+])
+def test_bad_yaml_is_a_clear_error(tmp_path, yaml_text, message):
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(settings.SettingsError, match=message):
+        settings.profile(*settings.load(["--config", str(path)], environ={}))
+
+
+def test_repeatable_flags_round_trip_through_to_argv():
+    cfg, _ = settings.load(["--decode", "http://a", "--decode", "http://b", "--both", "http://c"], environ={})
+    argv = config.to_argv(cfg, config.RouterCommandConfig)
+    assert argv == ["--decode", "http://a", "--decode", "http://b", "--both", "http://c"]
+    again, _ = settings.load(argv, environ={})
+    assert again == cfg
+
+
+def test_operator_rendered_args_parse_with_the_real_cli():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
+    from operator_examples import NAMES, example_body  # the operator tests' example pools
+
+    from pdpool.operator.builders.router import router_deployment
+    from pdpool.operator.spec import parse_pool
+
+    for name in NAMES:
+        body = example_body(name)
+        container = router_deployment(parse_pool(body))["spec"]["template"]["spec"]["containers"][0]
+        assert container["command"] == ["pdpool"] and container["args"][0] == "router"
+        cfg, sched = settings.load(container["args"][1:], environ={})
+        settings.profile(cfg, sched)
+        assert cfg.router.redis and cfg.router.pool == body["metadata"]["name"], name
+
+
+def test_the_router_never_imports_torch():
+    code = ("import sys; from pdpool.router import main, app, handoff, discovery_redis, discovery_static; "
+            "from pdpool.router.settings import load, profile; "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cli_without_a_discovery_source_exits_2():
+    r = subprocess.run([sys.executable, "-m", "pdpool.cli", "router", "--model", "demo"], capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and "no discovery source" in r.stderr
