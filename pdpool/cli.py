@@ -20,9 +20,9 @@ def _serve(argv: list[str]) -> int:
     except config.ConfigError as exc:
         parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from pdpool.server.app import run_server  # torch loads only when serving
+    from pdpool.node import run  # torch loads only when serving
 
-    run_server(cfg)
+    run(cfg)
     return 0
 
 

@@ -73,6 +73,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = opt(2048, "Token budget of one engine step; longer prompts are chunked.",
                                       ge=1, crd="engine.maxNumBatchedTokens")
     scheduling_policy: str = opt("fcfs", "Order of the waiting queue.", choices=("fcfs", "priority"))
+    max_waiting_requests: int | None = opt(1024, "Most requests waiting to be scheduled; beyond it a node answers "
+                                           "429.", ge=1, crd="engine.maxWaitingRequests")
 
 
 @dataclass

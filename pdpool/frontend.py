@@ -29,9 +29,9 @@ from typing import Sequence
 from pdpool.block_hash import BlockHash, ModelFingerprint, hash_prompt_blocks, root_hash
 
 
-class PromptError(ValueError):
-    """A prompt the front end refuses (empty, token ids out of the vocabulary, too long); ``param`` names the
-    request field for the API's 400."""
+class InvalidRequestError(ValueError):
+    """A request the front end or the engine refuses (empty prompt, token ids out of the vocabulary, too long);
+    ``param`` names the request field for the API's 400."""
 
     def __init__(self, message: str, param: str | None = "prompt") -> None:
         super().__init__(message)
@@ -154,6 +154,32 @@ def _clean_up_spaces(text: str) -> str:
     return text
 
 
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
+    """Token ids a request names (its prompt, ``stop_token_ids``) must be ints in the vocabulary."""
+    bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(f"'{param}' must hold token ids in [0, {vocab_size}) (the vocab size); got {bad[:5]}",
+                          param=param)
+
+
+def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """The request's output budget: ``max_tokens``, or what the context leaves when it is None. Raises
+    ``InvalidRequestError`` when the prompt and the completion do not fit in ``max_model_len``."""
+    n, limit = num_prompt_tokens, max_model_len
+    if max_tokens is None:
+        if n >= limit:
+            raise InvalidRequestError(f"This model's maximum context length is {limit} tokens. However, your prompt "
+                              f"has {n} tokens, which leaves no room for the completion.")
+        return limit - n
+    if n + max_tokens > limit:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion). "
+            f"Please reduce the length of the prompt or max_tokens.",
+            param="prompt" if n >= limit else "max_tokens")
+    return max_tokens
+
+
 class Frontend:
     """Turns requests into validated token ids and block hashes; see the module docstring."""
 
@@ -172,48 +198,22 @@ class Frontend:
         return cls(ModelFiles.read(path), Tokenizer(path))
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat template applied to ``messages``; raises ``PromptError`` (param ``messages``) when it fails."""
+        """The chat template applied to ``messages``; raises ``InvalidRequestError`` (param ``messages``) when it fails."""
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt)
         except Exception as exc:  # noqa: BLE001 - a template error is the client's message list
-            raise PromptError(f"cannot apply the chat template: {exc}", param="messages") from None
+            raise InvalidRequestError(f"cannot apply the chat template: {exc}", param="messages") from None
 
     def encode_prompt(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> list[int]:
-        """Token ids of a prompt (text, or ids checked against the vocabulary); raises ``PromptError``."""
+        """Token ids of a prompt (text, or ids checked against the vocabulary); raises ``InvalidRequestError``."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, add_special_tokens)
         else:
             ids = list(prompt)
-            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
-            if bad:
-                raise PromptError(f"prompt token ids must be in [0, {self.vocab_size}) (the vocab size); "
-                                  f"got {bad[:5]}")
+            check_token_ids(ids, self.vocab_size, "prompt")
         if not ids:
-            raise PromptError("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty")
         return ids
-
-    def check_length(self, num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
-        """The request's output budget: ``max_tokens``, or what the context leaves when it is None. Raises
-        ``PromptError`` when the prompt and the completion do not fit in ``max_model_len``."""
-        n, limit = num_prompt_tokens, max_model_len
-        if max_tokens is None:
-            if n >= limit:
-                raise PromptError(f"This model's maximum context length is {limit} tokens. However, your prompt "
-                                  f"has {n} tokens, which leaves no room for the completion.")
-            return limit - n
-        if n + max_tokens > limit:
-            raise PromptError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion). "
-                f"Please reduce the length of the prompt or max_tokens.",
-                param="prompt" if n >= limit else "max_tokens")
-        return max_tokens
-
-    def check_token_ids(self, token_ids: Sequence[int], param: str) -> None:
-        """Token ids a request names (``stop_token_ids``, ...) must be in the vocabulary."""
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise PromptError(f"'{param}' must hold token ids in [0, {self.vocab_size}); got {bad[:5]}", param=param)
 
     @staticmethod
     def block_hashes(token_ids: Sequence[int], fingerprint: ModelFingerprint,

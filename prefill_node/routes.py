@@ -21,19 +21,20 @@ from pdpool.server.errors import APIError
 logger = logging.getLogger(__name__)
 
 
-def add_routes(app: web.Application, *, llm_of, side_of, worker_of, token: str | None) -> None:
-    """``llm_of()``, ``side_of()``, ``worker_of()`` return the loaded engine's pieces (503 until loaded)."""
+def lease_routes(node, token: str | None) -> list[web.RouteDef]:
+    """The routes of a prefill node (``pdpool.node.Node``: ``require_llm()`` is a 503 until loaded; ``prefill``
+    and ``worker`` are its prefill side and NIXL worker)."""
 
     async def notify(request: web.Request) -> web.Response:
         internal_api.check(request, token)
-        held = await llm_of().call(side_of().notify, request.match_info["lease_id"])
+        held = await node.require_llm().call(node.prefill.notify, request.match_info["lease_id"])
         return web.json_response({"held": held})
 
     async def push(request: web.Request) -> web.Response:
         internal_api.check(request, token)
         lease_id = request.match_info["lease_id"]
         body = await request.json()
-        llm, side, worker = llm_of(), side_of(), worker_of()
+        llm, side, worker = node.require_llm(), node.prefill, node.worker
         dst, src = body.get("block_ids"), body.get("remote_block_ids")
         if not isinstance(dst, list) or not isinstance(src, list) or len(dst) != len(src):
             raise APIError("push: block_ids and remote_block_ids must be lists of equal length")
@@ -52,5 +53,5 @@ def add_routes(app: web.Application, *, llm_of, side_of, worker_of, token: str |
         held = await llm.call(side.notify, lease_id)
         return web.json_response({"held": held})
 
-    app.router.add_post("/internal/kv/leases/{lease_id}/notify", notify)
-    app.router.add_post("/internal/kv/leases/{lease_id}/push", push)
+    return [web.post("/internal/kv/leases/{lease_id}/notify", notify),
+            web.post("/internal/kv/leases/{lease_id}/push", push)]

@@ -70,11 +70,14 @@ def test_stop_string_and_stop_token(llm, hf_reference):
 
 
 def test_streaming_outputs_add_up(llm):
-    engine = llm.engine
-    engine.add_request("stream", "Once upon a time", SamplingParams(max_tokens=10, logprobs=2, **GREEDY))
+    engine, processor = llm.engine, llm.output_processor
+    params = SamplingParams(max_tokens=10, logprobs=2, **GREEDY)
+    prompt_ids = llm.frontend.encode_prompt("Once upon a time")
+    engine.add_request("stream", prompt_ids, params)
+    processor.add("stream", "Once upon a time", prompt_ids, params)
     texts, ids, logprobs, last = [], [], [], None
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in processor.process(engine.step())[0]:
             texts.append(out.new_text)
             ids += out.new_token_ids
             logprobs += out.new_logprobs or []
@@ -87,7 +90,8 @@ def test_streaming_outputs_add_up(llm):
 def test_abort_returns_blocks_and_stats(llm):
     engine = llm.engine
     total = engine.stats()["num_total_blocks"]
-    engine.add_request("abort-me", "Tell me everything about", SamplingParams(max_tokens=100, ignore_eos=True))
+    engine.add_request("abort-me", llm.frontend.encode_prompt("Tell me everything about"),
+                       SamplingParams(max_tokens=100, ignore_eos=True))
     for _ in range(3):
         engine.step()
     busy = engine.stats()

@@ -1,13 +1,19 @@
-"""``AsyncLLM``: the engine loop of a server.
+"""``AsyncLLM``: a server's engine loop, with the request front end and the output processor around it.
 
-One background task drives ``LLMEngine.step()`` in a single worker thread (torch releases the GIL, so the
-event loop keeps serving) while there is work, and hands each ``RequestOutput`` to its request's queue.
+    event loop thread                                 engine thread (one worker)
+    -----------------                                 --------------------------
+    add_request: frontend.encode_prompt (text->ids) -> engine.add_request (validate, queue)
+    _run: step N+1 is submitted before N's outputs are processed, so the engine computes while the loop
+          detokenizes (OutputProcessor), finds stop strings and hands deltas to each request's stream
+    stop strings / disconnects -> engine.abort_request (queued behind the running step)
 
-Every call into the engine (add, step, abort, stats-free reads aside) runs on that one worker thread, so the
-engine needs no locks: an ``add_request`` lands between two steps.
+Every call into the engine runs on that one worker thread, so the engine needs no locks: an ``add_request``
+lands between two steps. Text never touches the engine thread.
 
 A request's stream aborts its request when the consumer stops early (client disconnect -> the handler is
-cancelled -> ``CancelledError``/``GeneratorExit`` in the stream); its KV blocks go back to the pool.
+cancelled -> ``CancelledError``/``GeneratorExit`` in the stream); its KV blocks go back to the pool. A step that
+fails as a whole fails the requests it was running (``EngineStepError``) and the loop goes on; a request whose
+own sampling failed ends alone (``RequestFailedError``).
 """
 
 from __future__ import annotations
@@ -16,10 +22,12 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Protocol, Sequence
 
-from pdpool.engine.llm_engine import LLMEngine, RequestOutput
+from pdpool.engine.llm_engine import EngineOutput, InvalidRequestError, LLMEngine
+from pdpool.engine.output_processor import OutputProcessor, RequestOutput
 from pdpool.engine.sampling_params import SamplingParams
+from pdpool.frontend import Frontend, ModelFiles, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +40,16 @@ class LatencyObserver(Protocol):
     def on_finished(self, seconds: float) -> None: ...
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop failed a step; the requests in flight were aborted."""
+class EngineStepError(RuntimeError):
+    """A step failed as a whole; the requests it ran were aborted (the engine keeps serving)."""
+
+
+class EngineClosedError(RuntimeError):
+    """The engine is shut down."""
+
+
+class RequestFailedError(RuntimeError):
+    """This request alone failed inside the engine (its batch-mates went on)."""
 
 
 class _Timing:
@@ -45,7 +61,7 @@ class _Timing:
 
 
 class RequestStream:
-    """The outputs of one added request, in order; iterate it once."""
+    """The outputs (deltas) of one added request, in order; iterate it once."""
 
     def __init__(self, owner: "AsyncLLM", request_id: str) -> None:
         self.request_id = request_id
@@ -78,10 +94,13 @@ class RequestStream:
 
 class AsyncLLM:
     def __init__(self, node_config, *, latency_observer: LatencyObserver | None = None,
-                 engine: LLMEngine | None = None) -> None:
+                 engine: LLMEngine | None = None, frontend: Frontend | None = None) -> None:
         self.engine = engine or LLMEngine(node_config)
         self.config = node_config
+        path = self.engine.model_path
+        self.frontend = frontend or Frontend(ModelFiles.read(path), Tokenizer(path))
         self.latency_observer = latency_observer
+        self.output_processor = OutputProcessor(self.frontend.tokenizer)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdpool-engine")
         self._streams: dict[str, RequestStream] = {}
         self._timings: dict[str, _Timing] = {}
@@ -93,8 +112,8 @@ class AsyncLLM:
     # ---- properties the server reads -------------------------------------------------------------
 
     @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+    def tokenizer(self) -> Tokenizer:
+        return self.frontend.tokenizer
 
     @property
     def max_model_len(self) -> int:
@@ -110,32 +129,36 @@ class AsyncLLM:
 
     # ---- requests --------------------------------------------------------------------------------
 
-    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+    async def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, *,
                           priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
-                          kv_transfer_params: dict | None = None, add_special_tokens: bool = True
-                          ) -> RequestStream:
-        """Validate and add one request; raises the engine's validation errors. Returns its stream."""
+                          kv_transfer_params: dict | None = None, add_special_tokens: bool = True,
+                          prompt_token_ids: Sequence[int] | None = None) -> RequestStream:
+        """Tokenize (unless ``prompt_token_ids`` are given: a router computed them), validate and add one
+        request; raises ``InvalidRequestError``, ``SamplingParamsError``, ``QueueFullError``. Returns its stream."""
         if self._closed:
-            raise EngineDeadError("the engine is shut down")
+            raise EngineClosedError("the engine is shut down")
         if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in flight")
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight", param=None)
+        ids = self.frontend.encode_prompt(prompt if prompt_token_ids is None else prompt_token_ids,
+                                          add_special_tokens)
         self._ensure_loop()
         arrival = time.monotonic() if arrival_time is None else arrival_time
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
         self._timings[request_id] = _Timing(arrival)
+        self.output_processor.add(request_id, prompt if isinstance(prompt, str) else None, ids, params)
         try:
-            await self._call(self.engine.add_request, request_id, prompt, params, priority=priority,
-                             cache_salt=cache_salt, arrival_time=arrival, kv_transfer_params=kv_transfer_params,
-                             add_special_tokens=add_special_tokens)
+            await self._call(self.engine.add_request, request_id, ids, params, priority=priority,
+                             cache_salt=cache_salt, arrival_time=arrival, kv_transfer_params=kv_transfer_params)
         except asyncio.CancelledError:
             # The add may still run on the worker; the abort queued behind it undoes it.
-            self._streams.pop(request_id, None)
             self._abort_nowait(request_id)
+            self._streams.pop(request_id, None)
             raise
         except BaseException:
             self._streams.pop(request_id, None)
             self._timings.pop(request_id, None)
+            self.output_processor.forget(request_id)
             raise
         assert self._work is not None
         self._work.set()
@@ -166,6 +189,7 @@ class AsyncLLM:
 
     def _abort_nowait(self, request_id: str) -> None:
         self._timings.pop(request_id, None)
+        self.output_processor.forget(request_id)
         if not self._closed:
             self._executor.submit(self.engine.abort_request, [request_id])
 
@@ -174,68 +198,88 @@ class AsyncLLM:
             self._work = asyncio.Event()
             self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="pdpool-engine-loop")
 
+    def _submit_step(self) -> asyncio.Future:
+        return asyncio.get_running_loop().run_in_executor(self._executor, self.engine.step)
+
     async def _run(self) -> None:
         assert self._work is not None
+        pending: asyncio.Future | None = None
         while True:
-            if not self.engine.has_unfinished_requests():
-                self._work.clear()
-                await self._work.wait()
-                continue
+            if pending is None:
+                if not self.engine.has_unfinished_requests():
+                    self._work.clear()
+                    await self._work.wait()
+                    continue
+                pending = self._submit_step()
             try:
-                outputs = await self._call(self.engine.step)
+                outputs = await pending
             except Exception as exc:  # noqa: BLE001 - fail the requests in flight, keep serving
+                pending = None
                 self._fail_all(exc)
                 await asyncio.sleep(0.01)
                 continue
+            pending = None
+            idle = not outputs and not self.engine.last_step_num_scheduled  # e.g. all waiting for remote KV
+            if not idle and self.engine.has_unfinished_requests():
+                pending = self._submit_step()  # the engine computes the next step while we process this one
             self._dispatch(outputs)
-            if not outputs and not self.engine.last_step_num_scheduled:
-                # Work exists but none could run (e.g. waiting for remote KV): poll gently, wake on news.
+            if idle:  # work exists but none could run: poll gently, wake on news
                 self._work.clear()
                 try:
                     await asyncio.wait_for(self._work.wait(), IDLE_POLL_SECONDS)
                 except asyncio.TimeoutError:
                     pass
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _dispatch(self, outputs: list[EngineOutput]) -> None:
+        results, stopped = self.output_processor.process(outputs)
+        if stopped:  # stop strings: the engine still runs these requests
+            self._executor.submit(self.engine.abort_request, stopped)
         now = time.monotonic()
         obs = self.latency_observer
-        for out in outputs:
+        for out in results:
             timing = self._timings.get(out.request_id)
-            if timing is not None and out.new_token_ids and obs is not None:
-                if timing.last is None:
-                    obs.on_first_token(now - timing.arrival)
-                else:
-                    obs.on_inter_token(now - timing.last)
-                if out.finished:
-                    obs.on_finished(now - timing.arrival)
             if timing is not None:
+                if out.new_token_ids and obs is not None:
+                    if timing.last is None:
+                        obs.on_first_token(now - timing.arrival)
+                    else:
+                        obs.on_inter_token(now - timing.last)
+                    if out.finished:
+                        obs.on_finished(now - timing.arrival)
                 if out.new_token_ids:
                     timing.last = now
                 if out.finished:
                     self._timings.pop(out.request_id, None)
             stream = self._streams.get(out.request_id)
-            if stream is not None:
-                stream._put(out)
-                if out.finished:
-                    self._streams.pop(out.request_id, None)
+            if stream is None:
+                continue
+            if out.finish_reason == "error":
+                self._streams.pop(out.request_id, None)
+                stream._put(RequestFailedError(out.error or "the request failed in the engine"))
+                continue
+            stream._put(out)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
 
     def _fail_all(self, exc: Exception) -> None:
         self.num_step_errors += 1
-        logger.exception("engine step failed; aborting %d requests", len(self._streams), exc_info=exc)
-        ids = list(self._streams)
-        err = EngineDeadError(f"engine step failed: {type(exc).__name__}: {exc}")
-        for rid in ids:
+        logger.error("engine step failed; aborting %d requests", len(self._streams), exc_info=exc)
+        err = EngineStepError("the engine failed while running this request; it was aborted")
+        for rid in list(self._streams):
             stream = self._streams.pop(rid)
             stream.finished = True
             stream._put(err)
             self._timings.pop(rid, None)
+            self.output_processor.forget(rid)
         self._executor.submit(self.engine.abort_all)  # also requests whose stream is gone
 
     def fail_request(self, request_id: str, exc: BaseException) -> None:
         """End one request's stream with ``exc`` (loop thread); the engine side aborts it on its own."""
         stream = self._streams.pop(request_id, None)
         self._timings.pop(request_id, None)
+        self.output_processor.forget(request_id)
         if stream is not None:
+            stream.finished = True
             stream._put(exc)
 
     def wake(self) -> None:
@@ -244,6 +288,7 @@ class AsyncLLM:
             self._work.set()
 
     async def shutdown(self) -> None:
+        """Stop the loop, abort what is left (the connector waits out transfers), release the worker thread."""
         self._closed = True
         if self._loop_task is not None:
             self._loop_task.cancel()
@@ -251,4 +296,9 @@ class AsyncLLM:
                 await self._loop_task
             except asyncio.CancelledError:
                 pass
-        self._executor.shutdown(wait=True)
+        for rid in list(self._streams):
+            self.fail_request(rid, EngineClosedError("the server is shutting down"))
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.abort_all)
+        finally:
+            self._executor.shutdown(wait=True)

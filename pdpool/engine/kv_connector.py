@@ -2,15 +2,16 @@
 
 As in vLLM's ``KVConnectorBase_V1``, deciding is kept apart from moving::
 
-    scheduler side (pure, engine thread)           worker side (NIXL, event loop)
-    ------------------------------------           ------------------------------
+    scheduler side (pure, engine thread)           worker side (NIXL, event loop; pdpool.kv_transfer.worker)
+    ------------------------------------           ---------------------------------------------------------
     plan_load(handle, num_hit_tokens, block_ids)   KVWorker.pull(peer, remote_ids, local_ids)
       -> LoadPlan(local_ids, remote_ids)           KVWorker.push(peer, remote_ids, local_ids)
 
 Role protocols (leases and handles of a prefill node, pull/push orchestration of a decode node) live in
 ``pdpool.prefill_node`` and ``pdpool.decode_node``; ``KVConnector`` composes them for the engine, which
-calls it at five points (``on_add``, ``on_schedule``, ``before_step``, ``after_step``, ``on_abort``).
-``KVConnectorEngine`` is ``LLMEngine`` with those calls.
+calls it at five points (``on_add``, ``on_schedule``, ``before_step``, ``after_step``, ``on_abort``): the
+engine is built with it (``LLMEngine(config, connector_factory=...)``), nothing is patched. The worker side,
+``pdpool.kv_transfer.worker.KVWorker``, moves the bytes.
 
 A decode request's blocks::
 
@@ -26,7 +27,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
-from pdpool.engine.llm_engine import InvalidRequestError, LLMEngine, RequestOutput
+from pdpool.engine.llm_engine import EngineOutput, InvalidRequestError, LLMEngine
 from pdpool.engine.request import Request
 from pdpool.engine.scheduler import SchedulerOutput
 from pdpool.kv_transfer.handle import KVFingerprint, KVHandle
@@ -65,61 +66,6 @@ def kv_fingerprint(engine: LLMEngine) -> KVFingerprint:
                          num_kv_heads=info.num_kv_heads, head_dim=info.head_dim)
 
 
-# ---- worker side ---------------------------------------------------------------------------------
-
-class KVWorker:
-    """The node's NIXL agent over its KV cache; every call from the server's event loop (one thread)."""
-
-    def __init__(self, runner, agent_name: str, *, ucx_tls: str | None, ucx_net_devices: str | None,
-                 timeout: float) -> None:
-        from pdpool.kv_transfer.agent import KVAgent
-
-        self.runner = runner
-        self.timeout = timeout
-        self.agent = KVAgent(agent_name, ucx_tls=ucx_tls, ucx_net_devices=ucx_net_devices)
-        self.region = self.agent.register_kv_cache(runner.kv_cache)
-        self.block_bytes = self.region.block_bytes
-        self.bytes_pulled = 0
-        self.bytes_pushed = 0
-
-    def metadata(self) -> bytes:
-        return self.agent.metadata()
-
-    def add_peer(self, metadata: bytes) -> str:
-        return self.agent.add_peer(metadata)
-
-    def remove_peer(self, name: str) -> None:
-        self.agent.remove_peer(name)
-
-    async def pull(self, peer: str, remote_ids: Sequence[int], local_ids: Sequence[int]) -> float:
-        """READ the peer's blocks into ours; seconds it took. Raises ``KVTransferError``."""
-        t = self.agent.start_read(peer, remote_ids, local_ids, timeout=self.timeout)
-        seconds = await t.wait_async(self.timeout)
-        self.bytes_pulled += t.nbytes
-        return seconds
-
-    async def push(self, peer: str, remote_ids: Sequence[int], local_ids: Sequence[int]) -> float:
-        """WRITE our blocks into the peer's; seconds it took. Raises ``KVTransferError``."""
-        t = self.agent.start_write(peer, remote_ids, local_ids, timeout=self.timeout)
-        seconds = await t.wait_async(self.timeout)
-        self.bytes_pushed += t.nbytes
-        return seconds
-
-    def fill_garbage(self, block_ids: Sequence[int]) -> None:
-        """Test hook: fill destination blocks with large random values, so a block not transferred shows.
-
-        Finite on purpose: a recompute rewrites only the slots up to the sequence's end, and attention multiplies
-        the masked slots past it by a zero weight, which a NaN would survive."""
-        import torch
-
-        if block_ids:
-            ids = list(block_ids)
-            self.runner.kv_cache[ids] = torch.randn_like(self.runner.kv_cache[ids]) * 100.0
-
-    def close(self) -> None:
-        self.agent.close()
-
-
 # ---- the seam the engine calls -------------------------------------------------------------------
 
 class RoleSide(Protocol):
@@ -129,14 +75,21 @@ class RoleSide(Protocol):
     def on_add(self, request: Request, kv_transfer_params: dict) -> dict | None: ...
     def on_schedule(self, scheduler_output: SchedulerOutput) -> None: ...
     def before_step(self) -> None: ...
-    def after_step(self, outputs: list[RequestOutput]) -> None: ...
+    def after_step(self, outputs: list[EngineOutput]) -> None: ...
     def on_abort(self, request_ids: list[str]) -> set[str]: ...
 
 
 class KVConnector:
-    """Routes the engine's calls to the role sides this node runs, and publishes block events to the index."""
+    """The engine's KV connector (``LLMEngine(connector_factory=...)``): routes the engine's calls to the role
+    sides this node runs, and hands the step's block events to the index publisher (a queue, never Redis itself).
 
-    def __init__(self, sides: Sequence[RoleSide] = (), index: Any = None) -> None:
+    ``supports_overlap``: the sides start transfers from ``on_schedule`` for blocks the step in flight does not
+    touch, and read tokens only from finished outputs, so the overlapped CUDA step loop may run.
+    """
+    supports_overlap = True
+
+    def __init__(self, kv_cache_manager, sides: Sequence[RoleSide] = (), index: Any = None) -> None:
+        self.kv_cache_manager = kv_cache_manager
         self.sides = list(sides)
         self.index = index  # pdpool.kv_index NodeIndex or None
 
@@ -161,10 +114,10 @@ class KVConnector:
         for side in self.sides:
             side.before_step()
 
-    def after_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+    def after_step(self, outputs: list[EngineOutput]) -> None:
         for side in self.sides:
             side.after_step(outputs)
-        stored, removed = engine.kv_cache_manager.take_events()
+        stored, removed = self.kv_cache_manager.take_events()
         if self.index is not None and (stored or removed or self.index.dirty):
             self.index.publish(stored, removed)
 
@@ -174,42 +127,3 @@ class KVConnector:
         for side in self.sides:
             deferred |= side.on_abort(request_ids)
         return deferred
-
-
-class KVConnectorEngine(LLMEngine):
-    """``LLMEngine`` calling a ``KVConnector`` (built by ``make_connector(engine)``) at its five points."""
-
-    def __init__(self, node_config, make_connector) -> None:
-        super().__init__(node_config)
-        self.kv_connector: KVConnector = make_connector(self)
-        schedule = self.scheduler.schedule
-
-        def schedule_and_start_loads() -> SchedulerOutput:
-            out = schedule()
-            self.kv_connector.on_schedule(out)
-            return out
-
-        self.scheduler.schedule = schedule_and_start_loads
-
-    def add_request(self, request_id: str, prompt, params, **kwargs) -> None:
-        super().add_request(request_id, prompt, params, **kwargs)
-        state = self._states[request_id]
-        try:
-            state.kv_transfer_params = self.kv_connector.on_add(state.request, state.kv_transfer_params)
-        except BaseException:
-            self.abort_request(request_id)
-            raise
-
-    def step(self) -> list[RequestOutput]:
-        self.kv_connector.before_step()
-        outputs = super().step()
-        self.kv_connector.after_step(self, outputs)
-        return outputs
-
-    def abort_request(self, request_ids) -> None:
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        deferred = self.kv_connector.on_abort(ids)
-        for rid in deferred:
-            if self._states.pop(rid, None) is not None:
-                self.num_finished += 1
-        super().abort_request([rid for rid in ids if rid not in deferred])

@@ -1,15 +1,74 @@
-"""Offline API: ``LLM("demo").generate(prompts, SamplingParams(...))``, outputs in input order."""
+"""Offline API: ``LLM("demo").generate(prompts, SamplingParams(...))``, results in input order, shaped as vLLM's::
+
+    for out in llm.generate(["Hello, my name is"], SamplingParams(max_tokens=16)):
+        print(out.prompt, out.outputs[0].text, out.outputs[0].token_ids, out.prompt_token_ids)
+
+The same pieces as a server, in one thread: the front end tokenizes, the engine steps, the output processor
+detokenizes and applies stop strings.
+"""
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from pdpool import config
-from pdpool.engine.llm_engine import LLMEngine, RequestOutput
+from pdpool.engine.llm_engine import LLMEngine, TokenLogprobs
+from pdpool.engine.output_processor import OutputProcessor, RequestOutput
 from pdpool.engine.sampling_params import SamplingParams
+from pdpool.frontend import Frontend, ModelFiles, Tokenizer
 
 Prompt = str | list[int]
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence (vLLM's ``CompletionOutput``)."""
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None
+    stop_reason: str | int | None
+
+
+@dataclass
+class GenerationResult:
+    """What ``generate`` returns per prompt (vLLM's offline ``RequestOutput``); ``text``, ``output_token_ids``,
+    ``finish_reason``, ``stop_reason`` and ``logprobs`` read its first (only) sequence."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int
+
+    @classmethod
+    def from_final(cls, out: RequestOutput) -> "GenerationResult":
+        seq = CompletionOutput(0, out.text or "", out.output_token_ids or [], out.logprobs, out.finish_reason,
+                               out.stop_reason)
+        return cls(out.request_id, out.prompt, out.prompt_token_ids, [seq], out.finished, out.num_cached_tokens)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        return self.outputs[0].stop_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs] | None:
+        return self.outputs[0].logprobs
 
 
 class LLM:
@@ -19,15 +78,18 @@ class LLM:
     def __init__(self, model: str = "demo", *, dtype: str = "auto", **settings: Any) -> None:
         self.config = config.build(model=model, dtype=dtype, **settings)
         self.engine = LLMEngine(self.config)
+        path = self.engine.model_path
+        self.frontend = Frontend(ModelFiles.read(path), Tokenizer(path))
+        self.output_processor = OutputProcessor(self.frontend.tokenizer)
         self._ids = itertools.count()
 
     @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+    def tokenizer(self) -> Tokenizer:
+        return self.frontend.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
-                 = None, *, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion; one final ``RequestOutput`` per prompt, in input order."""
+                 = None, *, use_tqdm: bool = True) -> list[GenerationResult]:
+        """Run every prompt to completion; one result per prompt, in input order."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -36,25 +98,31 @@ class LLM:
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
-        ids = [f"offline-{next(self._ids)}" for _ in prompts]
-        try:
-            for rid, prompt, p in zip(ids, prompts, params_list):
-                self.engine.add_request(rid, prompt, p)
-        except BaseException:
-            self.engine.abort_request(ids)
-            raise
-        return self._run(ids, use_tqdm)
+        return self._run([(prompt, p, True) for prompt, p in zip(prompts, params_list)], use_tqdm)
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, *,
-             use_tqdm: bool = False) -> RequestOutput:
-        prompt = self.engine.apply_chat_template(messages, True)
-        rid = f"offline-{next(self._ids)}"
-        self.engine.add_request(rid, prompt, params or SamplingParams(), add_special_tokens=False)
-        return self._run([rid], use_tqdm)[0]
+             use_tqdm: bool = False) -> GenerationResult:
+        prompt = self.frontend.render_chat(messages, True)
+        return self._run([(prompt, params or SamplingParams(), False)], use_tqdm)[0]
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, requests: list[tuple[Prompt, SamplingParams, bool]], use_tqdm: bool) -> list[GenerationResult]:
+        ids: list[str] = []
+        try:
+            for prompt, params, add_special_tokens in requests:
+                rid = f"offline-{next(self._ids)}"
+                token_ids = self.frontend.encode_prompt(prompt, add_special_tokens)
+                self.engine.add_request(rid, token_ids, params)
+                ids.append(rid)
+                self.output_processor.add(rid, prompt if isinstance(prompt, str) else None, token_ids, params)
+            return self._drain(ids, use_tqdm)
+        except BaseException:
+            for rid in ids:
+                self.output_processor.forget(rid)
+            self.engine.abort_request(ids)
+            raise
+
+    def _drain(self, ids: list[str], use_tqdm: bool) -> list[GenerationResult]:
         final: dict[str, RequestOutput] = {}
-        wanted = set(ids)
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -62,18 +130,20 @@ class LLM:
             bar = tqdm(total=len(ids), desc="generate", unit="req", dynamic_ncols=True)
         try:
             while len(final) < len(ids):
-                for out in self.engine.step():
-                    if out.finished and out.request_id in wanted:
+                results, stopped = self.output_processor.process(self.engine.step())
+                if stopped:
+                    self.engine.abort_request(stopped)
+                for out in results:
+                    if out.finish_reason == "error":
+                        raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+                    if out.finished:
                         final[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
                 if not self.engine.has_unfinished_requests() and len(final) < len(ids):
                     missing = [i for i in ids if i not in final]
                     raise RuntimeError(f"the engine dropped requests {missing}")
-        except BaseException:
-            self.engine.abort_request([i for i in ids if i not in final])
-            raise
         finally:
             if bar is not None:
                 bar.close()
-        return [final[i] for i in ids]
+        return [GenerationResult.from_final(final[i]) for i in ids]

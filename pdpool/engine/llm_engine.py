@@ -1,10 +1,12 @@
-"""``LLMEngine``: the glue of one node's engine.
+"""``LLMEngine``: the glue of one node's engine. Token ids in, token ids out: no text on its thread.
 
-It owns the tokenizer, the scheduler (with its KV-cache manager), the model runner and one detokenizer per
-request. One ``step()``::
+It owns the scheduler (with its KV-cache manager), the model runner and an optional KV connector. The request
+front end (``pdpool.frontend``) tokenizes before ``add_request``; the output processor
+(``pdpool.engine.output_processor``) detokenizes and applies stop strings after ``step``, off this thread, as
+vLLM v1 splits its ``EngineCore`` from its front end. One ``step()``::
 
-    scheduler.schedule() -> runner.execute() -> scheduler.update_from_output()
-        -> detokenize the new tokens -> stop strings (finish those requests) -> RequestOutputs
+    connector.before_step -> scheduler.schedule() -> connector.on_schedule -> runner.execute()
+        -> scheduler.update_from_output() -> EngineOutputs (new token ids, logprobs, finish) -> connector.after_step
 
 On CUDA the steps overlap (``overlap_steps``, vLLM v1's async scheduling): while the GPU runs step N, the host
 books N's samples as placeholders, schedules and packs N+1, and after launching N+1 builds N's outputs::
@@ -13,9 +15,13 @@ books N's samples as placeholders, schedules and packs N+1, and after launching 
     GPU:  | ...................... forward N ...................... | sample N |        | forward N+1 ...
 
 The placeholders (``PLACEHOLDER``) are only counts to the scheduler (lengths, blocks); they are replaced by the
-sampled ids before anything reads them as tokens (block hashes, the next step's input, detokenization). A stop
-token sampled at N is seen after N+1 was scheduled: N+1's work for that request is dropped. A step whose
-sampling reads earlier outputs (penalties, min_tokens masking) samples before booking, as the plain loop does.
+sampled ids before anything reads them as tokens (block hashes, the next step's input, outputs). A stop token
+sampled at N is seen after N+1 was scheduled: N+1's work for that request is dropped. A step whose sampling reads
+earlier outputs (penalties, min_tokens masking) samples before booking, as the plain loop does. A connector
+whose ``supports_overlap`` is false keeps the plain loop.
+
+A request whose own sampling fails (the sampler reports it) finishes alone with ``finish_reason`` "error"; its
+batch-mates go on.
 
 The engine is not thread-safe: ``AsyncLLM`` calls it from a single worker thread. ``stats()`` only reads
 counters and lengths, so it may be called from elsewhere while a step runs.
@@ -26,29 +32,24 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
 
 from pdpool.block_hash import ModelFingerprint
-from pdpool.engine.detokenizer import IncrementalDetokenizer
 from pdpool.engine.kv_cache_manager import KVCacheManager
 from pdpool.engine.model_runner import LaunchedStep, ModelRunner
 from pdpool.engine.request import Request, RequestStatus
 from pdpool.engine.sampling_params import SamplingParams
 from pdpool.engine.scheduler import Scheduler, SchedulerOutput
+from pdpool.frontend import InvalidRequestError, check_token_ids, resolve_max_tokens
 
 logger = logging.getLogger(__name__)
 
 PLACEHOLDER = -1  # a token sampled by the step in flight, not read back yet (no real id is negative)
 
 
-class InvalidRequestError(ValueError):
-    """A request the engine refuses (too long, empty, token ids out of the vocabulary); ``param`` names the
-    offending field for the API's 400."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+class QueueFullError(RuntimeError):
+    """The waiting queue holds ``--max-waiting-requests`` requests already (the API answers 429)."""
 
 
 @dataclass
@@ -59,32 +60,35 @@ class TokenLogprobs:
 
 
 @dataclass
-class RequestOutput:
+class EngineOutput:
+    """What one step did for one request: the new tokens only (a delta), and how it finished."""
     request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    new_token_ids: list[int]            # this step's
-    new_text: str                       # this step's text that is safe to stream (stop-string hold-back)
-    new_logprobs: list[TokenLogprobs] | None
-    output_token_ids: list[int]         # all so far
-    text: str                           # all so far (cut at a stop string)
-    logprobs: list[TokenLogprobs] | None
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None  # one per new token, when the request asked for logprobs
     finished: bool
-    finish_reason: str | None           # "stop" | "length" | "abort"
-    stop_reason: str | int | None       # the stop string or stop token id that ended it
-    num_cached_tokens: int
-    kv_transfer_params: dict | None = None
+    finish_reason: str | None = None          # "stop" | "length" | "abort" | "error"
+    stop_reason: str | int | None = None      # the stop token id that ended it
+    num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None    # set by a connector on the final output (a prefill node's handle)
+    error: str | None = None                  # finish_reason "error": why
+
+
+class KVConnectorHooks(Protocol):
+    """What the engine calls on a KV connector (``pdpool.engine.kv_connector.KVConnector``), on its thread."""
+    supports_overlap: bool
+
+    def on_add(self, request: Request, kv_transfer_params: dict | None) -> dict | None: ...
+    def on_schedule(self, scheduler_output: SchedulerOutput) -> None: ...
+    def before_step(self) -> None: ...
+    def after_step(self, outputs: list[EngineOutput]) -> None: ...
+    def on_abort(self, request_ids: list[str]) -> set[str]: ...
 
 
 @dataclass
 class _State:
     request: Request
-    prompt: str | None
-    detokenizer: IncrementalDetokenizer
     kv_transfer_params: dict | None
-    logprobs: list[TokenLogprobs] | None
     num_emitted_tokens: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -94,21 +98,18 @@ class _InFlight:
 
 
 class LLMEngine:
-    def __init__(self, node_config) -> None:
-        from transformers import AutoTokenizer
-
+    def __init__(self, node_config, *, connector_factory=None) -> None:
+        """``connector_factory(engine) -> KVConnectorHooks`` composes a KV connector (a disaggregated node's)."""
         self.config = node_config
         self.runner = ModelRunner(node_config)
         info = self.runner.model_config
         self.model_path = info.path
         self.vocab_size = info.vocab_size
         self.eos_token_ids = list(info.eos_token_ids)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(info.path))
         cache = node_config.cache
-        dtype_name = str(self.runner.dtype).removeprefix("torch.")
-        fingerprint = ModelFingerprint(node_config.served_model_name, dtype_name, cache.block_size)
+        self.fingerprint = ModelFingerprint(node_config.served_model_name, self.runner.dtype_name, cache.block_size)
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching,
-                                               fingerprint)
+                                               self.fingerprint)
         wanted = node_config.scheduler.max_model_len or info.max_position_embeddings
         if wanted > info.max_position_embeddings:
             logger.warning("--max-model-len %d exceeds the model's %d positions; using %d", wanted,
@@ -117,75 +118,62 @@ class LLMEngine:
         self.scheduler = Scheduler(node_config.scheduler, self.kv_cache_manager, max_model_len=wanted)
         # The scheduler also caps it at what the whole KV cache holds.
         self.max_model_len = self.scheduler.max_model_len
+        self.max_waiting_requests = node_config.scheduler.max_waiting_requests
         self._states: dict[str, _State] = {}
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_finished = 0
+        self.num_request_errors = 0
         self.last_step_num_scheduled = 0  # requests the last step computed (0: idle or all waiting on remote KV)
-        # Subclasses that hook the step (the KV connector moves blocks outside the CUDA stream) keep the plain loop.
-        self.overlap_steps = self.runner.device.type == "cuda" and type(self).step is LLMEngine.step
         self._in_flight: _InFlight | None = None
+        self.connector: KVConnectorHooks | None = connector_factory(self) if connector_factory else None
+        self.overlap_steps = self.runner.device.type == "cuda" and (
+            self.connector is None or self.connector.supports_overlap)
 
     # ---- requests in -----------------------------------------------------------------------------
 
-    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
-
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *, priority: int = 0,
-                    cache_salt: str | None = None, arrival_time: float | None = None,
-                    kv_transfer_params: dict | None = None, add_special_tokens: bool = True) -> None:
-        """Validate and queue one request; raises ``InvalidRequestError`` or ``SamplingParamsError``."""
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                    priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
+                    kv_transfer_params: dict | None = None) -> Request:
+        """Validate and queue one request of token ids (``pdpool.frontend`` made them); raises
+        ``InvalidRequestError``, ``SamplingParamsError`` or ``QueueFullError``."""
         params.validate()
         if request_id in self._states:
-            raise InvalidRequestError(f"request id {request_id!r} is already in flight", param="request_id")
-        if isinstance(prompt, str):
-            text: str | None = prompt
-            prompt_ids = self.encode(prompt, add_special_tokens)
-        else:
-            text = None
-            prompt_ids = list(prompt)
-            bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool)
-                   or not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size}) (the vocab size); "
-                                          f"got {bad[:5]}", param="prompt")
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight", param=None)
+        if self.max_waiting_requests is not None and self.scheduler.num_waiting >= self.max_waiting_requests:
+            raise QueueFullError(f"{self.scheduler.num_waiting} requests are waiting already "
+                                 f"(--max-waiting-requests {self.max_waiting_requests}); retry later")
+        prompt_ids = list(prompt_token_ids)
+        check_token_ids(prompt_ids, self.vocab_size, "prompt")
         if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        params = self._resolve_max_tokens(prompt_ids, params)
-        request = Request(request_id, prompt_ids, params, eos_token_id=self.eos_token_ids[0] if self.eos_token_ids
-                          else None, arrival_time=arrival_time, priority=priority, cache_salt=cache_salt)
+            raise InvalidRequestError("the prompt is empty")
+        check_token_ids(params.stop_token_ids, self.vocab_size, "stop_token_ids")
+        max_tokens = resolve_max_tokens(len(prompt_ids), params.max_tokens, self.max_model_len)
+        if max_tokens != params.max_tokens:
+            params = dataclasses.replace(params, max_tokens=max_tokens)
+        request = Request(request_id, prompt_ids, params, eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
+                          priority=priority, cache_salt=cache_salt)
         self.scheduler.add_request(request)
-        self._states[request_id] = _State(
-            request=request, prompt=text, detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params),
-            kv_transfer_params=kv_transfer_params, logprobs=[] if params.logprobs is not None else None)
+        state = _State(request, kv_transfer_params)
+        self._states[request_id] = state
         self.num_prompt_tokens += len(prompt_ids)
+        if self.connector is not None:
+            try:
+                state.kv_transfer_params = self.connector.on_add(request, kv_transfer_params)
+            except BaseException:
+                self.abort_request(request_id)
+                raise
+        return request
 
-    def _resolve_max_tokens(self, prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
-        n, limit = len(prompt_ids), self.max_model_len
-        if params.max_tokens is None:
-            if n >= limit:
-                raise InvalidRequestError(
-                    f"This model's maximum context length is {limit} tokens. However, your prompt has {n} "
-                    f"tokens, which leaves no room for the completion.", param="prompt")
-            return dataclasses.replace(params, max_tokens=limit - n)
-        if n + params.max_tokens > limit:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} for the completion). "
-                f"Please reduce the length of the prompt or max_tokens.",
-                param="prompt" if n >= limit else "max_tokens")
-        return params
-
-    def abort_request(self, request_ids: str | list[str]) -> None:
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        """Abort requests in any state; unknown ids are ignored. A request whose blocks a KV transfer still
+        writes is aborted once the transfer ended (the connector defers it)."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        deferred = self.connector.on_abort(ids) if self.connector is not None else set()
         for rid in ids:
             if self._states.pop(rid, None) is not None:
                 self.num_finished += 1
+        self.scheduler.finish_requests([rid for rid in ids if rid not in deferred], RequestStatus.FINISHED_ABORTED)
 
     def abort_all(self) -> list[str]:
         ids = list(self._states) + [rid for rid in self.scheduler.requests if rid not in self._states]
@@ -198,25 +186,37 @@ class LLMEngine:
 
     # ---- one step --------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
+        if self.connector is not None:
+            self.connector.before_step()
         if self.overlap_steps or self._in_flight is not None:  # once started, the pipeline runs until idle
             try:
-                return self._step_overlapped()
+                outputs = self._step_overlapped()
             except BaseException:
                 self._in_flight = None
                 raise
+        else:
+            outputs = self._step_plain()
+        if self.connector is not None:
+            self.connector.after_step(outputs)
+        return outputs
+
+    def _step_plain(self) -> list[EngineOutput]:
         scheduler_output = self._schedule()
         self.last_step_num_scheduled = len(scheduler_output.scheduled)
         if not scheduler_output.scheduled:
             return []
         sampled = self.runner.execute(scheduler_output)
+        failed = self._fail_sampling_errors(sampled)
         touched = self.scheduler.update_from_output(scheduler_output, sampled)
-        return self._make_outputs(touched, sampled)
+        return self._make_outputs(touched, sampled) + failed
 
     def _schedule(self) -> SchedulerOutput:
         scheduler_output = self.scheduler.schedule()
         for rid in scheduler_output.finished_ids:
             self.runner.forget(rid)
+        if self.connector is not None:
+            self.connector.on_schedule(scheduler_output)
         return scheduler_output
 
     def _launch(self, scheduler_output: SchedulerOutput, packed=None) -> _InFlight | None:
@@ -225,12 +225,13 @@ class LLMEngine:
         packed = packed if packed is not None else self.runner.pack(scheduler_output)
         return _InFlight(scheduler_output, self.runner.launch(packed))
 
-    def _step_overlapped(self) -> list[RequestOutput]:
+    def _step_overlapped(self) -> list[EngineOutput]:
         current = self._in_flight or self._launch(self._schedule())
         if current is None:
             self.last_step_num_scheduled = 0
             return []
         sampling = current.launched.inputs.sampling
+        failed: list[EngineOutput] = []
         if all(_samples_without_history(sr.request) for sr in sampling):
             touched = self.scheduler.update_from_output(
                 current.scheduled, {sr.request.request_id: PLACEHOLDER for sr in sampling})
@@ -238,20 +239,25 @@ class LLMEngine:
             following = self._schedule()
             packed = self.runner.pack(following) if following.scheduled else None
             sampled = self.runner.sample(current.launched)  # waits for step N
+            failed = self._fail_sampling_errors(sampled)
             self._fill_placeholders(holes, sampled)
         else:  # the sampler reads these requests' earlier outputs: book real tokens, then schedule
             sampled = self.runner.sample(current.launched)
+            failed = self._fail_sampling_errors(sampled)
             touched = self.scheduler.update_from_output(current.scheduled, sampled)
             following = self._schedule()
             packed = None
         self._in_flight = self._launch(following, packed)
         self.last_step_num_scheduled = len(following.scheduled)
-        return self._make_outputs(touched, sampled)
+        return self._make_outputs(touched, sampled) + failed
 
     def _fill_placeholders(self, holes: list[tuple[Request, int]], sampled: dict) -> None:
         """Put step N's sampled ids where its placeholders are, and finish the requests they stop."""
         for request, index in holes:
-            token = sampled[request.request_id].token_id
+            token = sampled.get(request.request_id)
+            if token is None:  # its sampling failed: the request is aborted already
+                continue
+            token = token.token_id
             request.output_token_ids[index] = token
             request.all_token_ids[request.num_prompt_tokens + index] = token
             if request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_STOPPED):
@@ -263,7 +269,21 @@ class LLMEngine:
             else:
                 self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
 
-    def _make_outputs(self, touched: list[Request], sampled: dict) -> list[RequestOutput]:
+    def _fail_sampling_errors(self, sampled: dict) -> list[EngineOutput]:
+        """Requests whose own sampling failed (the sampler's ``SampledToken.error``): out of ``sampled``, aborted
+        alone, each with an output that says why."""
+        errors = {rid: tok.error for rid, tok in sampled.items() if getattr(tok, "error", None) is not None}
+        outputs = []
+        for rid, message in errors.items():
+            del sampled[rid]
+            logger.error("request %s: sampling failed (%s); finishing it alone", rid, message)
+            if rid in self._states:
+                outputs.append(EngineOutput(rid, [], None, True, "error", error=message))
+            self.num_request_errors += 1
+            self.abort_request(rid)
+        return outputs
+
+    def _make_outputs(self, touched: list[Request], sampled: dict) -> list[EngineOutput]:
         outputs = []
         for request in touched:
             state = self._states.get(request.request_id)
@@ -272,38 +292,22 @@ class LLMEngine:
             outputs.append(self._make_output(state, sampled.get(request.request_id)))
         return outputs
 
-    def _make_output(self, state: _State, sampled) -> RequestOutput:
+    def _make_output(self, state: _State, sampled) -> EngineOutput:
         request = state.request
-        params = request.sampling_params
         new_ids = request.output_token_ids[state.num_emitted_tokens:]
         state.num_emitted_tokens = len(request.output_token_ids)
         self.num_generation_tokens += len(new_ids)
         new_logprobs = None
-        if state.logprobs is not None and sampled is not None:
+        if request.sampling_params.logprobs is not None and sampled is not None:
             new_logprobs = [TokenLogprobs(sampled.token_id, sampled.logprob, sampled.top_logprobs)]
-            state.logprobs.extend(new_logprobs)
-        detok = state.detokenizer
-        stopped_by_token = request.status == RequestStatus.FINISHED_STOPPED
-        # A stop token (EOS or stop_token_ids) stays in the token ids but not in the text, as in vLLM.
-        to_text = new_ids[:-1] if stopped_by_token and not params.include_stop_str_in_output else new_ids
-        new_text = detok.add_tokens(to_text)
-        finish_reason, stop_reason = request.finish_reason, request.stop_reason
-        if detok.stop_reason is not None:  # a stop string: the text is cut, the request ends
-            if not request.is_finished:
-                self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
-            finish_reason, stop_reason = "stop", detok.stop_reason
         finished = request.is_finished
         if finished:
-            new_text += detok.flush()
             del self._states[request.request_id]
             self.num_finished += 1
-        return RequestOutput(
-            request_id=request.request_id, prompt=state.prompt, prompt_token_ids=request.prompt_token_ids,
-            new_token_ids=new_ids, new_text=new_text, new_logprobs=new_logprobs,
-            output_token_ids=list(request.output_token_ids), text=detok.output_text,
-            logprobs=list(state.logprobs) if state.logprobs is not None else None,
-            finished=finished, finish_reason=finish_reason if finished else None,
-            stop_reason=stop_reason if finished else None, num_cached_tokens=request.num_cached_tokens or 0,
+        return EngineOutput(
+            request_id=request.request_id, new_token_ids=new_ids, new_logprobs=new_logprobs, finished=finished,
+            finish_reason=request.finish_reason if finished else None,
+            stop_reason=request.stop_reason if finished else None, num_cached_tokens=request.num_cached_tokens or 0,
             kv_transfer_params=state.kv_transfer_params if finished else None)
 
     # ---- stats -----------------------------------------------------------------------------------
@@ -320,7 +324,7 @@ class LLMEngine:
             prefix_cache_hit_rate=s.prefix_cache_hit_tokens / queried if queried else 0.0,
             num_preemptions=s.num_preemptions, prompt_tokens=self.num_prompt_tokens,
             generation_tokens=self.num_generation_tokens, num_finished=self.num_finished,
-            timestamp=time.time())
+            num_request_errors=self.num_request_errors, timestamp=time.time())
 
 
 def _samples_without_history(request: Request) -> bool:

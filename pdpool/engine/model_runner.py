@@ -20,10 +20,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pdpool.attention import AttentionMetadata, pick_backend, reset_context, set_context
 from pdpool.config import NodeConfig
-from pdpool.engine.attention import AttentionBackend, AttentionMetadata, get_backend, reset_context, set_context
 from pdpool.engine.cuda_graphs import DecodeGraphs, graph_safe
 from pdpool.engine.sampler import Sampler, make_generator
+from pdpool.frontend import ModelFiles
 from pdpool.models.demo import resolve_model
 from pdpool.models.loader import load_hf_config, load_model
 
@@ -53,6 +54,7 @@ class SampledToken:
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]] | None  # when the request asked for logprobs
+    error: str | None = None  # this request's own sampling failed (its batch-mates' did not)
 
 
 @dataclass
@@ -99,6 +101,7 @@ class ModelRunner:
         if dtype_name == "auto":
             dtype_name = "bfloat16" if self.device.type == "cuda" else "float32"
         self.dtype = DTYPES[dtype_name]
+        self.dtype_name = dtype_name
         path = resolve_model(node_config.model.model)
         hf_config = load_hf_config(path)
         self.model = load_model(path, hf_config, dtype=self.dtype, device=self.device,
@@ -109,7 +112,7 @@ class ModelRunner:
         info = self.model_config
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         self.block_bytes = info.num_layers * 2 * self.block_size * info.num_kv_heads * info.head_dim * itemsize
-        self.backend = _pick_backend(dev.attention_backend, self.device)
+        self.backend = pick_backend(dev.attention_backend, self.device)
         self.num_blocks = self._num_blocks()
         # kv_cache: [num_blocks, num_layers, 2, block_size, Hkv, D]; one block = one contiguous region
         self.kv_cache = torch.zeros(self.num_blocks, info.num_layers, 2, self.block_size, info.num_kv_heads,
@@ -125,8 +128,7 @@ class ModelRunner:
             else:
                 log.warning("attention backend %s is not CUDA-graph safe; decode runs eagerly", self.backend.name)
         self.generators: dict[str, torch.Generator] = {}
-        self.sampler = Sampler(eos_token_id=info.eos_token_ids[0] if info.eos_token_ids else None,
-                               seed=node_config.model.seed)
+        self.sampler = Sampler(eos_token_ids=info.eos_token_ids, seed=node_config.model.seed)
         log.info("model %s (%s, %s) on %s: %d KV blocks of %d tokens, %d bytes each, attention %s, decode %s",
                  path, info.architecture, dtype_name, self.device, self.num_blocks, self.block_size,
                  self.block_bytes, self.backend.name, "CUDA graphs" if self.graphs else "eager")
@@ -280,37 +282,9 @@ class ModelRunner:
         self.generators.pop(request_id, None)
 
 
-def _pick_backend(name: str, device: torch.device) -> AttentionBackend:
-    """'auto' is triton on CUDA (torch if the kernels cannot be imported), cpu on the CPU (torch if its native
-    decode kernel cannot be built)."""
-    if name != "auto":
-        return get_backend(name)
-    if device.type == "cuda":
-        try:
-            return get_backend("triton")
-        except ImportError as e:
-            log.warning("triton attention backend unavailable (%s); using torch", e)
-    elif device.type == "cpu":
-        from pdpool.kernels import cpu_attention
-
-        if cpu_attention.available():
-            return get_backend("cpu")
-        log.warning("the CPU decode kernel is unavailable; using the torch attention backend")
-    return get_backend("torch")
-
-
 def _model_info(path: Path, hf_config, model, dtype: torch.dtype) -> ModelInfo:
     attn = model.model.layers[0].self_attn
-    eos: list[int] = []
-    sources = [getattr(hf_config, "eos_token_id", None)]
-    if (path / "generation_config.json").is_file():
-        from transformers import GenerationConfig
-
-        sources.insert(0, GenerationConfig.from_pretrained(str(path)).eos_token_id)
-    for value in sources:
-        for token in ([value] if isinstance(value, int) else value or []):
-            if token not in eos:
-                eos.append(token)
+    eos = list(ModelFiles.read(path).eos_token_ids)
     max_positions = getattr(hf_config, "max_position_embeddings", 4096)
     window = _sliding_window(hf_config, model.arch)
     if window is not None and window < max_positions:

@@ -1,24 +1,25 @@
 """The OpenAI HTTP surface of one node (aiohttp): completions, chat, models, health, metrics.
 
-The server listens at once and loads the model in the background: ``/health/live`` answers 200 from the
-start, ``/health/ready`` (and ``/health``) 503 until the engine is loaded, and ``/v1/*`` 503 meanwhile.
+Pure HTTP: ``create_app(config, node, routes)`` receives what it serves. ``node`` (``ServedNode``, built by
+``pdpool.node.Node``) gives the engine once loaded, the node's status and its metrics; ``routes`` are the node's
+internal routes. ``/health/live`` answers 200 from the start, ``/health/ready`` (and ``/health``) 503 until the
+engine is loaded and while the node drains, and ``/v1/*`` 503 while it loads.
+
 Clients that disconnect cancel their handler (``handler_cancellation=True``), which aborts their requests.
+``X-Request-Id`` (generated when absent) names the request in the response id, the engine's request ids and
+the logs, and comes back as a response header.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
-import signal
-import time
-from typing import Any, Callable
+import re
+import uuid
+from typing import Protocol
 
 from aiohttp import web
 
-from pdpool import internal_api
-from pdpool.engine.async_llm import AsyncLLM
-from pdpool.engine.llm_engine import LLMEngine
 from pdpool.server import protocol
 from pdpool.server.errors import APIError, error_middleware
 from pdpool.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -26,28 +27,25 @@ from pdpool.server.serving import Generation, full_response, stream_response
 
 logger = logging.getLogger("pdpool.server")
 
+NODE_KEY = web.AppKey("node", object)
 CONFIG_KEY = web.AppKey("config", object)
-METRICS_KEY = web.AppKey("metrics", ServerMetrics)
-STATE_KEY = web.AppKey("state", dict)
 
 PUBLIC_PATHS = ("/health", "/metrics", "/ping", "/version",
                 "/internal/")  # node-to-node: checked against the internal token instead (pdpool.internal_api)
+REQUEST_ID_HEADER = "X-Request-Id"
+TOKEN_IDS_FIELD = "pdpool_prompt_token_ids"
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
-class _Observer:
-    """Feeds the engine loop's latencies into the app's histograms."""
+class ServedNode(Protocol):
+    """What the app serves (``pdpool.node.Node``)."""
+    status: str          # loading | ready | failed | draining | stopping
+    error: str | None
+    created: int
+    metrics: ServerMetrics
+    llm: object | None   # AsyncLLM once loaded
 
-    def __init__(self, metrics: ServerMetrics) -> None:
-        self.m = metrics
-
-    def on_first_token(self, seconds: float) -> None:
-        self.m.ttft.observe(seconds)
-
-    def on_inter_token(self, seconds: float) -> None:
-        self.m.itl.observe(seconds)
-
-    def on_finished(self, seconds: float) -> None:
-        self.m.e2e.observe(seconds)
+    def require_llm(self): ...
 
 
 def _auth_middleware(api_key: str | None):
@@ -64,53 +62,79 @@ def _auth_middleware(api_key: str | None):
     return auth
 
 
-def require_llm(request: web.Request) -> AsyncLLM:
-    """The app's AsyncLLM, or a 503 while it loads (role modules' handlers use it too)."""
-    state = request.app[STATE_KEY]
-    if state.get("error"):
-        raise APIError(f"the engine failed to load: {state['error']}", status=503)
-    llm = state.get("llm")
-    if llm is None:
-        raise APIError("the model is still loading", status=503)
-    return llm
+def request_id(request: web.Request) -> str:
+    """The client's ``X-Request-Id`` when it is a sane token, else a new one."""
+    given = request.headers.get(REQUEST_ID_HEADER, "")
+    return given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
 
+
+@web.middleware
+async def _request_id_middleware(request: web.Request, handler):
+    rid = request_id(request)
+    request["request_id"] = rid
+    try:
+        response = await handler(request)
+    except web.HTTPException as exc:
+        exc.headers[REQUEST_ID_HEADER] = rid
+        raise
+    if not response.prepared:
+        response.headers[REQUEST_ID_HEADER] = rid
+    return response
+
+
+# ---- handlers ------------------------------------------------------------------------------------
 
 def _served_names(request: web.Request) -> list[str]:
     return [request.app[CONFIG_KEY].served_model_name]
 
 
-# ---- handlers ------------------------------------------------------------------------------------
+def forwarded_token_ids(body: dict, num_prompts: int) -> list[list[int]] | None:
+    """``pdpool_prompt_token_ids``: one non-empty list of token ids per prompt (a router's), or None."""
+    ids = body.get(TOKEN_IDS_FIELD)
+    if ids is None:
+        return None
+    if (not isinstance(ids, list) or len(ids) != num_prompts
+            or not all(isinstance(p, list) and p and all(type(t) is int for t in p) for p in ids)):
+        raise APIError(f"'{TOKEN_IDS_FIELD}' must be a list of {num_prompts} non-empty lists of token ids "
+                       "(one per prompt)", param=TOKEN_IDS_FIELD)
+    return ids
+
 
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await protocol.read_json(request)
-    llm = require_llm(request)
+    llm = request.app[NODE_KEY].require_llm()
     req = protocol.parse_completion(body, _served_names(request))
+    req.prompt_token_ids = forwarded_token_ids(body, len(req.prompts))
     return await _generate(request, llm, req)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await protocol.read_json(request)
-    llm = require_llm(request)
-    req = protocol.parse_chat(body, _served_names(request), llm.engine.apply_chat_template)
+    llm = request.app[NODE_KEY].require_llm()
+    req = protocol.parse_chat(body, _served_names(request), llm.tokenizer.apply_chat_template)
+    req.prompt_token_ids = forwarded_token_ids(body, len(req.prompts))
     return await _generate(request, llm, req)
 
 
-async def _generate(request: web.Request, llm: AsyncLLM, req: protocol.GenerationRequest) -> web.StreamResponse:
-    gen = Generation(llm, req)
+async def _generate(request: web.Request, llm, req: protocol.GenerationRequest) -> web.StreamResponse:
+    rid = request["request_id"]
+    max_log_len = request.app[CONFIG_KEY].server.max_log_len
+    if max_log_len:
+        logger.info("request %s: %s prompt %r", rid, req.kind, str(req.prompts[0])[:max_log_len])
+    gen = Generation(llm, req, rid)
     await gen.start()
     if req.stream:
         return await stream_response(gen, request)
-    return web.json_response(await full_response(gen))
+    return web.json_response(await full_response(gen), headers={REQUEST_ID_HEADER: rid})
 
 
 async def models(request: web.Request) -> web.Response:
     cfg = request.app[CONFIG_KEY]
-    state = request.app[STATE_KEY]
-    llm = state.get("llm")
-    card = {"id": cfg.served_model_name, "object": "model", "created": state["created"], "owned_by": "pdpool",
+    node = request.app[NODE_KEY]
+    card = {"id": cfg.served_model_name, "object": "model", "created": node.created, "owned_by": "pdpool",
             "root": cfg.model.model, "parent": None}
-    if llm is not None:
-        card["max_model_len"] = llm.max_model_len
+    if node.llm is not None:
+        card["max_model_len"] = node.llm.max_model_len
     return web.json_response({"object": "list", "data": [card]})
 
 
@@ -119,86 +143,28 @@ async def health_live(request: web.Request) -> web.Response:
 
 
 async def health_ready(request: web.Request) -> web.Response:
-    state = request.app[STATE_KEY]
-    if state.get("draining"):
-        return web.json_response({"status": "draining"}, status=503)
-    if state.get("llm") is None:
-        status = "failed" if state.get("error") else "loading"
-        return web.json_response({"status": status, "error": state.get("error")}, status=503)
-    return web.json_response({"status": "ready", "role": request.app[CONFIG_KEY].server.role})
-
-
-async def drain(request: web.Request) -> web.Response:
-    """``POST /internal/drain`` (the preStop hook): readiness turns false, so the Service and the router stop
-    sending work; requests in flight and KV leases already granted are still served to the end."""
-    internal_api.check(request, request.app[CONFIG_KEY].disagg.internal_token)
-    if not request.app[STATE_KEY].get("draining"):
-        logger.info("draining: /health/ready now answers 503; in-flight work continues")
-    request.app[STATE_KEY]["draining"] = True
-    return web.json_response({"status": "draining"})
+    node = request.app[NODE_KEY]
+    if node.status == "ready":
+        return web.json_response({"status": "ready", "role": request.app[CONFIG_KEY].server.role})
+    body = {"status": node.status}
+    if node.error:
+        body["error"] = node.error
+    return web.json_response(body, status=503)
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[METRICS_KEY].render(), headers={"Content-Type": CONTENT_TYPE})
+    return web.Response(body=request.app[NODE_KEY].metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
 # ---- app -----------------------------------------------------------------------------------------
 
-_EMPTY_STATS = dict(num_running=0, num_waiting=0, kv_cache_usage=0.0, num_free_blocks=0, num_total_blocks=0,
-                    prefix_cache_hit_rate=0.0, num_prefill_chunks=0, prefix_cache_hit_tokens=0,
-                    prefix_cache_queried_tokens=0, num_preemptions=0, prompt_tokens=0, generation_tokens=0,
-                    num_finished=0, block_size=0)
-
-
-def create_app(node_config, *, llm: AsyncLLM | None = None,
-               engine_factory: Callable[[Any], LLMEngine] | None = None) -> web.Application:
-    """The node's app. Without ``llm``, the engine (``engine_factory(node_config)``, default ``LLMEngine``) loads
-    in a thread once the app starts; role modules add their routes to the returned app before it starts."""
-    app = web.Application(middlewares=[error_middleware, _auth_middleware(node_config.server.api_key)],
+def create_app(node_config, node: ServedNode, routes: list[web.RouteDef] = ()) -> web.Application:
+    """The node's app: the OpenAI routes, health, metrics, and the node's own ``routes``."""
+    app = web.Application(middlewares=[_request_id_middleware, error_middleware,
+                                       _auth_middleware(node_config.server.api_key)],
                           client_max_size=64 * 1024 * 1024)
-    state: dict = {"llm": llm, "error": None, "created": int(time.time())}
-    app[STATE_KEY] = state
+    app[NODE_KEY] = node
     app[CONFIG_KEY] = node_config
-
-    def stats() -> dict:
-        current = state.get("llm")
-        if current is None:
-            return dict(_EMPTY_STATS, block_size=node_config.cache.block_size)
-        return current.stats()
-
-    app[METRICS_KEY] = ServerMetrics(stats)
-    observer = _Observer(app[METRICS_KEY])
-    if llm is not None:
-        llm.latency_observer = observer
-
-    async def load_engine(app: web.Application) -> None:
-        if state["llm"] is not None:
-            return
-
-        def build() -> AsyncLLM:
-            engine = engine_factory(node_config) if engine_factory is not None else None
-            return AsyncLLM(node_config, latency_observer=observer, engine=engine)
-
-        async def load() -> None:
-            try:
-                state["llm"] = await asyncio.get_running_loop().run_in_executor(None, build)
-                logger.info("engine ready: %s (max_model_len %d)", node_config.served_model_name,
-                            state["llm"].max_model_len)
-            except Exception as exc:  # noqa: BLE001 - reported by /health/ready and 503s
-                logger.exception("engine failed to load")
-                state["error"] = f"{type(exc).__name__}: {exc}"
-
-        state["load_task"] = asyncio.get_running_loop().create_task(load())
-
-    async def shutdown_engine(app: web.Application) -> None:
-        task = state.get("load_task")
-        if task is not None and not task.done():
-            await asyncio.wait([task])
-        if state.get("llm") is not None:
-            await state["llm"].shutdown()
-
-    app.on_startup.append(load_engine)
-    app.on_cleanup.append(shutdown_engine)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
@@ -206,33 +172,5 @@ def create_app(node_config, *, llm: AsyncLLM | None = None,
     app.router.add_get("/health/live", health_live)
     app.router.add_get("/health/ready", health_ready)
     app.router.add_get("/metrics", metrics)
-    app.router.add_post(internal_api.PREFIX + "drain", drain)
+    app.add_routes(list(routes))
     return app
-
-
-async def serve(node_config, *, stop: asyncio.Event | None = None, app: web.Application | None = None) -> None:
-    app = app if app is not None else create_app(node_config)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, node_config.server.host, node_config.server.port)
-    await site.start()
-    logger.info("pdpool %s node listening on http://%s:%d (model %s)", node_config.server.role,
-                node_config.server.host, node_config.server.port, node_config.served_model_name)
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
-    try:
-        await stop.wait()
-    finally:
-        logger.info("shutting down")
-        await runner.cleanup()
-
-
-def run_server(node_config) -> None:
-    from pdpool import disagg  # role sides, NIXL, Redis index
-
-    asyncio.run(disagg.serve(node_config) if disagg.enabled(node_config) else serve(node_config))

@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from pdpool.engine.async_llm import AsyncLLM, RequestStream
-from pdpool.engine.llm_engine import InvalidRequestError, RequestOutput, TokenLogprobs
+from pdpool.engine.async_llm import (AsyncLLM, EngineClosedError, EngineStepError, RequestFailedError,
+                                     RequestStream)
+from pdpool.engine.llm_engine import InvalidRequestError, QueueFullError, TokenLogprobs
+from pdpool.engine.output_processor import RequestOutput
 from pdpool.engine.sampling_params import SamplingParamsError
 from pdpool.server.errors import APIError
 from pdpool.server.protocol import GenerationRequest
@@ -33,14 +35,32 @@ class _Choice:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
-class Generation:
-    """The engine requests behind one API response."""
+def api_error(exc: BaseException) -> APIError:
+    """The OpenAI error for an exception out of the engine (its text is ours, never an internal one)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, (InvalidRequestError, SamplingParamsError)):
+        return APIError(str(exc), param=getattr(exc, "param", None))
+    if isinstance(exc, QueueFullError):
+        return APIError(str(exc), status=429, type="rate_limit_error", code="queue_full")
+    if isinstance(exc, EngineClosedError):
+        return APIError(str(exc), status=503, code="shutting_down")
+    if isinstance(exc, (EngineStepError, RequestFailedError)):
+        return APIError(str(exc), status=500, type="internal_error")
+    return APIError("internal error while generating", status=500, type="internal_error")
 
-    def __init__(self, llm: AsyncLLM, req: GenerationRequest) -> None:
+
+class Generation:
+    """The engine requests behind one API response. ``request_id`` (the client's ``X-Request-Id`` or a new one)
+    names the response and each engine request (``<request_id>-<choice>``, made unique per response)."""
+
+    def __init__(self, llm: AsyncLLM, req: GenerationRequest, request_id: str | None = None) -> None:
         self.llm = llm
         self.req = req
+        self.request_id = request_id or uuid.uuid4().hex
         prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
-        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.id = f"{prefix}-{self.request_id}"
+        self._engine_prefix = f"{self.request_id}-{uuid.uuid4().hex[:8]}" if request_id else self.request_id
         self.created = int(time.time())
         self.choices: list[_Choice] = []
 
@@ -48,16 +68,18 @@ class Generation:
         req = self.req
         try:
             for p_index, prompt in enumerate(req.prompts):
+                token_ids = req.prompt_token_ids[p_index] if req.prompt_token_ids is not None else None
                 for j in range(req.n):
                     index = p_index * req.n + j
                     params = req.params if req.n == 1 else _copy_params(req.params, j)
                     stream = await self.llm.add_request(
-                        f"{self.id}-{index}", prompt, params, priority=req.priority, cache_salt=req.cache_salt,
-                        kv_transfer_params=req.kv_transfer_params, add_special_tokens=req.kind != "chat")
+                        f"{self._engine_prefix}-{index}", prompt, params, priority=req.priority,
+                        cache_salt=req.cache_salt, kv_transfer_params=req.kv_transfer_params,
+                        add_special_tokens=req.kind != "chat", prompt_token_ids=token_ids)
                     self.choices.append(_Choice(index, stream))
-        except (InvalidRequestError, SamplingParamsError) as exc:
+        except (InvalidRequestError, SamplingParamsError, QueueFullError, EngineClosedError) as exc:
             self.abort()
-            raise APIError(str(exc), param=getattr(exc, "param", None)) from None
+            raise api_error(exc) from None
         except BaseException:
             self.abort()
             raise
@@ -79,7 +101,7 @@ class Generation:
                 seen_prompts.add(group)
                 prompt_tokens += len(out.prompt_token_ids)
                 cached += out.num_cached_tokens
-            completion += len(out.output_token_ids)
+            completion += out.num_output_tokens
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                  "total_tokens": prompt_tokens + completion}
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
@@ -138,6 +160,8 @@ async def full_response(gen: Generation) -> dict:
     tasks = [asyncio.ensure_future(_collect(c)) for c in gen.choices]
     try:
         await asyncio.gather(*tasks)
+    except Exception as exc:  # noqa: BLE001 - one OpenAI error for the response
+        raise api_error(exc) from None
     finally:
         for t in tasks:
             t.cancel()
@@ -147,7 +171,6 @@ async def full_response(gen: Generation) -> dict:
     choices = []
     for c in gen.choices:
         out = c.final
-        assert out is not None
         if req.kind == "chat":
             choice = {"index": c.index, "message": {"role": "assistant", "content": out.text},
                       "logprobs": chat_logprobs(tokenizer, c.logprobs) if req.logprobs is not None else None,
@@ -224,8 +247,7 @@ async def stream_response(gen: Generation, http_request: web.Request) -> web.Str
                 pending -= 1
                 continue
             if isinstance(out, BaseException):
-                err = APIError(str(out), status=500)
-                await resp.write(_sse(err.body()))
+                await resp.write(_sse(api_error(out).body()))
                 continue
             latest[c.index] = out
             if not (out.new_text or out.finished or out.new_logprobs or (req.return_token_ids and out.new_token_ids)):

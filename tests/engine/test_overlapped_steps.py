@@ -23,15 +23,20 @@ PROMPTS = ["The capital of Italy is", "1, 2, 3, 4,", "Hello! How are", "The ocea
 def run(llm, overlap: bool, params):
     llm.engine.overlap_steps = overlap
     streamed: dict[str, list[int]] = {}
-    engine = llm.engine
+    engine, processor = llm.engine, llm.output_processor
     for i, (prompt, p) in enumerate(zip(PROMPTS, params)):
-        engine.add_request(f"{overlap}-{i}", prompt, p)
+        ids = llm.frontend.encode_prompt(prompt)
+        engine.add_request(f"{overlap}-{i}", ids, p)
+        processor.add(f"{overlap}-{i}", prompt, ids, p)
     final = {}
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            assert PLACEHOLDER not in out.output_token_ids and PLACEHOLDER not in out.new_token_ids
+        outputs, stopped = processor.process(engine.step())
+        engine.abort_request(stopped)
+        for out in outputs:
+            assert PLACEHOLDER not in out.new_token_ids
             streamed.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.finished:
+                assert PLACEHOLDER not in out.output_token_ids
                 final[out.request_id] = out
     assert engine._in_flight is None and not engine.scheduler.running
     outs = [final[f"{overlap}-{i}"] for i in range(len(PROMPTS))]
@@ -88,7 +93,8 @@ def test_preemption_and_abort_while_a_step_is_in_flight(demo_model_dir):
 
     engine = small.engine
     total = engine.stats()["num_total_blocks"]
-    engine.add_request("abort-me", "Tell me everything about", SamplingParams(max_tokens=100, ignore_eos=True))
+    engine.add_request("abort-me", small.frontend.encode_prompt("Tell me everything about"),
+                       SamplingParams(max_tokens=100, ignore_eos=True))
     for _ in range(3):
         engine.step()
     assert engine._in_flight is not None

@@ -1,0 +1,108 @@
+"""Engine outputs (token ids) -> request outputs (text), off the engine thread.
+
+The engine thread schedules, runs the model and samples; this runs where the server's event loop (or the offline
+``LLM``'s caller) is, as vLLM v1's ``OutputProcessor`` does. Per request it keeps an incremental detokenizer and,
+when asked for, the logprobs; it finds stop strings and returns the ids the engine must abort because of them.
+
+Every ``RequestOutput`` is a delta (this step's tokens, text and logprobs), so a slow streaming client costs
+O(its tokens), never a copy of everything so far per step. The final output also carries the totals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdpool.engine.detokenizer import IncrementalDetokenizer
+from pdpool.engine.llm_engine import EngineOutput, TokenLogprobs
+from pdpool.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    new_token_ids: list[int]                  # this step's
+    new_text: str                             # this step's text that is safe to stream (stop-string hold-back)
+    new_logprobs: list[TokenLogprobs] | None
+    num_output_tokens: int                    # all so far
+    finished: bool
+    finish_reason: str | None                 # "stop" | "length" | "abort" | "error"
+    stop_reason: str | int | None             # the stop string or stop token id that ended it
+    num_cached_tokens: int
+    kv_transfer_params: dict | None = None
+    # The totals, on the final output only:
+    output_token_ids: list[int] | None = None
+    text: str | None = None                   # cut at a stop string
+    logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None                  # finish_reason "error": why
+
+
+class _State:
+    __slots__ = ("prompt", "prompt_token_ids", "params", "detokenizer", "output_token_ids", "logprobs")
+
+    def __init__(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, tokenizer) -> None:
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
+        self.output_token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._states: dict[str, _State] = {}
+
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self._states[request_id] = _State(prompt, prompt_token_ids, params, self.tokenizer)
+
+    def forget(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def process(self, outputs: list[EngineOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """The request outputs of one engine step, and the ids a stop string finished (abort them in the engine)."""
+        results: list[RequestOutput] = []
+        stopped: list[str] = []
+        for out in outputs:
+            state = self._states.get(out.request_id)
+            if state is None:  # finished here already (a stop string), or aborted
+                continue
+            result = self._process_one(state, out)
+            if result.finished:
+                del self._states[out.request_id]
+                if not out.finished:
+                    stopped.append(out.request_id)
+            results.append(result)
+        return results, stopped
+
+    def _process_one(self, state: _State, out: EngineOutput) -> RequestOutput:
+        params, detok = state.params, state.detokenizer
+        new_ids = out.new_token_ids
+        state.output_token_ids += new_ids
+        if state.logprobs is not None and out.new_logprobs:
+            state.logprobs += out.new_logprobs
+        # A stop token (EOS or stop_token_ids) stays in the token ids but not in the text, as in vLLM.
+        stopped_by_token = out.finish_reason == "stop"
+        to_text = new_ids[:-1] if stopped_by_token and new_ids and not params.include_stop_str_in_output else new_ids
+        new_text = detok.add_tokens(to_text)
+        finished, finish_reason, stop_reason = out.finished, out.finish_reason, out.stop_reason
+        if detok.stop_reason is not None:  # a stop string: the text is cut, the request ends
+            finished, finish_reason, stop_reason = True, "stop", detok.stop_reason
+        result = RequestOutput(
+            request_id=out.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
+            new_token_ids=new_ids, new_text=new_text, new_logprobs=out.new_logprobs,
+            num_output_tokens=len(state.output_token_ids), finished=finished,
+            finish_reason=finish_reason if finished else None, stop_reason=stop_reason if finished else None,
+            num_cached_tokens=out.num_cached_tokens, kv_transfer_params=out.kv_transfer_params if finished else None,
+            error=out.error)
+        if finished:
+            result.new_text += detok.flush()
+            result.output_token_ids = state.output_token_ids
+            result.text = detok.output_text
+            result.logprobs = state.logprobs
+        return result

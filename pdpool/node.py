@@ -1,0 +1,331 @@
+"""One node, built and owned in one place: the composition root of ``pdpool serve``.
+
+``Node(config)`` holds everything a node is made of and its lifecycle::
+
+    start  -> the HTTP app listens at once (/health/live 200; /health/ready 503 "loading")
+              the engine loads on a daemon thread: model, KV cache, and for a pool node (a prefill or decode
+              role, or --redis) the KV connector: NIXL worker, role sides, Redis index, heartbeat
+    ready  -> /health/ready 200; the heartbeat carries the node's load and block-hash fingerprint
+    drain  -> POST /internal/drain: readiness 503, the heartbeat says draining; work in flight goes on
+    stop   -> SIGTERM/SIGINT, in this order: readiness 503 and the heartbeat draining; the listener closes and
+              requests in flight finish (bounded); the engine loop stops and aborts what is left; transfers in
+              flight end (bounded) and leases are released; the node deregisters from Redis; only then the
+              NIXL agent deregisters its memory; the HTTP client session closes last.
+
+A stop while the model still loads does not wait for the load (it may be stuck, e.g. on a file lock): the
+loading thread is a daemon and the process exits.
+
+``pdpool.server.app`` is the HTTP surface only: it receives this node (``ServedNode``) and extra routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import signal
+import socket
+import threading
+import time
+
+import aiohttp
+from aiohttp import web
+
+from pdpool import internal_api
+from pdpool.kv_metrics import KVMetrics
+from pdpool.server.app import create_app
+from pdpool.server.errors import APIError
+from pdpool.server.metrics import ServerMetrics
+
+logger = logging.getLogger("pdpool.node")
+
+STOP_GRACE_SECONDS = 10.0  # requests in flight at stop: how long they may still run
+
+
+class _LatencyObserver:
+    """Feeds the engine loop's latencies into the node's histograms."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.m = metrics
+
+    def on_first_token(self, seconds: float) -> None:
+        self.m.ttft.observe(seconds)
+
+    def on_inter_token(self, seconds: float) -> None:
+        self.m.itl.observe(seconds)
+
+    def on_finished(self, seconds: float) -> None:
+        self.m.e2e.observe(seconds)
+
+
+_EMPTY_STATS = dict(num_running=0, num_waiting=0, kv_cache_usage=0.0, num_free_blocks=0, num_total_blocks=0,
+                    prefix_cache_hit_rate=0.0, num_prefill_chunks=0, prefix_cache_hit_tokens=0,
+                    prefix_cache_queried_tokens=0, num_preemptions=0, prompt_tokens=0, generation_tokens=0,
+                    num_finished=0, num_request_errors=0, block_size=0)
+
+
+class Node:
+    def __init__(self, config) -> None:
+        from pdpool.kv_index.redis_index import new_incarnation
+
+        self.config = config
+        self.role = config.server.role
+        self.node_id = config.node_id
+        self.incarnation = new_incarnation()
+        self.agent_name = f"{self.node_id}#{self.incarnation}"
+        self.pooled = self.role != "both" or bool(config.disagg.redis)  # runs the KV connector
+        host = config.disagg.advertise_host or config.server.host
+        self.host = socket.gethostname() if host in ("0.0.0.0", "::") else host
+        self.created = int(time.time())
+        self.status = "loading"  # loading | ready | failed | draining | stopping
+        self.error: str | None = None
+        self.llm = None          # AsyncLLM once loaded
+        self.worker = None       # KVWorker (pool nodes)
+        self.prefill = None      # PrefillSide
+        self.decode = None       # DecodeSide
+        self.index = None        # NodeIndex (with --redis)
+        self.reader = None
+        self.heartbeat = None
+        self.metrics = ServerMetrics(self.stats)
+        self.kv_metrics = KVMetrics()
+        if self.pooled:
+            self.kv_metrics.register(self.metrics.registry)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._loaded = threading.Event()
+        self.app = create_app(config, self, routes=self._internal_routes())
+
+    # ---- what the HTTP app reads -----------------------------------------------------------------
+
+    def require_llm(self):
+        """The AsyncLLM, or a 503 while the node loads (or after it failed to)."""
+        if self.llm is None:
+            if self.error:
+                raise APIError(f"the engine failed to load: {self.error}", status=503)
+            raise APIError("the model is still loading", status=503)
+        return self.llm
+
+    @property
+    def draining(self) -> bool:
+        return self.status in ("draining", "stopping")
+
+    def stats(self) -> dict:
+        if self.llm is None:
+            return dict(_EMPTY_STATS, block_size=self.config.cache.block_size)
+        return self.llm.stats()
+
+    def drain(self) -> None:
+        if not self.draining:
+            logger.info("draining: /health/ready now answers 503; in-flight work continues")
+            self.status = "draining"
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        return self._session
+
+    # ---- loading ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start loading the engine in the background (call on the server's loop)."""
+        self.loop = asyncio.get_running_loop()
+        threading.Thread(target=self._load, name="pdpool-load", daemon=True).start()
+        if self.pooled:
+            self._tasks.append(self.loop.create_task(self._expire_leases()))
+
+    def _load(self) -> None:
+        from pdpool.engine.async_llm import AsyncLLM
+        from pdpool.engine.llm_engine import LLMEngine
+
+        try:
+            engine = LLMEngine(self.config, connector_factory=self._make_connector if self.pooled else None)
+            llm = AsyncLLM(self.config, engine=engine, latency_observer=_LatencyObserver(self.metrics))
+        except Exception as exc:  # noqa: BLE001 - reported by /health/ready and 503s
+            logger.exception("engine failed to load")
+            self.loop.call_soon_threadsafe(self._set_failed, f"{type(exc).__name__}: {exc}")
+            return
+        self.loop.call_soon_threadsafe(self._set_loaded, llm)
+
+    def _set_loaded(self, llm) -> None:
+        self.llm = llm
+        if self.status == "loading":
+            self.status = "ready"
+        self._loaded.set()
+        if self.heartbeat is not None:
+            self.heartbeat.start()
+        logger.info("engine ready: %s (max_model_len %d)", self.config.served_model_name, llm.max_model_len)
+
+    def _set_failed(self, error: str) -> None:
+        self.error = error
+        if self.status == "loading":
+            self.status = "failed"
+
+    def _make_connector(self, engine):
+        """The KV connector of a pool node (engine thread, during load)."""
+        from pdpool.decode_node.peers import PeerDirectory
+        from pdpool.decode_node.side import DecodeSide
+        from pdpool.engine.kv_connector import KVConnector, kv_fingerprint
+        from pdpool.kv_transfer.worker import KVWorker
+        from pdpool.prefill_node.side import NodeIdentity, PrefillSide
+
+        d = self.config.disagg
+        self.worker = KVWorker(engine.runner, self.agent_name, ucx_tls=d.ucx_tls, ucx_net_devices=d.ucx_net_devices,
+                               timeout=d.kv_transfer_timeout)
+        self.kv_metrics.bytes_pulled = lambda: self.worker.bytes_pulled
+        self.kv_metrics.bytes_pushed = lambda: self.worker.bytes_pushed
+        self._make_index(engine)
+        fingerprint = kv_fingerprint(engine)
+        sides = []
+        if self.role in ("prefill", "both"):
+            identity = NodeIdentity(self.node_id, self.incarnation, self.agent_name, self.host, self.config.server.port)
+            self.prefill = PrefillSide(engine, identity, fingerprint, [self.worker.region],
+                                       lease_seconds=d.kv_lease_seconds, max_leased_blocks=d.max_leased_blocks,
+                                       transfer_mode=d.kv_transfer_mode, metrics=self.kv_metrics)
+            sides.append(self.prefill)
+        if self.role in ("decode", "both"):
+            peers = PeerDirectory(self.worker, reader=self.reader, session_of=self.session,
+                                  token=d.internal_token, timeout=d.kv_transfer_timeout)
+            self.decode = DecodeSide(engine, self.worker, peers, fingerprint, policy=d.kv_load_failure_policy,
+                                     timeout=d.kv_transfer_timeout, token=d.internal_token, metrics=self.kv_metrics,
+                                     session_of=self.session, fail_request=self._fail_request, wake=self._wake)
+            self.decode.loop = self.loop
+            sides.append(self.decode)
+        return KVConnector(engine.kv_cache_manager, sides, index=self.index)
+
+    def _make_index(self, engine) -> None:
+        d = self.config.disagg
+        if not d.redis:
+            return
+        from pdpool.kv_index.heartbeat import HeartbeatThread, NodeInfo, NodeLoad
+        from pdpool.kv_index.keys import PoolKeys
+        from pdpool.kv_index.redis_index import IndexReader, NodeIndex, connect
+
+        keys = PoolKeys(d.namespace, d.pool)
+        period = d.heartbeat_seconds
+        self.index = NodeIndex(connect(d.redis, d.redis_password), keys, self.node_id, self.incarnation,
+                               heartbeat_ttl=3 * period, backoff_initial=min(0.2, period),
+                               backoff_max=min(10.0, 4 * period))
+        self.reader = IndexReader(connect(d.redis, d.redis_password), keys)
+        self.index.resync([])  # a new incarnation starts with an empty cache
+        self.index.set_agent_metadata(self.worker.metadata())
+        url = f"http://{self.host}:{self.config.server.port}"
+        fp = engine.fingerprint
+        fingerprint = {"model_id": fp.model_id, "dtype": fp.dtype, "block_size": fp.block_size}
+        scheduler = engine.scheduler
+
+        def info() -> NodeInfo:
+            load = NodeLoad(num_waiting=scheduler.num_waiting, num_running=scheduler.num_running,
+                            kv_usage=scheduler.kv_cache_usage, num_free_blocks=scheduler.num_free_blocks)
+            return NodeInfo(self.node_id, self.role, url, self.incarnation, self.agent_name, self.draining, load,
+                            fingerprint=fingerprint,
+                            prefix_cache_queried_tokens=scheduler.prefix_cache_queried_tokens,
+                            prefix_cache_hit_tokens=scheduler.prefix_cache_hit_tokens)
+
+        self.heartbeat = HeartbeatThread(self.index, info, period)  # started once the engine is ready
+
+    def _fail_request(self, request_id: str, message: str) -> None:
+        if self.llm is not None:
+            self.llm.fail_request(request_id, APIError(message, status=503, type="kv_transfer_error",
+                                                       code="kv_transfer_failed"))
+
+    def _wake(self) -> None:
+        if self.llm is not None:
+            self.llm.wake()
+
+    async def _expire_leases(self) -> None:
+        period = min(1.0, max(0.02, self.config.disagg.kv_lease_seconds / 4))
+        while True:
+            await asyncio.sleep(period)
+            if self.prefill is None or self.llm is None:
+                continue
+            try:
+                await self.llm.call(self.prefill.expire_leases)
+            except Exception:  # noqa: BLE001 - keep expiring
+                logger.exception("lease expiry failed")
+
+    # ---- internal routes -------------------------------------------------------------------------
+
+    def _internal_routes(self) -> list[web.RouteDef]:
+        token = self.config.disagg.internal_token
+
+        async def drain(request: web.Request) -> web.Response:
+            """``POST /internal/drain`` (the preStop hook)."""
+            internal_api.check(request, token)
+            self.drain()
+            return web.json_response({"status": "draining"})
+
+        routes = [web.post(internal_api.PREFIX + "drain", drain)]
+        if not self.pooled:
+            return routes
+
+        async def agent(request: web.Request) -> web.Response:
+            internal_api.check(request, token)
+            self.require_llm()
+            return web.json_response({"node_id": self.node_id, "incarnation": self.incarnation,
+                                      "agent_name": self.agent_name,
+                                      "agent_metadata": base64.b64encode(self.worker.metadata()).decode()})
+
+        routes.append(web.get(internal_api.PREFIX + "kv/agent", agent))
+        if self.role in ("prefill", "both"):
+            from pdpool.prefill_node.routes import lease_routes
+
+            routes += lease_routes(self, token)
+        return routes
+
+    # ---- stopping --------------------------------------------------------------------------------
+
+    async def stop(self, runner: web.AppRunner) -> None:
+        """The ordered shutdown of the module docstring; ``runner`` serves the app."""
+        loading = self.llm is None and self.error is None
+        self.status = "stopping"
+        if loading:
+            logger.info("stopping while the model loads; not waiting for the load")
+        await runner.cleanup()  # closes the listener; in-flight handlers run to the runner's shutdown timeout
+        for task in self._tasks:
+            task.cancel()
+        if self.llm is not None:
+            await self.llm.shutdown()
+        if self.decode is not None and self.decode.tasks:  # loads in flight end (each bounded by its timeout)
+            await asyncio.wait(list(self.decode.tasks), timeout=3 * self.config.disagg.kv_transfer_timeout)
+        if self.prefill is not None and self.llm is not None:
+            self.prefill.release_all()  # the engine thread is idle now: no step runs
+        if self.heartbeat is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._deregister)
+        if self.worker is not None and not loading:
+            self.worker.close()  # no transfer reads or writes our memory any more
+        if self._session is not None:
+            await self._session.close()
+
+    def _deregister(self) -> None:
+        self.heartbeat.stop()
+        self.index.deregister()
+
+
+async def serve(config, *, stop: asyncio.Event | None = None) -> None:
+    """Run one node until ``stop`` is set or SIGINT/SIGTERM arrives."""
+    node = Node(config)
+    runner = web.AppRunner(node.app, handler_cancellation=True, access_log=None, shutdown_timeout=STOP_GRACE_SECONDS)
+    await runner.setup()
+    site = web.TCPSite(runner, config.server.host, config.server.port)
+    await site.start()
+    logger.info("pdpool %s node listening on http://%s:%d (model %s)", config.server.role, config.server.host,
+                config.server.port, config.served_model_name)
+    await node.start()
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    try:
+        await stop.wait()
+    finally:
+        logger.info("shutting down")
+        await node.stop(runner)
+
+
+def run(config) -> None:
+    """``pdpool serve``: one node, in this process."""
+    asyncio.run(serve(config))
