@@ -27,6 +27,10 @@ def main(argv: list[str] | None = None) -> int:
         print("pdpool router: error: no discovery source: give --redis (with --pool), static node URLs "
               "(--prefill/--decode/--both) or --kubernetes", file=sys.stderr)
         return 2
+    if r.kubernetes:
+        print("pdpool router: error: --kubernetes (EndpointSlice discovery) is not implemented yet; use --redis",
+              file=sys.stderr)
+        return 2
     log.configure()
     from pdpool.frontend import Frontend  # tokenizers + jinja2; never torch
     from pdpool.router.app import Router, create_app

@@ -50,7 +50,8 @@ def test_openai_client_output_matches_a_colocated_node(cluster, router):
 
     ref = openai.OpenAI(base_url=colocated.base_url, api_key="unused", max_retries=0, timeout=120)
     client = router.client()
-    before = router.value('pdpool_router_requests_total{decision="disaggregated"}')
+    before = (router.value('pdpool_router_requests_total{decision="disaggregated"}')
+              + router.value('pdpool_router_requests_total{decision="decode_only"}'))
     want = ref.completions.create(model="demo", prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
     got = client.completions.create(model="demo", prompt=PROMPT, max_tokens=12, temperature=0)
     assert got.choices[0].text == want
@@ -66,8 +67,11 @@ def test_openai_client_output_matches_a_colocated_node(cluster, router):
                                                  stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want_chat
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
-    # PROMPT is longer than one block, so no decode node ever holds all of it: every request is disaggregated
-    assert router.value('pdpool_router_requests_total{decision="disaggregated"}') >= before + 5
+    # A prompt whose every token a decode node already holds goes decode-only (nothing left to prefill).
+    routed = (router.value('pdpool_router_requests_total{decision="disaggregated"}')
+              + router.value('pdpool_router_requests_total{decision="decode_only"}'))
+    assert routed >= before + 5
+    assert router.value('pdpool_router_requests_total{decision="disaggregated"}') >= before + 3
 
 
 def test_usage_chunk_only_when_asked(router):

@@ -1,0 +1,196 @@
+"""Router overhead: two fast stub upstreams behind a router; added latency per request (p50, p99) and the
+router's CPU per 100 req/s, at fixed open-loop rates, for pdpool router, vllm-router and sglang-router.
+
+    python benchmarks/router_overhead.py --rates 200 1000 --seconds 20 [--peers vllm-router sglang-router]
+
+Conditions: prompts of about 1k tokens, pdpool with its default scorers and Redis on (the stubs heartbeat into
+Redis as pdpool nodes, so every request does the precise prefix lookup), the peers with ``cache_aware``. Each peer
+is installed benchmark-only in its own venv under /tmp/router-bench-venvs (pip, once). Added latency = latency
+through the router minus latency straight to a stub, percentile by percentile, in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+VENVS = Path("/tmp/router-bench-venvs")
+PEERS = {
+    "vllm-router": ("vllm-router", lambda py, port, workers: [
+        str(Path(py).parent / "vllm-router"), "--port", str(port), "--policy", "cache_aware",
+        "--worker-urls", *workers]),
+    "sglang-router": ("sglang-router", lambda py, port, workers: [
+        py, "-m", "sglang_router.launch_router", "--port", str(port), "--policy", "cache_aware",
+        "--worker-urls", *workers]),
+}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def peer_python(name: str) -> str:
+    venv = VENVS / name
+    py = venv / "bin" / "python"
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", PEERS[name][0]], check=True)
+    return str(py)
+
+
+async def wait_http(url: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            try:
+                async with s.get(url, timeout=aiohttp.ClientTimeout(total=1)) as r:
+                    if r.status < 500:
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+            await asyncio.sleep(0.2)
+    raise TimeoutError(url)
+
+
+def prompts(n: int = 64) -> list[str]:
+    words = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river stone cloud".split()
+    rng = random.Random(0)
+    shared = [" ".join(rng.choice(words) for _ in range(600)) for _ in range(8)]
+    return [shared[i % 8] + " " + " ".join(rng.choice(words) for _ in range(250)) for i in range(n)]
+
+
+async def load(url: str, rate: float, seconds: float, bodies: list[bytes]) -> list[float]:
+    """Open loop: one request every 1/rate s; returns latencies (s) of the 200s."""
+    lat: list[float] = []
+    errors = 0
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as s:
+        async def one(body: bytes) -> None:
+            nonlocal errors
+            t0 = time.perf_counter()
+            try:
+                async with s.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+                    await r.read()
+                    if r.status == 200:
+                        lat.append(time.perf_counter() - t0)
+                    else:
+                        errors += 1
+            except aiohttp.ClientError:
+                errors += 1
+
+        tasks = []
+        start = time.perf_counter()
+        n = int(rate * seconds)
+        for i in range(n):
+            delay = start + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.ensure_future(one(bodies[i % len(bodies)])))
+        await asyncio.gather(*tasks)
+    if errors:
+        print(f"  {errors} errors at {url}", file=sys.stderr)
+    return sorted(lat)
+
+
+def pct(xs: list[float], q: float) -> float:
+    return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000 if xs else float("nan")
+
+
+async def measure(name: str, url: str, pid: int | None, rates, seconds, bodies, direct) -> list[dict]:
+    rows = []
+    for rate in rates:
+        await load(url, rate, 2, bodies)  # warm-up
+        c0 = cpu_seconds(pid) if pid else 0.0
+        lat = await load(url, rate, seconds, bodies)
+        cpu = (cpu_seconds(pid) - c0) / seconds if pid else float("nan")
+        base = direct[rate]
+        rows.append({"router": name, "rate": rate, "p50_added_ms": pct(lat, 0.5) - pct(base, 0.5),
+                     "p99_added_ms": pct(lat, 0.99) - pct(base, 0.99), "p99_ms": pct(lat, 0.99),
+                     "cpu_per_100rps": cpu / rate * 100, "ok": len(lat)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+async def main_async(args) -> None:
+    procs: list[subprocess.Popen] = []
+
+    def spawn(argv, env=None) -> subprocess.Popen:
+        p = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+        procs.append(p)
+        return p
+
+    try:
+        redis_port = free_port()
+        spawn([shutil.which("redis-server") or "/usr/bin/redis-server", "--port", str(redis_port), "--save", "",
+               "--appendonly", "no"])
+        redis_url = f"redis://127.0.0.1:{redis_port}/0"
+        time.sleep(0.5)
+        stubs = []
+        for i in range(2):
+            port = free_port()
+            spawn([sys.executable, str(ROOT / "benchmarks/router_stub_upstream.py"), "--port", str(port),
+                   "--redis", redis_url, "--node-id", f"stub-{i}"])
+            stubs.append(f"http://127.0.0.1:{port}")
+        for s in stubs:
+            await wait_http(s + "/health")
+        bodies = [json.dumps({"model": "demo", "prompt": p, "max_tokens": 1}).encode() for p in prompts()]
+        direct = {r: await load(stubs[0] + "/v1/completions", r, args.seconds, bodies) for r in args.rates}
+        for r in args.rates:
+            print(json.dumps({"router": "direct", "rate": r, "p50_ms": pct(direct[r], 0.5),
+                              "p99_ms": pct(direct[r], 0.99)}), flush=True)
+        results = []
+        port = free_port()
+        ours = spawn([sys.executable, "-m", "pdpool.cli", "router", "--model", "demo", "--host", "127.0.0.1",
+                      "--port", str(port), "--redis", redis_url, "--pool", "bench", "--dtype", "float32"])
+        await wait_http(f"http://127.0.0.1:{port}/health/ready")
+        results += await measure("pdpool", f"http://127.0.0.1:{port}/v1/completions", ours.pid, args.rates,
+                                 args.seconds, bodies, direct)
+        for name in args.peers:
+            py = peer_python(name)
+            port = free_port()
+            p = spawn(PEERS[name][1](py, port, stubs))
+            await wait_http(f"http://127.0.0.1:{port}/health", 120)
+            results += await measure(name, f"http://127.0.0.1:{port}/v1/completions", p.pid, args.rates,
+                                     args.seconds, bodies, direct)
+        print(json.dumps(results, indent=1))
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rates", type=float, nargs="+", default=[200, 1000])
+    ap.add_argument("--seconds", type=float, default=20)
+    ap.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS))
+    asyncio.run(main_async(ap.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
