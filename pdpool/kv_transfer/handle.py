@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 from pdpool.block_hash import BlockHash, hash_block_tokens
 from pdpool.kv_transfer.layout import KV_LAYOUT, KVRegion, block_bytes_of
+from pdpool.utils import cdiv
 
 HANDLE_VERSION = 2
 TRANSFER_MODES = ("pull", "push")
@@ -125,9 +126,9 @@ class KVHandle:
                "remote_block_ids must be a list of ints >= 0")
         _check(len(set(self.remote_block_ids)) == len(self.remote_block_ids), "remote_block_ids repeat")
         bs = self.fingerprint.block_size
-        _check(len(self.remote_block_ids) == -(-self.num_tokens // bs),
+        _check(len(self.remote_block_ids) == cdiv(self.num_tokens, bs),
                f"{len(self.remote_block_ids)} remote_block_ids for {self.num_tokens} tokens "
-               f"in blocks of {bs} (expected {-(-self.num_tokens // bs)})")
+               f"in blocks of {bs} (expected {cdiv(self.num_tokens, bs)})")
         _check(isinstance(self.block_hashes, list) and all(_is_hex16(h) for h in self.block_hashes),
                "block_hashes must be a list of 32-digit hex strings")
         _check(len(self.block_hashes) == self.num_tokens // bs,
