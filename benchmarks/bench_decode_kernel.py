@@ -13,7 +13,7 @@ import sys
 import torch
 import triton
 
-from pdpool.engine.attention import AttentionMetadata, get_backend
+from pdpool.attention import AttentionMetadata, get_backend
 from pdpool.kernels import decode_attention
 from pdpool.kernels.decode_attention import paged_decode
 from pdpool.kernels.paged_ref import paged_attention_ref

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bench_decode_kernel import bench_ms, gpu_name, matmul_tflops, paged_cache, save, tuning_table
-from pdpool.engine.attention import get_backend
+from pdpool.attention import get_backend
 from pdpool.kernels import prefill_attention
 from pdpool.kernels.paged_ref import paged_attention_ref
 

@@ -5,7 +5,7 @@
 //   pass 1: s[g, t] = scale * <q_g, k_t>  for t < len      (K read once)
 //   pass 2: out_g = sum_t softmax(s[g])_t * v_t             (V read once)
 //
-// Arithmetic in fp32 whatever the cache dtype. Built at first use by pdpool/kernels/cpu_attention.py.
+// Arithmetic in fp32 whatever the cache dtype. Built by kernels/build.py (pdpool build-kernels).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from pdpool.engine.attention import AttentionBackend, AttentionMetadata, reset_context, set_context
+from pdpool.attention import AttentionBackend, AttentionMetadata, reset_context, set_context
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdpool.engine.attention import AttentionBackend, get_context
+from pdpool.attention import AttentionBackend, get_context
 
 
 def fused_ops_default(device: torch.device) -> bool:

@@ -15,7 +15,7 @@ if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("PDPOOL_KERNEL_AUTOTUNE", "0")  # first GPU config only; the benchmarks tune
 
-from pdpool.engine.attention import AttentionMetadata  # noqa: E402
+from pdpool.attention import AttentionMetadata  # noqa: E402
 from pdpool.kernels.store_kvcache import store_kvcache_ref  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")

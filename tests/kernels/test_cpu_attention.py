@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdpool.engine.attention import AttentionMetadata, get_backend
-from pdpool.engine.model_runner import _pick_backend
-from pdpool.kernels import cpu_attention
+from pdpool.attention import AttentionMetadata, get_backend, pick_backend
+from pdpool.kernels import cpu_decode
 from pdpool.kernels.paged_ref import paged_attention_ref
 
 BLOCK = 16
@@ -63,14 +62,14 @@ def test_kernel_refuses_a_length_beyond_the_block_table():
     meta, q, k_cache, v_cache = step([1, 1], [20, 5], 4, 2, 32, torch.float32)
     tables = meta.block_tables.long()
     with pytest.raises(ValueError, match="context length 40 outside"):
-        cpu_attention.paged_decode(q, k_cache, v_cache, torch.empty_like(q), torch.tensor([0, 1]), tables,
+        cpu_decode.paged_decode(q, k_cache, v_cache, torch.empty_like(q), torch.tensor([0, 1]), tables,
                                    torch.tensor([40, 5]), 0.1)
     with pytest.raises(ValueError, match="contiguous int64"):
-        cpu_attention.paged_decode(q, k_cache, v_cache, torch.empty_like(q), torch.tensor([0, 1]), meta.block_tables,
+        cpu_decode.paged_decode(q, k_cache, v_cache, torch.empty_like(q), torch.tensor([0, 1]), meta.block_tables,
                                    torch.tensor([20, 5]), 0.1)
 
 
 def test_auto_picks_the_native_backend_on_cpu():
-    assert cpu_attention.available()
-    assert _pick_backend("auto", torch.device("cpu")).name == "cpu"
-    assert _pick_backend("torch", torch.device("cpu")).name == "torch"
+    assert cpu_decode.available()
+    assert pick_backend("auto", torch.device("cpu")).name == "cpu"
+    assert pick_backend("torch", torch.device("cpu")).name == "torch"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernel_builders import DEVICE, ON_GPU, rel_err  # noqa: I001  (first: sets TRITON_INTERPRET on the CPU)
-from pdpool.engine.attention import AttentionMetadata, get_backend, reset_context, set_context
+from pdpool.attention import AttentionMetadata, get_backend, reset_context, set_context
 from pdpool.models.llama import LlamaForCausalLM, inv_frequencies
 
 DTYPE = torch.bfloat16 if ON_GPU else torch.float32

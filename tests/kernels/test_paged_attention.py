@@ -10,7 +10,7 @@ import torch
 
 from kernel_builders import (DEVICE, DTYPES, HEADS, ON_GPU, TOLERANCE, paged_step, poisoned_like,  # noqa: I001
                              queries, rel_err)
-from pdpool.engine.attention import get_backend
+from pdpool.attention import get_backend
 from pdpool.engine.cuda_graphs import bucket_sizes
 from pdpool.kernels.decode_attention import choose_num_splits, paged_decode
 from pdpool.kernels.paged_ref import paged_attention_ref

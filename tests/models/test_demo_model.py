@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pdpool.engine.attention import AttentionMetadata, get_backend, reset_context, set_context
+from pdpool.attention import AttentionMetadata, get_backend, reset_context, set_context
 from pdpool.models import demo
 from pdpool.models.loader import load_model
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pdpool.engine.attention import AttentionMetadata, get_backend
+from pdpool.attention import AttentionMetadata, get_backend
 
 BLOCK, HQ, HKV, D, LAYERS = 8, 4, 2, 16, 3
 

@@ -1,4 +1,4 @@
-"""``TritonAttentionBackend``: the engine's attention backend on the Triton kernels (``get_backend("triton")``).
+"""The "triton" attention backend on the paged Triton kernels (``get_backend("triton")``).
 
 A step's requests split by query length: query_len 1 goes to the split-KV decode kernel, longer queries (prefill,
 extend, chunks) to the paged prefill kernel; a mixed step launches both into one output. The split is planned once
@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdpool.engine.attention import AttentionBackend, AttentionMetadata
+from pdpool.attention.backend import AttentionBackend
+from pdpool.attention.metadata import AttentionMetadata
 from pdpool.kernels.decode_attention import (MIN_SPLIT_TOKENS, choose_num_splits, decode_workspace,
                                              num_multiprocessors, paged_decode)
 from pdpool.kernels.prefill_attention import paged_prefill
