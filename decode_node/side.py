@@ -105,7 +105,7 @@ class DecodeSide:
         if lp is not None and getattr(request.sampling_params, "logprobs", None) is not None:
             top = [(int(t), float(v)) for t, v in lp["top"]] if lp.get("top") is not None else None
             self.first_logprobs[request.request_id] = TokenLogprobs(handle.first_token_id, float(lp["logprob"]), top)
-        status = self.scheduler._check_stop(request)
+        status = self.scheduler.check_stop(request)
         if status is not None:  # EOS, a stop token id or max_tokens 1: the answer is complete, load nothing
             self._on_loop(self._end_lease, job)
             self.finished_by_first_token[request.request_id] = status
@@ -170,11 +170,9 @@ class DecodeSide:
         outputs go out with this step's."""
         pending, self.finished_by_first_token = self.finished_by_first_token, {}
         for rid, status in pending.items():
-            state = self.engine._states.get(rid)
-            if state is None:
-                continue
-            self.scheduler.finish_requests([rid], status)
-            self.finished_outputs.append(self.engine._make_output(state, None))
+            out = self.engine.finish_request(rid, status)
+            if out is not None:
+                self.finished_outputs.append(out)
 
     def on_abort(self, request_ids: list[str]) -> set[str]:
         deferred = set()

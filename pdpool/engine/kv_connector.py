@@ -118,7 +118,7 @@ class KVConnector:
         for side in self.sides:
             side.after_step(outputs)
         stored, removed = self.kv_cache_manager.take_events()
-        if self.index is not None and (stored or removed or self.index.dirty):
+        if self.index is not None and (stored or removed):
             self.index.publish(stored, removed)
 
     def on_abort(self, request_ids: list[str]) -> set[str]:

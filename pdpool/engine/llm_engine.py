@@ -80,7 +80,7 @@ class KVConnectorHooks(Protocol):
     def on_add(self, request: Request, kv_transfer_params: dict | None) -> dict | None: ...
     def on_schedule(self, scheduler_output: SchedulerOutput) -> None: ...
     def before_step(self) -> None: ...
-    def after_step(self, outputs: list[EngineOutput]) -> None: ...
+    def after_step(self, outputs: list[EngineOutput]) -> None: ...  # may append outputs it finished
     def on_abort(self, request_ids: list[str]) -> set[str]: ...
 
 
@@ -137,7 +137,7 @@ class LLMEngine:
                     kv_transfer_params: dict | None = None) -> Request:
         """Validate and queue one request of token ids (``pdpool.frontend`` made them); raises
         ``InvalidRequestError``, ``SamplingParamsError`` or ``QueueFullError``."""
-        params.validate()
+        params.validate(self.vocab_size)
         if request_id in self._states:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", param=None)
         if self.max_waiting_requests is not None and self.scheduler.num_waiting >= self.max_waiting_requests:
@@ -147,7 +147,6 @@ class LLMEngine:
         check_token_ids(prompt_ids, self.vocab_size, "prompt")
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty")
-        check_token_ids(params.stop_token_ids, self.vocab_size, "stop_token_ids")
         max_tokens = resolve_max_tokens(len(prompt_ids), params.max_tokens, self.max_model_len)
         if max_tokens != params.max_tokens:
             params = dataclasses.replace(params, max_tokens=max_tokens)
@@ -174,6 +173,15 @@ class LLMEngine:
             if self._states.pop(rid, None) is not None:
                 self.num_finished += 1
         self.scheduler.finish_requests([rid for rid in ids if rid not in deferred], RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> EngineOutput | None:
+        """Finish one unfinished request now (a connector's: its first token ended it); its final output, or None
+        for an unknown id."""
+        state = self._states.get(request_id)
+        if state is None:
+            return None
+        self.scheduler.finish_requests([request_id], status)
+        return self._make_output(state, None)
 
     def abort_all(self) -> list[str]:
         ids = list(self._states) + [rid for rid in self.scheduler.requests if rid not in self._states]
@@ -262,7 +270,7 @@ class LLMEngine:
             request.all_token_ids[request.num_prompt_tokens + index] = token
             if request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_STOPPED):
                 continue
-            if self.scheduler._check_stop(request) != RequestStatus.FINISHED_STOPPED:
+            if self.scheduler.check_stop(request) != RequestStatus.FINISHED_STOPPED:
                 continue
             if request.is_finished:  # capped by length on the placeholder: a stop token wins, as in update
                 request.status = RequestStatus.FINISHED_STOPPED

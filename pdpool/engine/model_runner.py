@@ -266,7 +266,8 @@ class ModelRunner:
                                   [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests],
                                   step.generators)
         return {r.request_id: SampledToken(out.token_ids[i], out.logprobs[i],
-                                           out.top_logprobs[i] if out.top_logprobs is not None else None)
+                                           out.top_logprobs[i] if out.top_logprobs is not None else None,
+                                           out.failed.get(i))
                 for i, r in enumerate(requests)}
 
     def _generator(self, request) -> torch.Generator | None:

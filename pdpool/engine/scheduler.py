@@ -249,7 +249,7 @@ class Scheduler:
                 continue
             token = sampled[request.request_id]
             request.append_output_token(getattr(token, "token_id", token))
-            status = self._check_stop(request)
+            status = self.check_stop(request)
             if status is not None:
                 finished.add(request.request_id)
                 self._finish(request, status)
@@ -258,7 +258,7 @@ class Scheduler:
             self.running = [r for r in self.running if r.request_id not in finished]
         return touched
 
-    def _check_stop(self, request: Request) -> RequestStatus | None:
+    def check_stop(self, request: Request) -> RequestStatus | None:
         """Stop tokens win over the length cap when both hold (the answer ended on its own)."""
         params = request.sampling_params
         last = request.output_token_ids[-1]

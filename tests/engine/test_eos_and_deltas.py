@@ -66,3 +66,23 @@ def test_engine_outputs_are_token_deltas_and_request_outputs_carry_totals_once(l
     assert [len(o.new_token_ids) for o in seen] == [1] * 12  # never the whole list again
     assert final.finished and final.output_token_ids == [t for o in seen for t in o.new_token_ids]
     assert final.num_output_tokens == 12 and final.text == "".join(o.new_text for o in seen)
+
+
+def test_a_request_whose_sampling_fails_ends_alone(llm):
+    """Validation normally stops such params at the edge; past it, the failure is the request's alone."""
+    engine, processor = llm.engine, llm.output_processor
+    ids = llm.frontend.encode_prompt(PROMPT)
+    good = SamplingParams(max_tokens=5, ignore_eos=True, **GREEDY)
+    bad = SamplingParams(max_tokens=5, min_tokens=3, **GREEDY)
+    for rid, params in (("good", good), ("bad", bad)):
+        engine.add_request(rid, ids, params)
+        processor.add(rid, PROMPT, ids, params)
+    object.__setattr__(engine.scheduler.requests["bad"].sampling_params, "stop_token_ids", [10 ** 9])
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in processor.process(engine.step())[0]:
+            if out.finished:
+                finals[out.request_id] = out
+    assert finals["bad"].finish_reason == "error" and "sampling failed" in finals["bad"].error
+    assert finals["good"].finish_reason == "length" and len(finals["good"].output_token_ids) == 5
+    assert engine.stats()["num_free_blocks"] == engine.stats()["num_total_blocks"]
