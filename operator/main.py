@@ -11,6 +11,7 @@ import sys
 
 import kopf
 
+from pdpool import logs
 from pdpool.operator import crd
 from pdpool.operator.handlers import Options, configure, register
 from pdpool.operator.kube import Kube, login
@@ -92,8 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(crd.render_crd())
         return 0
     args = parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(logging.DEBUG if args.verbose else logging.INFO)
     logging.getLogger("kopf.objects").addFilter(_QuietTimers())
     return asyncio.run(run(args))
 

@@ -6,7 +6,6 @@ Every ``serve`` flag comes from the config schema (``pdpool/config.py``); nothin
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from pdpool import config
@@ -19,8 +18,11 @@ def _serve(argv: list[str]) -> int:
         cfg = config.from_args(parser.parse_args(argv))
     except config.ConfigError as exc:
         parser.error(str(exc))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from pdpool.node import run  # torch loads only when serving
+    from pdpool import logs
+    from pdpool.node import run
+
+    logs.configure()
+  # torch loads only when serving
 
     run(cfg)
     return 0

@@ -120,6 +120,18 @@ class Node:
             logger.info("draining: /health/ready now answers 503; in-flight work continues")
             self.status = "draining"
 
+    def release_unclaimed(self, handles: list[dict]) -> None:
+        """KV handles whose response never reached a client: end their leases now (on the engine thread)."""
+        if self.prefill is None or self.llm is None:
+            return
+        for handle in handles:
+            lease_id = handle.get("lease_id")
+            if lease_id:
+                logger.info("lease %s: the response carrying it was not delivered; releasing it", lease_id)
+                task = self.loop.create_task(self.llm.call(self.prefill.notify, lease_id))
+                self._tasks.append(task)
+                task.add_done_callback(self._tasks.remove)
+
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession()

@@ -22,7 +22,7 @@ from pdpool.router import openapi
 from pdpool.router.endpoints import Pool
 from pdpool.router.handoff import RequestPath, _PassThrough, pass_through_response
 from pdpool.router.inflight import InflightTracker
-from pdpool.router.log import HEADER as REQUEST_ID_HEADER, request_id_from, request_id_var
+from pdpool.logs import HEADER as REQUEST_ID_HEADER, request_id_from, request_id_var
 from pdpool.router.metrics import CONTENT_TYPE, RouterMetrics
 from pdpool.router.prefix_index import ApproxIndex, PrefixIndex
 from pdpool.router.request import parse

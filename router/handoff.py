@@ -18,7 +18,7 @@ import logging
 import aiohttp
 from aiohttp import web
 
-from pdpool.router.log import HEADER as REQUEST_ID_HEADER
+from pdpool.logs import HEADER as REQUEST_ID_HEADER
 from pdpool.router.request import RoutedRequest
 from pdpool.router.scheduler import NoNodeError, RoutePlan
 from pdpool.router.sse import SSERelay

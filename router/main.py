@@ -9,7 +9,8 @@ import sys
 
 from aiohttp import web
 
-from pdpool.router import log, settings
+from pdpool import logs as log
+from pdpool.router import settings
 
 logger = logging.getLogger("pdpool.router")
 

@@ -9,7 +9,7 @@ import logging
 import aiohttp
 
 from pdpool import internal_api
-from pdpool.router.log import HEADER as REQUEST_ID_HEADER
+from pdpool.logs import HEADER as REQUEST_ID_HEADER
 
 logger = logging.getLogger("pdpool.router")
 

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import hmac
 import logging
-import re
-import uuid
 from typing import Protocol
 
 from aiohttp import web
 
+from pdpool.logs import HEADER as REQUEST_ID_HEADER, request_id_from, request_id_var
 from pdpool.server import protocol
 from pdpool.server.errors import APIError, error_middleware
 from pdpool.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -32,9 +31,7 @@ CONFIG_KEY = web.AppKey("config", object)
 
 PUBLIC_PATHS = ("/health", "/metrics", "/ping", "/version",
                 "/internal/")  # node-to-node: checked against the internal token instead (pdpool.internal_api)
-REQUEST_ID_HEADER = "X-Request-Id"
 TOKEN_IDS_FIELD = "pdpool_prompt_token_ids"
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
 class ServedNode(Protocol):
@@ -46,6 +43,7 @@ class ServedNode(Protocol):
     llm: object | None   # AsyncLLM once loaded
 
     def require_llm(self): ...
+    def release_unclaimed(self, handles: list[dict]) -> None: ...  # KV handles no client received
 
 
 def _auth_middleware(api_key: str | None):
@@ -62,16 +60,11 @@ def _auth_middleware(api_key: str | None):
     return auth
 
 
-def request_id(request: web.Request) -> str:
-    """The client's ``X-Request-Id`` when it is a sane token, else a new one."""
-    given = request.headers.get(REQUEST_ID_HEADER, "")
-    return given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
-
-
 @web.middleware
 async def _request_id_middleware(request: web.Request, handler):
-    rid = request_id(request)
+    rid = request_id_from(request.headers.get(REQUEST_ID_HEADER))
     request["request_id"] = rid
+    request_id_var.set(rid)  # every log line about this request names it (pdpool.logs)
     try:
         response = await handler(request)
     except web.HTTPException as exc:
@@ -125,7 +118,23 @@ async def _generate(request: web.Request, llm, req: protocol.GenerationRequest) 
     await gen.start()
     if req.stream:
         return await stream_response(gen, request)
-    return web.json_response(await full_response(gen), headers={REQUEST_ID_HEADER: rid})
+    if not req.kv_transfer_params:
+        return web.json_response(await full_response(gen), headers={REQUEST_ID_HEADER: rid})
+    # A prefill request: its response carries a KV handle (a lease on blocks). If the client never gets it (it
+    # left, the write failed), nobody will ever claim the lease: release it now rather than at its expiry.
+    body = None
+    try:
+        body = await full_response(gen)
+        response = web.json_response(body, headers={REQUEST_ID_HEADER: rid})
+        await response.prepare(request)
+        await response.write_eof()
+        return response
+    except BaseException:
+        unclaimed = [c.final.kv_transfer_params for c in gen.choices
+                     if c.final is not None and c.final.kv_transfer_params]
+        if unclaimed:
+            request.app[NODE_KEY].release_unclaimed(unclaimed)
+        raise
 
 
 async def models(request: web.Request) -> web.Response:
