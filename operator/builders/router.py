@@ -6,7 +6,8 @@ import dataclasses
 
 from pdpool import config
 from pdpool.operator.builders.common import labels, metadata, selector_labels, with_hash
-from pdpool.operator.builders.nodes import HEALTH_LIVE, HEALTH_READY, common_env, http_probe, pod_placement
+from pdpool.operator.builders.nodes import (HEALTH_LIVE, HEALTH_READY, common_env, http_probe, model_volume,
+                                            pod_placement)
 from pdpool.operator.spec import Pool
 
 
@@ -17,7 +18,9 @@ def router_config(pool: Pool) -> config.RouterCommandConfig:
 
 
 def router_deployment(pool: Pool) -> dict:
+    """The router tokenizes as the engines do, so it mounts the model folder (read-only) as the nodes do."""
     cfg = router_config(pool)
+    volumes, mounts = model_volume(pool)
     container = {
         "name": "router",
         "image": pool.image,
@@ -31,11 +34,15 @@ def router_deployment(pool: Pool) -> dict:
         "livenessProbe": http_probe(HEALTH_LIVE, 10, 3),
         "readinessProbe": http_probe(HEALTH_READY, 5, 2),
     }
+    if mounts:
+        container["volumeMounts"] = [dict(m, readOnly=True) for m in mounts]
+    pod_spec = {"enableServiceLinks": False, "automountServiceAccountToken": False, "containers": [container],
+                **pod_placement(pool, "router")}
+    if volumes:
+        pod_spec["volumes"] = volumes
     spec: dict = {
         "selector": {"matchLabels": selector_labels(pool, "router")},
-        "template": {"metadata": {"labels": labels(pool, "router")}, "spec": {
-            "enableServiceLinks": False, "automountServiceAccountToken": False, "containers": [container],
-            **pod_placement(pool, "router")}},
+        "template": {"metadata": {"labels": labels(pool, "router")}, "spec": pod_spec},
     }
     if pool.roles["router"].replicas is not None:
         spec = {"replicas": pool.roles["router"].replicas, **spec}
