@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-import signal
 import socket
 import threading
 import time
@@ -36,6 +35,7 @@ from pdpool.kv_metrics import KVMetrics
 from pdpool.server.app import create_app
 from pdpool.server.errors import APIError
 from pdpool.server.metrics import ServerMetrics
+from pdpool.utils import wait_for_stop_signal
 
 logger = logging.getLogger("pdpool.node")
 
@@ -324,15 +324,8 @@ async def serve(config, *, stop: asyncio.Event | None = None) -> None:
     logger.info("pdpool %s node listening on http://%s:%d (model %s)", config.server.role, config.server.host,
                 config.server.port, config.served_model_name)
     await node.start()
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
     try:
-        await stop.wait()
+        await wait_for_stop_signal(stop)
     finally:
         logger.info("shutting down")
         await node.stop(runner)

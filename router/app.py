@@ -9,7 +9,6 @@ handler (``handler_cancellation=True``), which closes the upstream legs.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,11 +17,11 @@ import aiohttp
 from aiohttp import web
 
 from pdpool.frontend import Frontend
+from pdpool.logs import HEADER as REQUEST_ID_HEADER, request_id_from, request_id_var
 from pdpool.router import openapi
 from pdpool.router.endpoints import Pool
 from pdpool.router.handoff import RequestPath, _PassThrough, pass_through_response
 from pdpool.router.inflight import InflightTracker
-from pdpool.logs import HEADER as REQUEST_ID_HEADER, request_id_from, request_id_var
 from pdpool.router.metrics import CONTENT_TYPE, RouterMetrics
 from pdpool.router.prefix_index import ApproxIndex, PrefixIndex
 from pdpool.router.request import parse
@@ -30,6 +29,7 @@ from pdpool.router.scheduler import Scheduler
 from pdpool.router.settings import SchedulerProfile
 from pdpool.router.upstream import Upstream
 from pdpool.server import protocol
+from pdpool.server.auth import check_api_key
 from pdpool.server.errors import APIError, error_response
 
 logger = logging.getLogger("pdpool.router")
@@ -156,12 +156,8 @@ def _middlewares(router: Router):
         token = request_id_var.set(rid)
         try:
             try:
-                if api_key and not request.path.startswith(PUBLIC):
-                    header = request.headers.get("Authorization", "")
-                    given = header[7:] if header.startswith("Bearer ") else request.headers.get("x-api-key", "")
-                    if not hmac.compare_digest(given.encode(), api_key.encode()):
-                        raise APIError("Invalid or missing API key (Authorization: Bearer <key>).", status=401,
-                                       code="invalid_api_key")
+                if not request.path.startswith(PUBLIC):
+                    check_api_key(request.headers, api_key)
                 resp = await handler(request)
             except APIError as err:
                 if err.status >= 500:

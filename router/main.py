@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import sys
 
 from aiohttp import web
 
 from pdpool import logs as log
 from pdpool.router import settings
+from pdpool.utils import wait_for_stop_signal
 
 logger = logging.getLogger("pdpool.router")
 
@@ -51,15 +51,8 @@ async def _serve(app: web.Application, host: str, port: int) -> None:
     site = web.TCPSite(runner, host, port, backlog=1024)
     await site.start()
     logger.info("pdpool router listening on http://%s:%d", host, port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
     try:
-        await stop.wait()
+        await wait_for_stop_signal()
     finally:
         logger.info("router shutting down")
         await runner.cleanup()

@@ -12,7 +12,6 @@ the logs, and comes back as a response header.
 
 from __future__ import annotations
 
-import hmac
 import logging
 from typing import Protocol
 
@@ -20,6 +19,7 @@ from aiohttp import web
 
 from pdpool.logs import HEADER as REQUEST_ID_HEADER, request_id_from, request_id_var
 from pdpool.server import protocol
+from pdpool.server.auth import check_api_key
 from pdpool.server.errors import APIError, error_middleware
 from pdpool.server.metrics import CONTENT_TYPE, ServerMetrics
 from pdpool.server.serving import Generation, full_response, stream_response
@@ -49,12 +49,8 @@ class ServedNode(Protocol):
 def _auth_middleware(api_key: str | None):
     @web.middleware
     async def auth(request: web.Request, handler):
-        if api_key and not request.path.startswith(PUBLIC_PATHS):
-            header = request.headers.get("Authorization", "")
-            given = header[7:] if header.startswith("Bearer ") else request.headers.get("x-api-key", "")
-            if not hmac.compare_digest(given.encode(), api_key.encode()):
-                raise APIError("Invalid or missing API key (Authorization: Bearer <key>).", status=401,
-                               code="invalid_api_key")
+        if not request.path.startswith(PUBLIC_PATHS):
+            check_api_key(request.headers, api_key)
         return await handler(request)
 
     return auth

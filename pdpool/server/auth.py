@@ -1,0 +1,19 @@
+"""The client API key, checked the same way by a node and by the router."""
+
+from __future__ import annotations
+
+import hmac
+
+from pdpool.server.errors import APIError
+
+
+def check_api_key(headers, api_key: str | None) -> None:
+    """Raise a 401 (OpenAI error) unless ``headers`` present ``api_key`` (``Authorization: Bearer`` or
+    ``x-api-key``); no key configured: nothing to check."""
+    if not api_key:
+        return
+    header = headers.get("Authorization", "")
+    given = header[7:] if header.startswith("Bearer ") else headers.get("x-api-key", "")
+    if not hmac.compare_digest(given.encode(), api_key.encode()):
+        raise APIError("Invalid or missing API key (Authorization: Bearer <key>).", status=401,
+                       code="invalid_api_key")
