@@ -60,10 +60,9 @@ def plan_load(handle: KVHandle, num_hit_tokens: int, block_ids: Sequence[int], b
 
 
 def kv_fingerprint(engine: LLMEngine) -> KVFingerprint:
+    """The engine's block-hash fingerprint (``engine.fingerprint``) extended by its KV cache's shape."""
     info = engine.runner.model_config
-    return KVFingerprint(model=engine.config.served_model_name, dtype=str(engine.runner.dtype).removeprefix("torch."),
-                         block_size=engine.kv_cache_manager.block_size, num_layers=info.num_layers,
-                         num_kv_heads=info.num_kv_heads, head_dim=info.head_dim)
+    return KVFingerprint.of(engine.fingerprint, info.num_layers, info.num_kv_heads, info.head_dim)
 
 
 # ---- the seam the engine calls -------------------------------------------------------------------

@@ -13,11 +13,11 @@ import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
+from pdpool.config import ROLES
 from pdpool.kv_index.keys import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("both", "prefill", "decode")
 
 
 @dataclass

@@ -23,7 +23,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Sequence
 
-from pdpool.block_hash import BlockHash, hash_block_tokens
+from pdpool.block_hash import BlockHash, ModelFingerprint, hash_block_tokens
 from pdpool.kv_transfer.layout import KV_LAYOUT, KVRegion, block_bytes_of
 from pdpool.utils import cdiv
 
@@ -63,6 +63,17 @@ class KVFingerprint:
     def block_bytes(self) -> int:
         return block_bytes_of(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
                               _ITEMSIZE[self.dtype])
+
+    @classmethod
+    def of(cls, model: ModelFingerprint, num_layers: int, num_kv_heads: int, head_dim: int) -> "KVFingerprint":
+        """The KV fingerprint of an engine: its block-hash fingerprint plus the cache's shape."""
+        return cls(model=model.model_id, dtype=model.dtype, block_size=model.block_size, num_layers=num_layers,
+                   num_kv_heads=num_kv_heads, head_dim=head_dim)
+
+    @property
+    def model_fingerprint(self) -> ModelFingerprint:
+        """The block-hash fingerprint it extends (what seeds the prefix-cache hashes)."""
+        return ModelFingerprint(self.model, self.dtype, self.block_size)
 
     def mismatches(self, other: "KVFingerprint") -> list[str]:
         return [f.name for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
