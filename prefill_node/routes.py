@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 
@@ -16,6 +17,7 @@ from aiohttp import web
 
 from pdpool import internal_api
 from pdpool.kv_transfer.agent import KVTransferError
+from pdpool.server import protocol
 from pdpool.server.errors import APIError
 
 logger = logging.getLogger(__name__)
@@ -33,11 +35,12 @@ def lease_routes(node, token: str | None) -> list[web.RouteDef]:
     async def push(request: web.Request) -> web.Response:
         internal_api.check(request, token)
         lease_id = request.match_info["lease_id"]
-        body = await request.json()
+        body = protocol.read_json_body(await request.read())
         llm, side, worker = node.require_llm(), node.prefill, node.worker
         dst, src = body.get("block_ids"), body.get("remote_block_ids")
-        if not isinstance(dst, list) or not isinstance(src, list) or len(dst) != len(src):
-            raise APIError("push: block_ids and remote_block_ids must be lists of equal length")
+        if (not isinstance(dst, list) or not isinstance(src, list) or len(dst) != len(src)
+                or not all(type(b) is int and b >= 0 for b in dst + src)):
+            raise APIError("push: block_ids and remote_block_ids must be lists of block ids of equal length")
         held_blocks = await llm.call(side.lease_blocks, lease_id)
         if held_blocks is None:
             await llm.call(side.notify, lease_id)
@@ -45,7 +48,8 @@ def lease_routes(node, token: str | None) -> list[web.RouteDef]:
         if not set(src) <= set(held_blocks):
             raise APIError("push: remote_block_ids are not the lease's blocks")
         try:
-            peer = worker.add_peer(base64.b64decode(body["agent_metadata"]))
+            metadata = base64.b64decode(body["agent_metadata"], validate=True)
+            peer = await asyncio.get_running_loop().run_in_executor(None, worker.add_peer, metadata)  # off the loop
             await worker.push(peer, dst, src)
         except (KVTransferError, KeyError, ValueError) as exc:
             await llm.call(side.notify, lease_id)
