@@ -51,6 +51,8 @@ COMMANDS = {
     "router": (_router, "run the pool's OpenAI gateway (prefix- and load-aware prefill/decode routing)"),
     "build-kernels": (_build_kernels, "build the native CPU kernels ahead of serving"),
     "operator": (_operator, "run the Kubernetes operator for InferencePool resources"),
+    "bench": (lambda argv: __import__("pdpool.bench.main", fromlist=["main"]).main(argv),
+              "measure an OpenAI-compatible endpoint (TTFT, TPOT, ITL, throughput, goodput; JSON and plots)"),
 }
 
 

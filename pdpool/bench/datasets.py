@@ -1,0 +1,142 @@
+"""The requests of a run: ``random``, ``shared-prefix`` (inference-perf's shape) or a JSONL file.
+
+Lengths are in tokens when a tokenizer is at hand (``pdpool.frontend``, no torch), else in words; ``Lengths``
+hides which. Each generator is deterministic in its seed.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+WORDS = ("time year people way day man thing woman life child world school state family student group country "
+         "problem hand part place case week company system program question work government number night point "
+         "home water room mother area money story fact month lot right study book eye job word business issue side "
+         "kind head house service friend father power hour game line end member law car city community name "
+         "president team minute idea kid body information back parent face others level office door health person "
+         "art war history party result change morning reason research girl guy moment air teacher force education").split()
+
+
+@dataclass
+class BenchRequest:
+    """One request: exactly one of ``prompt`` (text or token ids) and ``messages``."""
+    prompt: str | list[int] | None
+    messages: list[dict] | None
+    prompt_len: int      # the local count (tokens or words); the server's usage replaces it when it reports one
+    max_tokens: int
+    group: int | None = None
+
+
+class Lengths:
+    """Text of a given length, and the length of a text: in tokens with ``frontend``, else in words."""
+
+    def __init__(self, frontend=None) -> None:
+        self.frontend = frontend
+
+    @property
+    def unit(self) -> str:
+        return "tokens" if self.frontend is not None else "words"
+
+    def count(self, text: str) -> int:
+        if self.frontend is None:
+            return len(text.split())
+        return len(self.frontend.tokenizer.encode(text, add_special_tokens=False))
+
+    def text(self, n: int, rng: random.Random) -> str:
+        """About ``n`` units of random words (exactly ``n`` words; ``n`` tokens up to re-tokenization)."""
+        words = [rng.choice(WORDS) for _ in range(n)]
+        if self.frontend is None:
+            return " ".join(words)
+        tokenizer = self.frontend.tokenizer
+        ids = tokenizer.encode(" ".join(words), add_special_tokens=False)
+        while len(ids) < n:
+            words += [rng.choice(WORDS) for _ in range(n - len(ids))]
+            ids = tokenizer.encode(" ".join(words), add_special_tokens=False)
+        return tokenizer.decode(ids[:n])
+
+    def token_ids(self, n: int, rng: random.Random) -> list[int]:
+        if self.frontend is None:
+            raise ValueError("token-id prompts need a tokenizer (--tokenizer demo or a model folder)")
+        special = set(self.frontend.eos_token_ids)
+        ids: list[int] = []
+        while len(ids) < n:
+            token = rng.randrange(self.frontend.vocab_size)
+            if token not in special:
+                ids.append(token)
+        return ids
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """``"128"`` -> (128, 128); ``"64:256"`` -> (64, 256), both ends included."""
+    low, _, high = str(text).partition(":")
+    lo, hi = int(low), int(high or low)
+    if not 1 <= lo <= hi:
+        raise ValueError(f"length range {text!r}: need 1 <= min <= max")
+    return lo, hi
+
+
+def random_requests(num: int, input_len: tuple[int, int], output_len: tuple[int, int], lengths: Lengths,
+                    seed: int, token_ids: bool = False) -> list[BenchRequest]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num):
+        n = rng.randint(*input_len)
+        prompt: str | list[int] = lengths.token_ids(n, rng) if token_ids else lengths.text(n, rng)
+        out.append(BenchRequest(prompt, None, n, rng.randint(*output_len)))
+    return out
+
+
+def shared_prefix_requests(num_groups: int, prompts_per_group: int, system_prompt_len: int, question_len: int,
+                           output_len: int, lengths: Lengths, seed: int, chat: bool = False) -> list[BenchRequest]:
+    """``num_groups`` system prompts, each followed by ``prompts_per_group`` different questions, in a shuffled
+    order (inference-perf's ``shared_prefix``). Completions get ``system + "\\n" + question``; chat gets a system
+    and a user message."""
+    rng = random.Random(seed)
+    out = []
+    for group in range(num_groups):
+        system = lengths.text(system_prompt_len, rng)
+        for _ in range(prompts_per_group):
+            question = lengths.text(question_len, rng)
+            if chat:
+                messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+                out.append(BenchRequest(None, messages, system_prompt_len + question_len, output_len, group))
+            else:
+                out.append(BenchRequest(f"{system}\n{question}", None, system_prompt_len + question_len, output_len,
+                                        group))
+    rng.shuffle(out)
+    return out
+
+
+def jsonl_requests(path: Path, default_output_len: int, lengths: Lengths) -> list[BenchRequest]:
+    """One JSON object a line: ``{"prompt": text | [ids]}`` or ``{"messages": [...]}``, optionally with
+    ``"max_tokens"`` (else ``default_output_len``). Blank lines are skipped."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not JSON: {exc}") from None
+            if not isinstance(item, dict) or ("prompt" in item) == ("messages" in item):
+                raise ValueError(f"{path}:{number}: need an object with exactly one of 'prompt' and 'messages'")
+            max_tokens = int(item.get("max_tokens", default_output_len))
+            if "messages" in item:
+                messages = item["messages"]
+                text = " ".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
+                out.append(BenchRequest(None, messages, lengths.count(text), max_tokens))
+            else:
+                prompt = item["prompt"]
+                n = len(prompt) if isinstance(prompt, list) else lengths.count(prompt)
+                out.append(BenchRequest(prompt, None, n, max_tokens))
+    if not out:
+        raise ValueError(f"{path}: no requests")
+    return out
+
+
+def take(requests: list[BenchRequest], num: int) -> list[BenchRequest]:
+    """The first ``num`` requests, cycling through a shorter list."""
+    return [requests[i % len(requests)] for i in range(num)]

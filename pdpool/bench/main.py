@@ -1,0 +1,191 @@
+"""``pdpool bench``: run a benchmark against an OpenAI-compatible endpoint; ``pdpool bench compare``: plot runs
+together. See docs/bench.md."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import aiohttp
+
+from pdpool.bench import client, datasets, load, plots, report, stats
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdpool bench", description="Measure an OpenAI-compatible endpoint "
+                                "(`pdpool bench compare A.json B.json ... --out DIR` plots several runs together).")
+    p.add_argument("--url", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", required=True, help="the model name sent in each request")
+    p.add_argument("--endpoint", choices=sorted(client.ENDPOINTS), default="completions")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
+    p.add_argument("--tokenizer", default=None, help="'demo' or a local model folder for token lengths "
+                   "(default: --model when it is one; 'none': lengths in words)")
+    g = p.add_argument_group("dataset")
+    g.add_argument("--dataset", choices=("random", "shared-prefix", "jsonl"), default="random")
+    g.add_argument("--dataset-path", type=Path, help="the JSONL file (--dataset jsonl)")
+    g.add_argument("--random-input-len", default="128", help="N or MIN:MAX prompt length")
+    g.add_argument("--random-output-len", default="64", help="N or MIN:MAX max_tokens")
+    g.add_argument("--random-token-ids", action="store_true", help="token-id prompts instead of text")
+    g.add_argument("--num-groups", type=int, default=4, help="shared-prefix: number of system prompts")
+    g.add_argument("--prompts-per-group", type=int, default=8, help="shared-prefix: users per system prompt")
+    g.add_argument("--system-prompt-len", type=int, default=256)
+    g.add_argument("--question-len", type=int, default=32)
+    g.add_argument("--output-len", type=int, default=32, help="shared-prefix max_tokens; JSONL default")
+    g = p.add_argument_group("load (every run is bounded by --num-requests and --time-limit)")
+    g.add_argument("--num-requests", type=int, default=None,
+                   help="default: the dataset's size (random: 100); a shorter dataset is cycled")
+    g.add_argument("--time-limit", type=float, default=600.0, help="seconds per run")
+    g.add_argument("--concurrency", type=int, default=None, help="requests in flight at most")
+    g.add_argument("--rate", type=float, default=None, help="Poisson arrivals at this rate (req/s)")
+    g.add_argument("--sweep", default=None, help="comma-separated rates, one run each")
+    g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    g = p.add_argument_group("requests")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM/pdpool extension)")
+    g.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("report")
+    g.add_argument("--slo", default=None, help="SLOs in ms for goodput, e.g. ttft=500,tpot=100[,e2el=...]")
+    g.add_argument("--slo-attainment", type=float, default=0.9,
+                   help="sweeps: report the highest rate with at least this fraction of requests within the SLOs")
+    g.add_argument("--out", type=Path, default=None, help="write bench.json and the PNG plots here")
+    g.add_argument("--label", default=None, help="the name of this run in plots (default: the --out folder)")
+    g.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _frontend(args):
+    name = args.tokenizer or args.model
+    if name.lower() == "none":
+        return None
+    try:
+        from pdpool.frontend import Frontend
+
+        return Frontend.from_model(name)
+    except Exception as exc:  # noqa: BLE001 - any failure means: no tokenizer, count words
+        if args.tokenizer:
+            raise SystemExit(f"pdpool bench: --tokenizer {name}: {exc}") from None
+        print(f"pdpool bench: no tokenizer for {name!r} ({exc}); lengths are in words", file=sys.stderr)
+        return None
+
+
+def _requests(args, lengths: datasets.Lengths, seed: int) -> list[datasets.BenchRequest]:
+    if args.dataset == "random":
+        num = args.num_requests or 100
+        return datasets.random_requests(num, datasets.parse_range(args.random_input_len),
+                                        datasets.parse_range(args.random_output_len), lengths, seed,
+                                        args.random_token_ids)
+    if args.dataset == "shared-prefix":
+        reqs = datasets.shared_prefix_requests(args.num_groups, args.prompts_per_group, args.system_prompt_len,
+                                               args.question_len, args.output_len, lengths, seed,
+                                               chat=args.endpoint == "chat")
+    else:
+        if args.dataset_path is None:
+            raise SystemExit("pdpool bench: --dataset jsonl needs --dataset-path")
+        reqs = datasets.jsonl_requests(args.dataset_path, args.output_len, lengths)
+    return datasets.take(reqs, args.num_requests or len(reqs))
+
+
+def _sampling(args) -> dict:
+    sampling: dict = {"temperature": args.temperature}
+    if args.ignore_eos:
+        sampling["ignore_eos"] = True
+    if args.extra_body:
+        extra = json.loads(args.extra_body)  # a JSONDecodeError is a ValueError: refused by the caller
+        if not isinstance(extra, dict):
+            raise ValueError("--extra-body must be a JSON object")
+        sampling.update(extra)
+    return sampling
+
+
+async def _run_one(args, reqs, bodies, rate, seed, slo, lengths, desc) -> dict:
+    url = client.endpoint_url(args.url, args.endpoint)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    count = lengths.count if lengths.frontend is not None else None
+    timeout = aiohttp.ClientTimeout(total=args.request_timeout)
+    connector_limit = args.concurrency or len(reqs) or 1
+
+    def new_record(i: int, send_time: float) -> stats.RequestRecord:
+        return stats.RequestRecord(index=i, send_time=send_time, prompt_tokens=reqs[i].prompt_len,
+                                   max_tokens=reqs[i].max_tokens)
+
+    async with aiohttp.ClientSession(timeout=timeout, read_bufsize=1 << 20,
+                                     connector=aiohttp.TCPConnector(limit=connector_limit)) as session:
+        async def send(i: int, send_time: float) -> stats.RequestRecord:
+            return await client.send(session, url, bodies[i], new_record(i, send_time), headers, count)
+
+        records, duration = await load.run_load(len(reqs), send, new_record, rate=rate, concurrency=args.concurrency,
+                                                time_limit=args.time_limit, seed=seed,
+                                                progress=not args.no_progress, desc=desc)
+    return {"rate": rate, "concurrency": args.concurrency, "summary": stats.summarize(records, duration, slo),
+            "records": records}
+
+
+def run(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        slo = stats.parse_slo(args.slo) if args.slo else None
+        rates = [float(x) for x in args.sweep.split(",") if x.strip()] if args.sweep else [args.rate]
+        sampling = _sampling(args)
+    except ValueError as exc:
+        raise SystemExit(f"pdpool bench: {exc}") from None
+    lengths = datasets.Lengths(_frontend(args))
+    label = args.label or (args.out.name if args.out else f"{args.dataset} @ {args.url}")
+    runs = []
+    for n, rate in enumerate(rates):
+        seed = args.seed + n  # a sweep's runs get new prompts: no run profits from the cache of the one before
+        try:
+            reqs = _requests(args, lengths, seed)
+            bodies = [client.request_body(r, args.endpoint, args.model, sampling) for r in reqs]
+        except (ValueError, OSError) as exc:
+            raise SystemExit(f"pdpool bench: {exc}") from None
+        desc = "bench" if rate is None else f"rate {rate:g}/s"
+        runs.append(asyncio.run(_run_one(args, reqs, bodies, rate, seed, slo, lengths, desc)))
+    sweep = None
+    if args.sweep:
+        sweep = {"rates": rates, "slo_attainment_target": args.slo_attainment,
+                 "max_rate_meeting_slo": stats.max_rate_meeting_attainment(runs, args.slo_attainment) if slo else None}
+    print(report.table(label, runs))
+    if sweep and slo:
+        print(f"highest rate with SLO attainment >= {args.slo_attainment:g}: {sweep['max_rate_meeting_slo']}")
+    if args.out:
+        config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "api_key"}
+        config["length_unit"] = lengths.unit
+        data = report.result(label, config, runs, sweep)
+        path = report.write_result(data, args.out)
+        pngs = plots.plot_results([report.read_result(path)], args.out)
+        print(f"wrote {path} and {', '.join(p.name for p in pngs)}")
+    return 0 if all(run["summary"]["completed"] for run in runs) else 1
+
+
+def compare(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="pdpool bench compare", description="Plot several bench results together.")
+    p.add_argument("results", nargs="+", type=Path, help="bench.json files (or the --out folders holding them)")
+    p.add_argument("--out", type=Path, required=True, help="folder for the PNGs")
+    args = p.parse_args(argv)
+    results = []
+    for path in args.results:
+        path = path / report.RESULT_FILE if path.is_dir() else path
+        try:
+            results.append(report.read_result(path))
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"pdpool bench compare: {exc}") from None
+    labels = [r["label"] for r in results]
+    if len(set(labels)) < len(labels):  # same labels: tell them apart by their files
+        for data, path in zip(results, args.results):
+            data["label"] = f"{data['label']} ({path})"
+    for data in results:
+        print(report.table(data["label"], data["runs"]))
+    pngs = plots.plot_results(results, args.out)
+    print(f"wrote {', '.join(str(p) for p in pngs)}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["compare"]:
+        return compare(argv[1:])
+    return run(argv)

@@ -1,0 +1,79 @@
+"""The summary table, and the JSON of a bench result (config, runs with their records and summaries)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from pdpool.bench.stats import RequestRecord
+
+VERSION = 1
+RESULT_FILE = "bench.json"
+
+
+def result(label: str, config: dict, runs: list[dict], sweep: dict | None = None) -> dict:
+    """``runs``: [{'rate', 'concurrency', 'summary', 'records': [RequestRecord]}]."""
+    return {"version": VERSION, "label": label, "config": config, "sweep": sweep,
+            "runs": [{**run, "records": [dataclasses.asdict(r) for r in run["records"]]} for run in runs]}
+
+
+def write_result(data: dict, out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / RESULT_FILE
+    path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    return path
+
+
+def read_result(path: Path) -> dict:
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(data, dict) or data.get("version") != VERSION or "runs" not in data:
+        raise ValueError(f"{path}: not a pdpool bench result (version {VERSION})")
+    data.setdefault("label", Path(path).parent.name or Path(path).stem)
+    return data
+
+
+def records_of(run: dict) -> list[RequestRecord]:
+    return [RequestRecord(**r) for r in run["records"]]
+
+
+def load_name(run: dict) -> str:
+    parts = []
+    if run.get("rate") is not None:
+        parts.append(f"rate {run['rate']:g}/s")
+    if run.get("concurrency"):
+        parts.append(f"concurrency {run['concurrency']}")
+    return ", ".join(parts) or "all at once"
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def table(label: str, runs: list[dict]) -> str:
+    """One block per run: counts, throughput, cache hits, goodput, then the latency distributions."""
+    lines = []
+    for run in runs:
+        s = run["summary"]
+        lines.append(f"==== {label}: {load_name(run)} ====")
+        rows = [
+            ("completed / failed", f"{s['completed']} / {s['failed']}"),
+            ("duration (s)", f"{s['duration_s']:.2f}"),
+            ("input / output tokens", f"{s['total_input_tokens']} / {s['total_output_tokens']}"
+             + ("" if s["usage_reported"] else " (local estimate: no usage from the server)")),
+            ("request throughput (req/s)", f"{s['request_throughput']:.3f}"),
+            ("output throughput (tok/s)", f"{s['output_throughput']:.2f}"),
+            ("total token throughput (tok/s)", f"{s['total_token_throughput']:.2f}"),
+            ("prefix-cache hit ratio", f"{s['prefix_cache_hit_ratio']:.3f}"),
+        ]
+        if s.get("slo"):
+            slo = ", ".join(f"{k}<={v:g}ms" for k, v in s["slo"].items())
+            rows.append((f"goodput (req/s, {slo})", f"{s['goodput']:.3f}"))
+            rows.append(("SLO attainment", f"{s['slo_attainment']:.3f}"))
+        width = max(len(name) for name, _ in rows)
+        lines += [f"{name:<{width}}  {value}" for name, value in rows]
+        lines.append(f"{'(ms)':<6}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
+        for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2EL")):
+            d = s[key]
+            lines.append(f"{name:<6}{_ms(d['mean']):>10}{_ms(d['p50']):>10}{_ms(d['p90']):>10}{_ms(d['p99']):>10}")
+    return "\n".join(lines)
