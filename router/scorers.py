@@ -20,9 +20,13 @@ class PrefixCacheScorer(Plugin):
 class QueueScorer(Plugin):
     """Fewer requests queued or running scores higher: ``1 - depth / max(maxQueue, deepest candidate)``. Below
     ``maxQueue`` the scale is absolute, so a few requests of difference do not outweigh a long prefix hit; above
-    it the deepest candidate scores 0 (the load-margin filter breaks affinity under real overload)."""
+    it the deepest candidate scores 0 (the load-margin filter breaks affinity under real overload).
 
-    def __init__(self, maxQueue: int = 16) -> None:
+    The default scale, 4, lets the router's own count of requests in flight spread a burst of new prefixes (one
+    request more weighs 0.25 x the weight: more than the heartbeats' KV-usage noise), while a node must hold about
+    four requests more before it loses a long prefix hit (prefix weight 3)."""
+
+    def __init__(self, maxQueue: int = 4) -> None:
         super().__init__(maxQueue=maxQueue)
         self.max_queue = max(1, int(maxQueue))
 
