@@ -162,13 +162,16 @@ class RouterConfig:
     internal_token: str | None = opt(None, "Token the router presents to the nodes.", secret=True)
     redis: str | None = opt(None, "Redis URL where nodes heartbeat and publish block ownership.", crd="redis.url")
     redis_password: str | None = opt(None, "Redis password.", secret=True)
-    pool: str = opt("default", "Pool name; Redis keys are namespaced by it.")
+    pool: str = opt("default", "Pool name; Redis keys are namespaced by it, and --kubernetes watches its node "
+                    "Services <pool>-prefill and <pool>-decode.")
     namespace: str = opt("default", "Kubernetes namespace of the pool.")
     prefill: list[str] = opt([], "Static prefill node URL (repeatable).")
     decode: list[str] = opt([], "Static decode node URL (repeatable).")
     both: list[str] = opt([], "Static colocated node URL, pdpool or any OpenAI server (repeatable).")
-    kubernetes: bool = opt(False, "Discover nodes from the EndpointSlices of the pool's Services.")
-    kube_api: str | None = opt(None, "Kubernetes API URL (default: in-cluster).")
+    kubernetes: bool = opt(False, "Discover nodes from the EndpointSlices of the pool's node Services (with "
+                           "--redis, Redis is then the prefix index only).")
+    kube_api: str | None = opt(None, "Kubernetes API URL (default: the service account's in a pod, else the "
+                               "kubeconfig's current context).")
     discovery_seconds: float = opt(0.5, "Seconds between refreshes of the node list and loads.", ge=0.01)
     prefix_weight: float = opt(3.0, "Weight of the prefix-cache-hit scorer.", ge=0, crd="router.weights.prefix")
     queue_weight: float = opt(2.0, "Weight of the queue-depth scorer.", ge=0, crd="router.weights.queue")

@@ -82,7 +82,7 @@ class Router:
             from pdpool.router.discovery_static import StaticDiscovery
 
             self.discoveries.append(StaticDiscovery(static, self.pool, self.session, r.discovery_seconds))
-        elif self.reader is not None:
+        elif self.reader is not None and not r.kubernetes:  # with --kubernetes, Redis is the prefix index only
             from pdpool.router.discovery_redis import RedisDiscovery
 
             self.discoveries.append(RedisDiscovery(self.reader, self.pool, r.discovery_seconds, self.run_sync))

@@ -29,9 +29,13 @@ def main(argv: list[str] | None = None) -> int:
               "(--prefill/--decode/--both) or --kubernetes", file=sys.stderr)
         return 2
     if r.kubernetes:
-        print("pdpool router: error: --kubernetes (EndpointSlice discovery) is not implemented yet; use --redis",
-              file=sys.stderr)
-        return 2
+        from pdpool.router.discovery_k8s import KubeConfigError, connect
+
+        try:
+            connect(r.kube_api)
+        except KubeConfigError as exc:
+            print(f"pdpool router: error: --kubernetes: {exc}", file=sys.stderr)
+            return 2
     log.configure()
     from pdpool.frontend import Frontend  # tokenizers + jinja2; never torch
     from pdpool.router.app import Router, create_app

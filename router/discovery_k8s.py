@@ -1,0 +1,317 @@
+"""Nodes from the EndpointSlices of the pool's node Services (``--kubernetes``).
+
+The operator renders one headless Service per role, ``<pool>-prefill`` and ``<pool>-decode``, labelled
+``llm-d.ai/role``; the endpoint controller keeps an EndpointSlice per Service, labelled
+``kubernetes.io/service-name`` and carrying the Service's labels. The router lists those slices, then watches
+them (resuming from the last resourceVersion, listing again on 410 Gone or any error), and feeds the ready
+endpoints' ``http`` ports to the pool. A pod that turns not ready, starts terminating or goes away drops out
+on the watch event, not on the next probe. Ready endpoints are probed like static nodes (``/health/ready``,
+``/v1/models``, ``/metrics``) for load and for whether they speak pdpool, every ``--discovery-seconds``; a node
+that joins is routed to once its first probe answers.
+
+With ``--redis`` too, Redis serves the prefix index only: an endpoint's id is ``<pod name>:<port>``, the id a
+pdpool node gives itself by default (a pod's hostname is its name), so the index's entries name the same nodes.
+
+Credentials (no kopf, no kubernetes client package): in a pod the service account (token re-read on every
+request, since kubelet rotates it); elsewhere the current context of ``$KUBECONFIG`` or ``~/.kube/config``
+(token, token file or client certificate; exec plugins are not supported). ``--kube-api URL`` overrides the
+server; outside a pod it then talks to that URL without credentials, never sending a kubeconfig's secrets to
+another server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import os
+import ssl
+import tempfile
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+from pdpool.router.discovery_static import StaticDiscovery
+from pdpool.router.endpoints import Endpoint, Pool
+
+logger = logging.getLogger("pdpool.router")
+
+ROLE_LABEL = "llm-d.ai/role"                      # as pdpool.operator.builders.common.ROLE_LABEL
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+NODE_ROLES = ("prefill", "decode")                # the operator's node Services: <pool>-<role>
+PORT_NAME = "http"
+SLICES = "/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
+SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+WATCH_SECONDS = 300
+
+
+class KubeConfigError(ValueError):
+    pass
+
+
+class WatchExpired(Exception):
+    """410 Gone: the resourceVersion left the server's history; list again."""
+
+
+# ---- credentials ----------------------------------------------------------------------------------------
+
+@dataclass
+class KubeConnection:
+    server: str
+    token: str | None = None
+    token_file: str | None = None
+    ssl: ssl.SSLContext | bool = False
+
+    def headers(self) -> dict[str, str]:
+        token = self.token
+        if self.token_file:
+            token = Path(self.token_file).read_text().strip()
+        return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def _pem_file(data: str | None, path: str | None, base: Path) -> str | None:
+    if path:
+        return str(base / path)
+    if not data:
+        return None
+    fd, name = tempfile.mkstemp(suffix=".pem", prefix="pdpool-kube-")
+    with os.fdopen(fd, "wb") as f:
+        f.write(base64.b64decode(data))
+    return name
+
+
+def _ssl(server: str, ca: str | None, cert: str | None, key: str | None, insecure: bool) -> ssl.SSLContext | bool:
+    if not server.startswith("https"):
+        return False
+    ctx = ssl.create_default_context(cafile=ca)
+    if insecure:
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    if cert:
+        ctx.load_cert_chain(cert, key)
+    return ctx
+
+
+def from_kubeconfig(path: Path) -> KubeConnection:
+    try:
+        doc = yaml.safe_load(path.read_text()) or {}
+        ctx_name = doc["current-context"]
+        context = next(c["context"] for c in doc["contexts"] if c["name"] == ctx_name)
+        cluster = next(c["cluster"] for c in doc["clusters"] if c["name"] == context["cluster"])
+        user = next((u.get("user") or {} for u in doc.get("users") or [] if u["name"] == context.get("user")), {})
+    except (OSError, yaml.YAMLError, KeyError, StopIteration, TypeError) as exc:
+        raise KubeConfigError(f"kubeconfig {path}: {type(exc).__name__}: {exc}") from None
+    if "exec" in user or "auth-provider" in user:
+        raise KubeConfigError(f"kubeconfig {path}: exec and auth-provider credentials are not supported; "
+                              "use a token or a client certificate")
+    base = path.parent
+    server = cluster["server"].rstrip("/")
+    try:
+        context = _ssl(server, _pem_file(cluster.get("certificate-authority-data"),
+                                         cluster.get("certificate-authority"), base),
+                       _pem_file(user.get("client-certificate-data"), user.get("client-certificate"), base),
+                       _pem_file(user.get("client-key-data"), user.get("client-key"), base),
+                       bool(cluster.get("insecure-skip-tls-verify")))
+    except (ValueError, OSError) as exc:          # bad base64, unreadable or invalid PEM (ssl.SSLError)
+        raise KubeConfigError(f"kubeconfig {path}: TLS material: {exc}") from None
+    token_file = str(base / user["tokenFile"]) if user.get("tokenFile") else None
+    return KubeConnection(server, token=user.get("token"), token_file=token_file, ssl=context)
+
+
+def connect(kube_api: str | None, environ=os.environ, service_account: Path = SERVICE_ACCOUNT) -> KubeConnection:
+    """In a pod: the service account (``kube_api`` overrides the server); else ``kube_api`` without credentials,
+    else the kubeconfig's current context."""
+    host, port = environ.get("KUBERNETES_SERVICE_HOST"), environ.get("KUBERNETES_SERVICE_PORT", "443")
+    if host and (service_account / "token").exists():
+        server = kube_api or f"https://{'[' + host + ']' if ':' in host else host}:{port}"
+        ca = service_account / "ca.crt"
+        return KubeConnection(server.rstrip("/"), token_file=str(service_account / "token"),
+                              ssl=_ssl(server, str(ca) if ca.exists() else None, None, None, False))
+    if kube_api:
+        return KubeConnection(kube_api.rstrip("/"), ssl=_ssl(kube_api, None, None, None, False))
+    path = (environ.get("KUBECONFIG") or "").split(os.pathsep)[0] or str(Path.home() / ".kube" / "config")
+    return from_kubeconfig(Path(path))
+
+
+# ---- EndpointSlices -> endpoints ------------------------------------------------------------------------
+
+def _host(address: str) -> str:
+    return f"[{address}]" if ":" in address else address
+
+
+def slice_endpoints(obj: dict, pool_name: str) -> list[Endpoint]:
+    """The ready, not terminating endpoints of one slice, on its ``http`` port. Role: the slice's role label
+    (copied from the Service), else the Service name ``<pool>-<role>``."""
+    labels = obj.get("metadata", {}).get("labels") or {}
+    role = labels.get(ROLE_LABEL) or labels.get(SERVICE_NAME_LABEL, "").removeprefix(f"{pool_name}-")
+    port = next((p.get("port") for p in obj.get("ports") or [] if p.get("name") == PORT_NAME), None)
+    if role not in NODE_ROLES or not port:
+        return []
+    out = []
+    for ep in obj.get("endpoints") or []:
+        cond = ep.get("conditions") or {}
+        if cond.get("ready") is False or cond.get("terminating") or not ep.get("addresses"):
+            continue                                   # ready unset means ready (the API's rule)
+        url = f"http://{_host(ep['addresses'][0])}:{port}"
+        ref = ep.get("targetRef") or {}
+        # A pdpool node's default id is hostname:port, and a pod's hostname is its name: ids match Redis's.
+        node_id = f"{ref['name']}:{port}" if ref.get("kind") == "Pod" and ref.get("name") else url
+        out.append(Endpoint(node_id=node_id, url=url, role=role, source="kubernetes", ready=False))
+    return out
+
+
+class KubernetesDiscovery:
+    def __init__(self, conn: KubeConnection, namespace: str, pool_name: str, pool: Pool,
+                 session: aiohttp.ClientSession, period: float) -> None:
+        self.conn = conn
+        self.namespace = namespace
+        self.pool_name = pool_name
+        self.pool = pool
+        self.period = period
+        self.prober = StaticDiscovery({}, pool, session, period)     # its /health/ready, /v1/models, /metrics
+        self.selector = f"{SERVICE_NAME_LABEL} in ({','.join(f'{pool_name}-{r}' for r in NODE_ROLES)})"
+        self.slices: dict[str, list[Endpoint]] = {}                   # slice name -> its ready endpoints
+        self.known: dict[str, Endpoint] = {}                          # node id -> endpoint (probe state kept)
+        self.resource_version: str | None = None
+        self._api: aiohttp.ClientSession | None = None
+        self._probes: set[asyncio.Task] = set()                       # first probes of nodes that just joined
+
+    @classmethod
+    def from_config(cls, r, pool: Pool, session: aiohttp.ClientSession) -> "KubernetesDiscovery":
+        return cls(connect(r.kube_api), r.namespace, r.pool, pool, session, r.discovery_seconds)
+
+    def _url(self, **params) -> str:
+        query = urllib.parse.urlencode({"labelSelector": self.selector, **params})
+        return self.conn.server + SLICES.format(namespace=self.namespace) + "?" + query
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._api is None or self._api.closed:
+            self._api = aiohttp.ClientSession(headers={"Accept": "application/json",
+                                                       "User-Agent": "pdpool-router"})
+        return self._api
+
+    # ---- the pool's view ------------------------------------------------------------------------------
+
+    def _apply(self, event_type: str, obj: dict) -> None:
+        name = obj.get("metadata", {}).get("name", "")
+        if event_type == "DELETED":
+            self.slices.pop(name, None)
+        else:
+            self.slices[name] = slice_endpoints(obj, self.pool_name)
+
+    def _publish(self) -> None:
+        current: dict[str, Endpoint] = {}
+        for eps in self.slices.values():
+            for e in eps:
+                kept = self.known.get(e.node_id)
+                if kept is not None and (kept.url, kept.role) == (e.url, e.role):
+                    e = kept
+                current[e.node_id] = e
+        for node_id in set(self.known) ^ set(current):
+            logger.info("kubernetes node %s %s", node_id, "joined" if node_id in current else "left")
+        joined = [e for node_id, e in current.items() if node_id not in self.known]
+        self.known = current
+        self.pool.replace("kubernetes", list(current.values()))
+        if joined:  # routed to once a probe has told whether it is ready and speaks pdpool
+            task = asyncio.get_running_loop().create_task(self._probe(joined))
+            self._probes.add(task)
+            task.add_done_callback(self._probes.discard)
+
+    async def _probe(self, eps: list[Endpoint]) -> None:
+        await asyncio.gather(*(self.prober.probe(e) for e in eps))
+        self.pool.replace("kubernetes", list(self.known.values()))
+
+    async def probe(self) -> None:
+        """Load and pdpool-ness of every ready endpoint; a node that fails its probe is not routed to."""
+        await self._probe(list(self.known.values()))
+
+    # ---- list and watch -------------------------------------------------------------------------------
+
+    async def list(self) -> None:
+        async with self._session().get(self._url(), headers=self.conn.headers(), ssl=self.conn.ssl,
+                                       timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            body = await resp.json(content_type=None)
+            if resp.status != 200:
+                raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
+                                                  message=str(body.get("message") if isinstance(body, dict) else body))
+        self.slices = {}
+        for obj in body.get("items") or []:
+            self._apply("ADDED", obj)
+        self.resource_version = body.get("metadata", {}).get("resourceVersion")
+        self._publish()
+
+    async def refresh(self) -> None:
+        await self.list()
+        await asyncio.gather(*self._probes)
+
+    async def watch(self) -> None:
+        """One watch request from ``resource_version``; returns when the server ends it."""
+        params = {"watch": "true", "allowWatchBookmarks": "true", "timeoutSeconds": str(WATCH_SECONDS),
+                  "resourceVersion": self.resource_version or "0"}
+        timeout = aiohttp.ClientTimeout(total=None, connect=10, sock_read=WATCH_SECONDS + 30)
+        async with self._session().get(self._url(**params), headers=self.conn.headers(), ssl=self.conn.ssl,
+                                       timeout=timeout) as resp:
+            if resp.status == 410:
+                raise WatchExpired()
+            if resp.status != 200:
+                raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
+                                                  message=(await resp.text())[:200])
+            buffer = b""
+            async for chunk in resp.content.iter_any():
+                buffer += chunk
+                *lines, buffer = buffer.split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        self._on_event(json.loads(line))
+
+    def _on_event(self, event: dict) -> None:
+        kind, obj = event.get("type"), event.get("object") or {}
+        if kind == "ERROR":
+            if obj.get("code") == 410:
+                raise WatchExpired()
+            raise aiohttp.ClientPayloadError(f"watch error: {obj.get('message')}")
+        rv = obj.get("metadata", {}).get("resourceVersion")
+        if rv:
+            self.resource_version = rv
+        if kind in ("ADDED", "MODIFIED", "DELETED"):
+            self._apply(kind, obj)
+            self._publish()
+
+    async def _watch_forever(self) -> None:
+        backoff = 0.0
+        while True:
+            try:
+                if self.resource_version is None or backoff:
+                    await self.list()
+                await self.watch()
+                backoff = 0.0
+            except asyncio.CancelledError:
+                raise
+            except WatchExpired:
+                logger.info("EndpointSlice watch expired; listing again")
+                self.resource_version = None
+            except Exception as exc:  # noqa: BLE001 - discovery must keep going on the last known nodes
+                backoff = min(10.0, max(0.5, backoff * 2))
+                logger.warning("EndpointSlice list/watch failed (%s: %s); keeping the last known nodes, retrying "
+                               "in %.1fs", type(exc).__name__, exc, backoff)
+                await asyncio.sleep(backoff)
+
+    async def _probe_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.period)
+            try:
+                await self.probe()
+            except Exception:  # noqa: BLE001
+                logger.exception("probing kubernetes nodes failed")
+
+    async def run(self) -> None:
+        try:
+            await asyncio.gather(self._watch_forever(), self._probe_forever())
+        finally:
+            for task in list(self._probes):
+                task.cancel()
+            if self._api is not None:
+                await self._api.close()

@@ -1,0 +1,352 @@
+"""Kubernetes discovery (``--kubernetes``): EndpointSlices of the pool's node Services, against the in-memory API
+emulator (tests/k8s_emulator). The emulator runs no controllers, so the tests write the EndpointSlices the
+endpoint controller would; the discovered addresses are stub nodes on loopback addresses that answer the
+router's probes (``/health/ready``, ``/v1/models``, ``/metrics``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from k8s_emulator import Emulator  # noqa: E402
+from k8s_emulator.resources import ResourceType  # noqa: E402
+from k8s_fixtures import k8s  # noqa: E402,F401
+from k8s_tools import write_kubeconfig  # noqa: E402
+
+from pdpool.node_process import free_port, http_get  # noqa: E402
+from pdpool.router.discovery_k8s import (KubeConfigError, KubernetesDiscovery, connect,  # noqa: E402
+                                         from_kubeconfig, slice_endpoints)
+from pdpool.router.endpoints import Pool  # noqa: E402
+
+NS, POOL = "serving", "demo"
+SLICES = f"/apis/discovery.k8s.io/v1/namespaces/{NS}/endpointslices"
+
+
+# ---- builders --------------------------------------------------------------------------------------------
+
+def serve_endpointslices(emulator: Emulator) -> None:
+    """The emulator's built-ins lack discovery.k8s.io/v1 EndpointSlice; served here the way a CRD is added
+    (built-in schema validation still applies: the kind is in the published schemas)."""
+    rt = ResourceType("discovery.k8s.io", "v1", "endpointslices", "EndpointSlice")
+    emulator.registry.replace_crd(rt.group, rt.plural, [rt])
+    reply = emulator.client().post("/api/v1/namespaces", {"metadata": {"name": NS}})
+    assert reply.status == 201, reply.body
+
+
+def make_slice(name: str, role: str, port: int, endpoints: list[dict], pool: str = POOL,
+               role_label: bool = True) -> dict:
+    """What the endpoint controller writes for the operator's ``<pool>-<role>`` Service (labels copied)."""
+    labels = {"kubernetes.io/service-name": f"{pool}-{role}",
+              "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io",
+              "app.kubernetes.io/instance": pool, "app.kubernetes.io/component": role}
+    if role_label:
+        labels["llm-d.ai/role"] = role
+    return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": name, "namespace": NS, "labels": labels},
+            "addressType": "IPv4", "ports": [{"name": "http", "port": port, "protocol": "TCP"},
+                                             {"name": "nixl", "port": 5600, "protocol": "TCP"}],
+            "endpoints": endpoints}
+
+
+def make_endpoint(address: str, pod: str, ready: bool | None = True, terminating: bool = False) -> dict:
+    conditions = {"terminating": terminating}
+    if ready is not None:
+        conditions["ready"] = ready
+    return {"addresses": [address], "conditions": conditions,
+            "targetRef": {"kind": "Pod", "namespace": NS, "name": pod}}
+
+
+class StubNode:
+    """Answers the router's probes as a ready pdpool node would, on one loopback address."""
+
+    def __init__(self, host: str, port: int) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                bodies = {"/health/ready": (b'{"status": "ready"}', "application/json"),
+                          "/v1/models": (json.dumps({"object": "list", "data": [
+                              {"id": "demo", "object": "model", "owned_by": "pdpool", "max_model_len": 2048}]}
+                          ).encode(), "application/json"),
+                          "/metrics": (b"vllm:num_requests_waiting 1\nvllm:num_requests_running 2\n"
+                                       b"vllm:kv_cache_usage_perc 0.25\n", "text/plain")}
+                body, ctype = bodies.get(self.path, (b"{}", "application/json"))
+                self.send_response(200 if self.path in bodies else 404)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def stubs():
+    """Stub nodes at 127.0.0.2..5 on one port (a slice's endpoints share its port)."""
+    for _ in range(5):
+        port, nodes = free_port(), []
+        try:
+            nodes = [StubNode(f"127.0.0.{i}", port) for i in range(2, 6)]
+        except OSError:
+            for n in nodes:
+                n.close()
+            continue
+        yield port
+        for n in nodes:
+            n.close()
+        return
+    pytest.fail("no free port for the stub nodes")
+
+
+def until(predicate, timeout: float = 10.0):
+    """Async wait for ``predicate()``."""
+    async def wait():
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert time.monotonic() < deadline, "timed out"
+            await asyncio.sleep(0.02)
+    return wait()
+
+
+def view(pool: Pool) -> dict[str, tuple[str, str, bool]]:
+    return {e.node_id: (e.role, e.url, pool.usable(e)) for e in pool.endpoints.values()}
+
+
+# ---- pure parts ------------------------------------------------------------------------------------------
+
+def test_slice_endpoints_keep_ready_endpoints_on_the_http_port():
+    obj = make_slice("demo-decode-a", "decode", 8000, [
+        make_endpoint("10.0.0.1", "demo-decode-0"),
+        make_endpoint("10.0.0.2", "demo-decode-1", ready=None),        # unset: ready (the API's rule)
+        make_endpoint("10.0.0.3", "demo-decode-2", ready=False),
+        make_endpoint("10.0.0.4", "demo-decode-3", ready=True, terminating=True),
+        {"addresses": ["10.0.0.5"], "conditions": {"ready": True}}])   # no targetRef: the URL is the id
+    eps = slice_endpoints(obj, POOL)
+    assert [(e.node_id, e.url, e.role, e.source) for e in eps] == [
+        ("demo-decode-0:8000", "http://10.0.0.1:8000", "decode", "kubernetes"),
+        ("demo-decode-1:8000", "http://10.0.0.2:8000", "decode", "kubernetes"),
+        ("http://10.0.0.5:8000", "http://10.0.0.5:8000", "decode", "kubernetes")]
+
+
+def test_slice_role_from_the_service_name_ipv6_and_no_http_port():
+    obj = make_slice("demo-prefill-a", "prefill", 8000, [make_endpoint("fd00::1", "demo-prefill-0")],
+                     role_label=False)
+    obj["addressType"] = "IPv6"
+    assert [(e.url, e.role) for e in slice_endpoints(obj, POOL)] == [("http://[fd00::1]:8000", "prefill")]
+    obj["ports"] = [{"name": "metrics", "port": 9000}]
+    assert slice_endpoints(obj, POOL) == []
+    router_slice = make_slice("demo-x", "router", 8000, [make_endpoint("10.0.0.9", "demo-router-0")])
+    assert slice_endpoints(router_slice, POOL) == []
+
+
+def test_kubeconfig_token_and_insecure_https(tmp_path):
+    path = tmp_path / "config"
+    path.write_text(json.dumps({
+        "current-context": "c", "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
+        "clusters": [{"name": "k", "cluster": {"server": "https://api.example:6443/",
+                                               "insecure-skip-tls-verify": True}}],
+        "users": [{"name": "u", "user": {"token": "abc"}}]}))
+    conn = from_kubeconfig(path)
+    assert conn.server == "https://api.example:6443" and conn.headers() == {"Authorization": "Bearer abc"}
+    assert conn.ssl.verify_mode == 0 and not conn.ssl.check_hostname
+    plain = from_kubeconfig(write_kubeconfig(tmp_path / "plain", "http://127.0.0.1:1"))
+    assert plain.ssl is False and plain.headers() == {}
+
+
+def test_kubeconfig_exec_plugins_and_missing_files_are_refused(tmp_path):
+    path = tmp_path / "config"
+    path.write_text(json.dumps({
+        "current-context": "c", "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
+        "clusters": [{"name": "k", "cluster": {"server": "https://x"}}],
+        "users": [{"name": "u", "user": {"exec": {"command": "aws"}}}]}))
+    with pytest.raises(KubeConfigError, match="exec"):
+        from_kubeconfig(path)
+    with pytest.raises(KubeConfigError, match="nope"):
+        connect(None, environ={"KUBECONFIG": str(tmp_path / "nope")})
+
+
+def test_in_cluster_service_account_token_is_reread(tmp_path):
+    (tmp_path / "token").write_text("one\n")
+    env = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+    conn = connect(None, environ=env, service_account=tmp_path)
+    assert conn.server == "https://10.96.0.1:443" and conn.headers() == {"Authorization": "Bearer one"}
+    (tmp_path / "token").write_text("two\n")                     # kubelet rotated it
+    assert conn.headers() == {"Authorization": "Bearer two"}
+    assert connect("http://127.0.0.1:9", environ=env, service_account=tmp_path).server == "http://127.0.0.1:9"
+    assert connect("http://127.0.0.1:9", environ={}, service_account=tmp_path).headers() == {}
+
+
+def test_the_kubernetes_discovery_imports_neither_torch_nor_kopf():
+    code = ("import sys; from pdpool.router import main, app, discovery_k8s; "
+            "bad = {'torch', 'kopf', 'kubernetes'} & set(sys.modules); assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- against the emulator ------------------------------------------------------------------------------
+
+async def run_discovery(url: str, body, period: float = 30.0, resource_version: str | None = None):
+    """Runs the real discovery against the emulator at ``url`` while ``body(pool, k8s_call)`` runs."""
+    pool = Pool()
+    async with aiohttp.ClientSession() as session:
+        d = KubernetesDiscovery(connect(url, environ={}), NS, POOL, pool, session, period)
+        await d.refresh()
+        if resource_version is not None:
+            d.resource_version = resource_version
+        task = asyncio.get_running_loop().create_task(d.run())
+        try:
+            await body(pool, d)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+def test_discovery_follows_adds_readiness_changes_and_deletes(k8s, stubs):  # noqa: F811
+    serve_endpointslices(k8s)
+    api = k8s.client()
+    port = stubs
+
+    def write(method, path, body=None):
+        reply = api.request(method, path, body, content_type="application/merge-patch+json" if method == "PATCH"
+                            else "application/json")
+        assert reply.status in (200, 201), reply.body
+
+    async def body(pool: Pool, d: KubernetesDiscovery):
+        assert view(pool) == {}
+        # The probe period is 30 s: every change below reaches the pool through the watch.
+        write("POST", SLICES, make_slice("demo-decode-abc", "decode", port, [
+            make_endpoint("127.0.0.2", "demo-decode-0"), make_endpoint("127.0.0.3", "demo-decode-1")]))
+        write("POST", SLICES, make_slice("demo-prefill-abc", "prefill", port, [
+            make_endpoint("127.0.0.4", "demo-prefill-0")]))
+        write("POST", SLICES, make_slice("other-decode-abc", "decode", port, [     # another pool's Service
+            make_endpoint("127.0.0.5", "other-decode-0")], pool="other"))
+        expected = {"demo-decode-0:%d" % port: ("decode", f"http://127.0.0.2:{port}", True),
+                    "demo-decode-1:%d" % port: ("decode", f"http://127.0.0.3:{port}", True),
+                    "demo-prefill-0:%d" % port: ("prefill", f"http://127.0.0.4:{port}", True)}
+        await until(lambda: view(pool) == expected)
+
+        await d.probe()                                            # load and pdpool-ness from the stub
+        e = pool.endpoints[f"demo-decode-0:{port}"]
+        assert (e.pdpool, e.max_model_len, e.load.num_waiting, e.load.num_running, e.load.kv_usage) == (
+            True, 2048, 1, 2, 0.25)
+
+        write("PATCH", f"{SLICES}/demo-decode-abc", {"endpoints": [
+            make_endpoint("127.0.0.2", "demo-decode-0", ready=False), make_endpoint("127.0.0.3", "demo-decode-1")]})
+        await until(lambda: set(view(pool)) == set(expected) - {f"demo-decode-0:{port}"})
+        assert pool.endpoints[f"demo-decode-1:{port}"].pdpool is True     # kept across the event
+
+        write("PATCH", f"{SLICES}/demo-decode-abc", {"endpoints": [
+            make_endpoint("127.0.0.2", "demo-decode-0"), make_endpoint("127.0.0.3", "demo-decode-1",
+                                                                       terminating=True)]})
+        await until(lambda: set(view(pool)) == set(expected) - {f"demo-decode-1:{port}"})
+
+        write("DELETE", f"{SLICES}/demo-prefill-abc")
+        await until(lambda: set(view(pool)) == {f"demo-decode-0:{port}"})
+        assert pool.decode_candidates()[0].url == f"http://127.0.0.2:{port}"
+        assert pool.prefill_candidates() == []
+
+    asyncio.run(run_discovery(k8s.url, body))
+
+
+def test_an_expired_watch_lists_again():
+    """A resourceVersion older than the server's history gets 410 Gone; the discovery lists again."""
+    with Emulator(watch_history=2) as emulator:
+        serve_endpointslices(emulator)
+        api = emulator.client()
+        for i in range(4):
+            reply = api.post(SLICES, make_slice(f"demo-decode-{i}", "decode", 8000, [
+                make_endpoint(f"10.0.0.{i + 1}", f"demo-decode-{i}")]))
+            assert reply.status == 201
+
+        async def body(pool: Pool, d: KubernetesDiscovery):
+            assert d.resource_version == "1"                      # stale: set below, before the watch
+            await until(lambda: d.resource_version not in (None, "1"))
+            api.delete(f"{SLICES}/demo-decode-0")
+            await until(lambda: sorted(pool.endpoints) == [f"demo-decode-{i}:8000" for i in (1, 2, 3)])
+
+        asyncio.run(run_discovery(emulator.url, body, resource_version="1"))
+
+
+def test_an_api_server_outage_keeps_the_last_known_nodes_and_recovers():
+    emulator = Emulator().start()
+    try:
+        serve_endpointslices(emulator)
+        emulator.client().post(SLICES, make_slice("demo-decode-a", "decode", 8000, [
+            make_endpoint("10.0.0.1", "demo-decode-0")]))
+        port = emulator.port
+
+        async def body(pool: Pool, d: KubernetesDiscovery):
+            nonlocal emulator
+            await asyncio.to_thread(emulator.stop)                # the API server goes away; so does the watch
+            await asyncio.sleep(1.0)
+            assert list(pool.endpoints) == ["demo-decode-0:8000"]
+            emulator = await asyncio.to_thread(Emulator(port=port).start)   # back, with new state
+            serve_endpointslices(emulator)
+            emulator.client().post(SLICES, make_slice("demo-decode-b", "decode", 8000, [
+                make_endpoint("10.0.0.2", "demo-decode-1")]))
+            await until(lambda: list(pool.endpoints) == ["demo-decode-1:8000"], timeout=20)
+
+        asyncio.run(run_discovery(emulator.url, body))
+    finally:
+        emulator.stop()
+
+
+# ---- the real command --------------------------------------------------------------------------------------
+
+def test_cli_refuses_a_kubeconfig_it_cannot_use(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "KUBECONFIG": str(tmp_path / "missing")}
+    r = subprocess.run([sys.executable, "-m", "pdpool.cli", "router", "--model", "demo", "--kubernetes"],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "--kubernetes: kubeconfig" in r.stderr, r.stderr
+
+
+def test_router_process_routes_to_the_nodes_its_endpointslices_name(k8s, stubs, start_router, tmp_path,  # noqa: F811
+                                                                    monkeypatch):
+    serve_endpointslices(k8s)
+    port = stubs
+    api = k8s.client()
+    api.post(SLICES, make_slice("demo-decode-a", "decode", port, [make_endpoint("127.0.0.2", "demo-decode-0"),
+                                                                  make_endpoint("127.0.0.3", "demo-decode-1")]))
+    api.post(SLICES, make_slice("demo-prefill-a", "prefill", port, [make_endpoint("127.0.0.4", "demo-prefill-0")]))
+    monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path / "kubeconfig", k8s.url, NS)))
+    router = start_router(["--kubernetes", "--namespace", NS, "--pool", POOL], name="router-k8s")
+
+    def ready_nodes():
+        status, body = http_get(router.url + "/health/ready")
+        return status, json.loads(body).get("nodes")
+
+    assert ready_nodes() == (200, {f"demo-decode-0:{port}": "decode", f"demo-decode-1:{port}": "decode"})
+    m = router.metrics()
+    assert m['pdpool_router_nodes{role="decode",usable="true"}'] == 2
+    assert m['pdpool_router_nodes{role="prefill",usable="true"}'] == 1
+
+    def wait_for(expected):
+        deadline = time.monotonic() + 10
+        while (seen := ready_nodes()) != expected:
+            assert time.monotonic() < deadline, seen
+            time.sleep(0.1)
+
+    # Both decode pods turn not ready: the prefill node is what is left (it serves whole requests too).
+    api.patch(f"{SLICES}/demo-decode-a", {"endpoints": [make_endpoint("127.0.0.2", "demo-decode-0", ready=False),
+                                                         make_endpoint("127.0.0.3", "demo-decode-1", ready=False)]})
+    wait_for((200, {f"demo-prefill-0:{port}": "prefill"}))
+    api.delete(f"{SLICES}/demo-prefill-a")
+    wait_for((503, None))
+    api.patch(f"{SLICES}/demo-decode-a", {"endpoints": [make_endpoint("127.0.0.3", "demo-decode-1")]})
+    wait_for((200, {f"demo-decode-1:{port}": "decode"}))
+    assert f"kubernetes node demo-decode-0:{port} left" in router.log_tail(50000)
