@@ -1,6 +1,6 @@
 """Prefill -> decode handoff, exact: tokens identical to a colocated node and to HF, bytes accounted, pull and push.
 
-Nodes (shared by the module): ``p1`` prefill (pull, max 12 leased blocks), ``b1`` both (push; also the colocated
+Nodes (shared by the module): ``p1`` prefill (pull, max 12 leased blocks, 60 s leases), ``b1`` both (push; also the colocated
 reference), ``d1`` decode with ``--kv-load-failure-policy fail`` (any transfer problem is an error, so a passing
 test proves the KV came over), ``d32`` decode with another block size. Destination blocks are filled with random garbage before
 every transfer (test hook), so a block not transferred cannot go unnoticed.
@@ -29,7 +29,8 @@ FLAGS = ["--kv-lease-seconds", "8", "--kv-transfer-timeout", "5"]
 @pytest.fixture(scope="module")
 def nodes(start_nodes):
     return start_nodes({
-        "p1": ("prefill", FLAGS + ["--max-leased-blocks", "12"]),
+        # a long lease: the cap test holds 4 leases across 4 prefills, however slow a loaded machine makes them
+        "p1": ("prefill", FLAGS + ["--max-leased-blocks", "12", "--kv-lease-seconds", "60"]),
         "b1": ("both", FLAGS + ["--kv-transfer-mode", "push"]),
         "d1": ("decode", FLAGS + ["--kv-load-failure-policy", "fail"]),
         "d32": ("decode", FLAGS + ["--block-size", "32"]),
