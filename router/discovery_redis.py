@@ -9,7 +9,7 @@ import logging
 
 from pdpool.block_hash import ModelFingerprint
 from pdpool.kv_index import IndexReader, IndexUnavailableError, NodeInfo
-from pdpool.router.endpoints import Endpoint, Load, Pool
+from pdpool.router.endpoints import Endpoint, Pool
 
 logger = logging.getLogger("pdpool.router")
 
@@ -22,10 +22,9 @@ def endpoint_of(info: NodeInfo) -> Endpoint:
                                   int(info.fingerprint["block_size"]))
         except (KeyError, TypeError, ValueError):
             fp = None
-    load = info.load
     return Endpoint(node_id=info.node_id, url=info.url.rstrip("/"), role=info.role, source="redis", pdpool=True,
                     incarnation=info.incarnation, fingerprint=fp, ready=True, draining=info.draining,
-                    load=Load(load.num_waiting, load.num_running, load.kv_usage, load.num_free_blocks))
+                    load=info.load)
 
 
 class RedisDiscovery:

@@ -11,18 +11,11 @@ import time
 from dataclasses import dataclass, field
 
 from pdpool.block_hash import ModelFingerprint
+from pdpool.kv_index.heartbeat import NodeLoad as Load
 
 logger = logging.getLogger("pdpool.router")
 
 DECODE_ROLES = ("decode", "both")
-
-
-@dataclass
-class Load:
-    num_waiting: int = 0
-    num_running: int = 0
-    kv_usage: float = 0.0
-    num_free_blocks: int = 0
 
 
 @dataclass
@@ -36,7 +29,7 @@ class Endpoint:
     fingerprint: ModelFingerprint | None = None
     ready: bool = True
     draining: bool = False
-    load: Load = field(default_factory=Load)
+    load: Load = field(default_factory=Load)  # the nodes' heartbeat load (pdpool.kv_index.heartbeat.NodeLoad)
     max_model_len: int | None = None
 
     @property
