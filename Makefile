@@ -35,8 +35,11 @@ $(VENV)/.installed-test: $(VENV)/.installed
 
 install-test: install $(VENV)/.installed-test
 
+# A pool on this machine: its own redis-server (installed here when missing and run as root; otherwise pdpool up
+# says how), 1 prefill + 1 decode node and the router on $(PORT). Ctrl-C stops everything.
 up: install
-	$(BIN)/pdpool serve --model demo --port $(PORT)
+	command -v redis-server >/dev/null || [ "$$(id -u)" != 0 ] || { apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; }
+	$(BIN)/pdpool up --port $(PORT)
 
 test: install-test
 	$(BIN)/python -m pytest tests

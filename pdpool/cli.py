@@ -51,6 +51,10 @@ COMMANDS = {
     "router": (_router, "run the pool's OpenAI gateway (prefix- and load-aware prefill/decode routing)"),
     "build-kernels": (_build_kernels, "build the native CPU kernels ahead of serving"),
     "operator": (_operator, "run the Kubernetes operator for InferencePool resources"),
+    "up": (lambda argv: __import__("pdpool.up.main", fromlist=["main"]).main(argv),
+           "run a pool (Redis, prefill and decode nodes, router) on this machine from an InferencePool YAML"),
+    "status": (lambda argv: __import__("pdpool.status", fromlist=["main"]).main(argv),
+               "show a running pool's nodes, load and the router's decisions, as kubectl get would"),
     "bench": (lambda argv: __import__("pdpool.bench.main", fromlist=["main"]).main(argv),
               "measure an OpenAI-compatible endpoint (TTFT, TPOT, ITL, throughput, goodput; JSON and plots)"),
 }

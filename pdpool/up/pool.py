@@ -1,0 +1,183 @@
+"""An InferencePool YAML → the local processes ``pdpool up`` runs, through the operator's own parsing.
+
+The file is checked against the CRD's schema (``operator.crd``) as the API server would, then parsed by
+``operator.spec.parse_pool``; each node's flags come from ``operator.builders.nodes.node_config`` and the router's
+from ``operator.builders.router.router_config``, with only what differs on one machine replaced: loopback
+addresses, local ports, the local Redis, a node id per process. So the same file means the same pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import yaml
+
+from pdpool import config
+from pdpool.operator import crd, schema
+from pdpool.operator.builders import config_map
+from pdpool.operator.builders.nodes import node_config
+from pdpool.operator.builders.router import router_config
+from pdpool.operator.spec import NODE_ROLES, Pool, SpecError, parse_pool
+
+# With no file: the demo model, 1 prefill + 1 decode node on CPU, a managed Redis (examples/cpu-demo.yaml, minus
+# its Kubernetes resources).
+DEFAULT_POOL = {
+    "apiVersion": crd.API_VERSION, "kind": crd.KIND, "metadata": {"name": "demo"},
+    "spec": {"model": {"name": "demo"}, "engine": {"device": "cpu", "maxNumSeqs": 8, "maxNumBatchedTokens": 512},
+             "prefill": {"replicas": 1}, "decode": {"replicas": 1},
+             "kvTransfer": {"ucxTls": "tcp,self", "leaseSeconds": 10}},
+}
+
+# Deployment-only fields that still mean something on one machine.
+LOCAL_FIELDS = {"prefill.replicas", "decode.replicas", "prefill.env", "decode.env"}
+CPU_UCX_TLS = "tcp,self"
+
+
+class PoolFileError(ValueError):
+    """The file is not an InferencePool the operator would accept."""
+
+
+@dataclass
+class ProcessSpec:
+    """One child: ``pdpool <argv>`` on ``port`` with ``env`` added to the environment."""
+    name: str                     # prefill-0, decode-0, router-0: its log prefix and (for nodes) its node id
+    role: str                     # prefill | decode | router
+    port: int
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    host: str = "127.0.0.1"       # where to reach it
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def _json_type_ok(value, t: str) -> bool:
+    if t == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if t == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, {"string": str, "boolean": bool, "object": dict, "array": list}[t])
+
+
+def schema_errors(value, node: dict, path: str) -> list[str]:
+    """What the API server would refuse (types, enums, bounds, required and unknown fields)."""
+    if "anyOf" in node and not any(not schema_errors(value, alt, path) for alt in node["anyOf"]):
+        return [f"{path}: {value!r} matches none of {[alt.get('type') for alt in node['anyOf']]}"]
+    t = node.get("type")
+    if t and not _json_type_ok(value, t):
+        return [f"{path}: expected {t}, got {value!r}"]
+    errors = []
+    if "enum" in node and value not in node["enum"]:
+        errors.append(f"{path}: {value!r} is not one of {node['enum']}")
+    if "minimum" in node and value < node["minimum"]:
+        errors.append(f"{path}: {value} is below the minimum {node['minimum']}")
+    if "maximum" in node and value > node["maximum"]:
+        errors.append(f"{path}: {value} is above the maximum {node['maximum']}")
+    if t == "object":
+        props, extra = node.get("properties"), node.get("additionalProperties")
+        errors += [f"{path}.{name}: required" for name in node.get("required", []) if name not in value]
+        for name, sub in value.items():
+            if props and name in props:
+                errors += schema_errors(sub, props[name], f"{path}.{name}")
+            elif isinstance(extra, dict):
+                errors += schema_errors(sub, extra, f"{path}.{name}")
+            elif props is not None and not node.get("x-kubernetes-preserve-unknown-fields"):
+                errors.append(f"{path}.{name}: unknown field")
+    if t == "array" and "items" in node:
+        for i, item in enumerate(value):
+            errors += schema_errors(item, node["items"], f"{path}[{i}]")
+    return errors
+
+
+def ignored_fields(spec: dict) -> list[str]:
+    """The Kubernetes-only fields set in ``spec`` (before defaults), which a local pool ignores."""
+    out = []
+    for path in schema.DEPLOYMENT_FIELDS:
+        if path in LOCAL_FIELDS:
+            continue
+        node = spec
+        for part in path.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is not None:
+            out.append(path)
+    for role in NODE_ROLES:
+        env = (spec.get(role) or {}).get("env") or []
+        out += [f"{role}.env[{e['name']}].valueFrom" for e in env if "valueFrom" in e]
+    return out
+
+
+def load_pool(path: str | Path | None) -> tuple[Pool, list[str]]:
+    """(the parsed pool, the Kubernetes-only fields it sets); ``None`` is the built-in example."""
+    body = DEFAULT_POOL if path is None else yaml.safe_load(Path(path).read_text())
+    where = "the built-in example" if path is None else str(path)
+    if not isinstance(body, dict):
+        raise PoolFileError(f"{where}: not a YAML mapping")
+    if (body.get("apiVersion"), body.get("kind")) != (crd.API_VERSION, crd.KIND):
+        raise PoolFileError(f"{where}: expected apiVersion {crd.API_VERSION} and kind {crd.KIND}, got "
+                            f"{body.get('apiVersion')} and {body.get('kind')}")
+    if not (body.get("metadata") or {}).get("name"):
+        raise PoolFileError(f"{where}: metadata.name is required (the pool's name)")
+    root = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    errors = schema_errors(body.get("spec") or {}, root, "spec")
+    if errors:
+        raise PoolFileError(f"{where}: " + "; ".join(errors))
+    try:
+        pool = parse_pool(body)
+    except SpecError as exc:
+        raise PoolFileError(f"{where}: {exc}") from None
+    return pool, ignored_fields(body.get("spec") or {})
+
+
+def replicas(pool: Pool, role: str) -> int:
+    """Unset (an autoscaler's on Kubernetes) is one process locally."""
+    n = pool.roles[role].replicas
+    return 1 if n is None else n
+
+
+def shared_env(pool: Pool, redis_password: str | None, internal_token: str) -> dict[str, str]:
+    """The pool's ConfigMap, plus the secrets the operator passes through Secrets (never argv)."""
+    env = dict(config_map(pool)["data"])
+    if pool.node.device.device == "cpu" and not pool.node.disagg.ucx_tls:
+        env["UCX_TLS"] = CPU_UCX_TLS
+    env.update(PDPOOL_INTERNAL_TOKEN=internal_token, TOKENIZERS_PARALLELISM="false")
+    if redis_password:
+        env["PDPOOL_REDIS_PASSWORD"] = redis_password
+    return env
+
+
+def node_spec(pool: Pool, role: str, index: int, port: int, redis_url: str, extra_flags: list[str]) -> ProcessSpec:
+    name = f"{role}-{index}"
+    cfg = node_config(pool, role)
+    cpu = cfg.device.device == "cpu"
+    cfg = dataclasses.replace(
+        cfg,
+        server=dataclasses.replace(cfg.server, host="127.0.0.1", port=port),
+        device=dataclasses.replace(cfg.device, num_threads=cfg.device.num_threads or (1 if cpu else None)),
+        disagg=dataclasses.replace(cfg.disagg, redis=redis_url, advertise_host=None, node_id=name,
+                                   ucx_tls=cfg.disagg.ucx_tls or (CPU_UCX_TLS if cpu else None)))
+    env = {e["name"]: str(e.get("value", "")) for e in pool.roles[role].env if "valueFrom" not in e}
+    return ProcessSpec(name, role, port, ["serve", *config.to_argv(cfg), *extra_flags], env)
+
+
+def router_spec(pool: Pool, host: str, port: int, redis_url: str) -> ProcessSpec:
+    cfg = router_config(pool)
+    cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, redis=redis_url, host=host, port=port))
+    return ProcessSpec("router-0", "router", port, ["router", *config.to_argv(cfg, config.RouterCommandConfig)],
+                       host=connect_host(host))
+
+
+def connect_host(host: str) -> str:
+    """Where a client on this machine reaches a server listening on ``host``."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def plan(pool: Pool, *, redis_url: str, router_host: str, router_port: int, node_port: Callable[[], int],
+         extra_node_flags: Sequence[str] = ()) -> list[ProcessSpec]:
+    """Every child, nodes first; ``node_port()`` gives each node its port."""
+    nodes = [node_spec(pool, role, i, node_port(), redis_url, list(extra_node_flags))
+             for role in NODE_ROLES for i in range(replicas(pool, role))]
+    return [*nodes, router_spec(pool, router_host, router_port, redis_url)]

@@ -1,0 +1,286 @@
+"""``pdpool up`` and ``pdpool status`` as a user runs them: real processes, real redis-server, real NIXL, the demo model.
+
+The pool under test is the built-in example (``DEFAULT_POOL``: demo model, CPU, prefill and decode nodes) with small
+test settings in its YAML, a Kubernetes-only field (which ``up`` must name and ignore), two decode replicas (so
+requests keep succeeding while one restarts) and an external Redis (so the test can check that no pool key is
+left after ``up`` stops). Tests run in file order; the last one stops the pool.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from pdpool.kv_index.keys import PoolKeys
+from pdpool.node_process import free_port, parse_metrics
+from pdpool.up.pool import DEFAULT_POOL, PoolFileError, load_pool
+from redis_server import RedisServer
+
+pytestmark = pytest.mark.timeout(300)
+
+REDIS_PASSWORD = "up-test-secret"
+POOL = "uptest"
+PROMPT = ("The history of the city begins with a small fishing village on the river, where traders from the north "
+          "met farmers from the valley every spring to exchange wool, salt and stories.")
+CHAT = [{"role": "user", "content": "Name three colors."}]
+LINE = re.compile(r"^[a-z0-9-]+ *\| ")
+
+
+def pool_yaml(redis_url: str) -> dict:
+    body = copy.deepcopy(DEFAULT_POOL)
+    body["metadata"]["name"] = POOL
+    spec = body["spec"]
+    spec["engine"].update(maxModelLen=512, maxNumSeqs=4, maxNumBatchedTokens=256)
+    spec["decode"]["replicas"] = 2
+    spec["prefill"]["resources"] = {"limits": {"memory": "4Gi"}}  # Kubernetes-only: named once, ignored
+    spec["redis"] = {"url": redis_url}
+    return body
+
+
+class UpProcess:
+    """``pdpool up`` in the background; its output collected line by line."""
+
+    def __init__(self, argv: list[str], env: dict) -> None:
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdpool.cli", "up", *argv], env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for raw in iter(self.proc.stdout.readline, b""):
+            self.lines.append(raw.decode(errors="replace").rstrip("\n"))
+
+    def wait_for_line(self, pattern: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.lines:
+                if re.search(pattern, line):
+                    return line
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        raise AssertionError(f"no line matching {pattern!r}; output:\n" + "\n".join(self.lines[-60:]))
+
+    def log(self) -> str:
+        return "\n".join(self.lines)
+
+
+@pytest.fixture(scope="module")
+def redis_module():
+    with RedisServer(password=REDIS_PASSWORD) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def up(demo_model_dir, pdpool_cache, tmp_path_factory, redis_module):
+    path = tmp_path_factory.mktemp("up") / "pool.yaml"
+    path.write_text(yaml.safe_dump(pool_yaml(redis_module.url)))
+    port = free_port()
+    env = dict(os.environ, PDPOOL_CACHE=str(pdpool_cache), PDPOOL_REDIS_PASSWORD=REDIS_PASSWORD)
+    env.pop("PDPOOL_API_KEY", None)
+    proc = UpProcess([str(path), "--port", str(port), "--", "--num-kv-blocks", "64", "--heartbeat-seconds", "0.5"],
+                     env)
+    proc.port, proc.env = port, env
+    proc.state_path = Path(pdpool_cache) / "up" / f"{port}.json"
+    try:
+        proc.wait_for_line(r"^up +\| pool uptest is ready", timeout=240)
+        yield proc
+    finally:
+        if proc.proc.poll() is None:  # a failed test left it running: stop it, then make sure
+            proc.proc.send_signal(signal.SIGTERM)
+            try:
+                proc.proc.wait(90)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.proc.pid, signal.SIGKILL)
+
+
+def state(up) -> dict:
+    return json.loads(up.state_path.read_text())
+
+
+def processes(up) -> dict[str, dict]:
+    return {p["name"]: p for p in state(up)["processes"]}
+
+
+def router_metrics(up) -> dict[str, float]:
+    return parse_metrics(httpx.get(f"http://127.0.0.1:{up.port}/metrics", timeout=10).text)
+
+
+def decisions(up, decision: str) -> float:
+    return router_metrics(up).get(f'pdpool_router_requests_total{{decision="{decision}"}}', 0.0)
+
+
+def client(base_url: str):
+    import openai
+
+    return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+# ---- without processes --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("engine, message", [
+    ({"maxNumSeq": 8}, "spec.engine.maxNumSeq: unknown field"),
+    ({"maxNumSeqs": "8"}, "spec.engine.maxNumSeqs: expected integer"),
+    ({"maxNumSeqs": 0}, "spec.engine.maxNumSeqs: 0 is below the minimum 1"),
+    ({"device": "tpu"}, "spec.engine.device: 'tpu' is not one of"),
+])
+def test_the_operators_schema_checks_the_file(tmp_path, engine, message):
+    body = copy.deepcopy(DEFAULT_POOL)
+    body["spec"]["engine"].update(engine)
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(body))
+    with pytest.raises(PoolFileError, match=re.escape(message)):
+        load_pool(tmp_path / "p.yaml")
+
+
+def test_default_example_is_one_prefill_one_decode_on_cpu():
+    out = subprocess.run([sys.executable, "-m", "pdpool.cli", "up", "--dry-run", "--port", "8123"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = {line.split(":", 1)[0].split("| ", 1)[1]: line for line in out.stdout.splitlines()}
+    assert sorted(lines) == ["decode-0", "prefill-0", "router-0"]
+    for role in ("prefill", "decode"):
+        line = lines[f"{role}-0"]
+        for flag in (f"--role {role}", f"--node-id {role}-0", "--ucx-tls tcp,self", "--num-threads 1",
+                     "--pool demo", "--host 127.0.0.1", "--kv-lease-seconds 10"):
+            assert flag in line, (flag, line)
+    assert "pdpool router" in lines["router-0"] and "--port 8123" in lines["router-0"]
+    assert "internal" not in out.stdout.lower()  # secrets travel in the environment, never in argv
+
+
+def test_missing_redis_server_says_how_to_install_it(tmp_path):
+    env = dict(os.environ, PATH=str(tmp_path), PDPOOL_CACHE=str(tmp_path))  # no redis-server on PATH
+    out = subprocess.run([sys.executable, "-m", "pdpool.cli", "up", "--port", str(free_port())], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert "apt-get install -y redis-server" in out.stderr
+
+
+def test_managed_redis_and_sigterm_while_starting(demo_model_dir, pdpool_cache, tmp_path):
+    """No nodes (replicas 0): the router never gets ready; SIGTERM then still stops it and the pool's own Redis."""
+    body = copy.deepcopy(DEFAULT_POOL)
+    body["metadata"]["name"] = "empty"
+    body["spec"]["prefill"]["replicas"] = body["spec"]["decode"]["replicas"] = 0
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(body))
+    port = free_port()
+    up = UpProcess([str(tmp_path / "p.yaml"), "--port", str(port)], dict(os.environ, PDPOOL_CACHE=str(pdpool_cache)))
+    try:
+        up.wait_for_line(r"^router-0 +\| .*listening", timeout=120)
+        saved = json.loads((Path(pdpool_cache) / "up" / f"{port}.json").read_text())
+        pids = [saved["redis_pid"], *(p["pid"] for p in saved["processes"])]
+        assert saved["redis_url"].startswith("redis://127.0.0.1:") and saved["redis_pid"]
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(60) == 0, up.log()
+    finally:
+        if up.proc.poll() is None:
+            os.killpg(up.proc.pid, signal.SIGKILL)
+    assert_gone(pids)
+    assert "redis-server stopped" in up.log() and any(line.startswith("redis     | ") for line in up.lines)
+    assert not (Path(pdpool_cache) / "up" / f"{port}.json").exists()
+
+
+def assert_gone(pids: list[int]) -> None:
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)  # nothing of its process group either
+
+
+# ---- a running pool -----------------------------------------------------------------------------------------
+
+def test_kubernetes_only_fields_are_named_once(up):
+    ignored = [line for line in up.lines if "ignoring Kubernetes-only fields" in line]
+    assert ignored == ["up        | ignoring Kubernetes-only fields: prefill.resources"]
+
+
+def test_openai_client_through_the_router_is_disaggregated(up):
+    procs = processes(up)
+    assert sorted(procs) == ["decode-0", "decode-1", "prefill-0", "router-0"]
+    assert all(p["state"] == "ready" for p in procs.values())
+    reference = client(procs["prefill-0"]["url"] + "/v1")  # served end to end by one node: the expected text
+    router = client(f"http://127.0.0.1:{up.port}/v1")
+    want = reference.completions.create(model="demo", prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+    want_chat = reference.chat.completions.create(model="demo", messages=CHAT, max_tokens=8,
+                                                  temperature=0).choices[0].message.content
+    before = decisions(up, "disaggregated")
+    got = router.completions.create(model="demo", prompt=PROMPT, max_tokens=8, temperature=0)
+    assert got.choices[0].text == want and got.usage.completion_tokens == 8
+    chat = router.chat.completions.create(model="demo", messages=CHAT, max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content == want_chat
+    assert decisions(up, "disaggregated") == before + 2
+    pulled = sum(parse_metrics(httpx.get(procs[d]["url"] + "/metrics", timeout=10).text)
+                 .get("pdpool_kv_pulled_bytes_total", 0.0) for d in ("decode-0", "decode-1"))
+    assert pulled > 0  # the KV moved from the prefill node to a decode node
+    assert up.wait_for_line(r"^up +\|   curl -s http://127\.0\.0\.1:\d+/v1/completions", 1)
+    assert up.wait_for_line(r"^up +\|   python -c \"from openai import OpenAI", 1)
+    assert all(LINE.match(line) for line in up.lines), [line for line in up.lines if not LINE.match(line)][:5]
+    for name in ("prefill-0", "decode-0", "decode-1", "router-0", "up"):
+        assert any(line.startswith(f"{name} ") for line in up.lines), name
+
+
+def test_status_prints_nodes_and_route_decisions(up):
+    out = subprocess.run([sys.executable, "-m", "pdpool.cli", "status"], env=up.env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line.strip()}
+    assert rows["NAME"][:8] == ["NAME", "ROLE", "STATE", "RUNNING", "WAITING", "KV-USAGE", "PREFIX-HIT", "RESTARTS"]
+    for name, role in (("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-1", "decode")):
+        assert rows[name][1:3] == [role, "ready"], out.stdout
+        assert rows[name][5].endswith("%") and rows[name][6].endswith("%"), out.stdout  # KV usage, prefix hits
+    assert rows["ROUTER"][1:5] == ["DISAGGREGATED", "DECODE-ONLY", "FALLBACK", "RETRY"]
+    assert int(rows["router-0"][1]) == decisions(up, "disaggregated") >= 2, out.stdout
+    by_url = subprocess.run([sys.executable, "-m", "pdpool.cli", "status", "--url", f"http://127.0.0.1:{up.port}/v1"],
+                            env=up.env, capture_output=True, text=True, timeout=60)
+    assert by_url.stdout == out.stdout
+
+
+def test_a_killed_decode_node_restarts_and_requests_keep_succeeding(up):
+    victim = processes(up)["decode-0"]
+    os.kill(victim["pid"], signal.SIGKILL)
+    up.killed_pids = [victim["pid"]]
+    router = client(f"http://127.0.0.1:{up.port}/v1")
+    served, router_saw_it_leave = 0, False
+    deadline = time.monotonic() + 180
+    while True:  # requests go on the whole time the node is gone and coming back
+        r = router.completions.create(model="demo", prompt=f"{served}: {PROMPT}", max_tokens=2, temperature=0)
+        assert r.usage.completion_tokens == 2
+        served += 1
+        usable = router_metrics(up).get('pdpool_router_nodes{role="decode",usable="true"}', 0)
+        router_saw_it_leave = router_saw_it_leave or usable < 2
+        now = processes(up)["decode-0"]
+        if now["restarts"] == 1 and now["state"] == "ready" and now["pid"] != victim["pid"]:
+            break
+        assert time.monotonic() < deadline, f"decode-0 not back: {now}\n" + up.log()[-4000:]
+        time.sleep(0.5)
+    assert up.wait_for_line(r"^up +\| decode-0 exited with code -9; restarting in 1s", 1)
+    # the router's discovery saw it come back: both decode nodes usable again, and it serves
+    deadline = time.monotonic() + 30
+    while router_metrics(up).get('pdpool_router_nodes{role="decode",usable="true"}', 0) < 2:
+        assert time.monotonic() < deadline, "the router did not see decode-0 come back"
+        time.sleep(0.5)
+    assert router.completions.create(model="demo", prompt=PROMPT, max_tokens=2, temperature=0).usage.completion_tokens == 2
+    assert served >= 2 and router_saw_it_leave
+
+
+def test_sigterm_stops_everything(up, redis_module):
+    saved = state(up)
+    pids = [p["pid"] for p in saved["processes"]] + getattr(up, "killed_pids", [])
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.proc.wait(120) == 0, up.log()[-4000:]
+    assert_gone(pids)
+    keys = list(redis_module.client().scan_iter(match=PoolKeys("default", POOL).scan_pattern))
+    assert keys == []
+    assert not up.state_path.exists()
+    assert redis_module.client().ping()  # an external Redis is the pool's, not ours: left running
