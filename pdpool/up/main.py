@@ -34,6 +34,7 @@ from pdpool.up.supervisor import Child, Output
 ROUTER_STOP_GRACE = 30.0
 PROGRESS_EVERY = 15.0
 TICK = 0.5
+SIGNAL_DEBOUNCE = 1.0  # seconds: a second signal within it is the first one again
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -67,6 +68,7 @@ class Up:
         self.children: list[Child] = []
         self.run_dir: str | None = None
         self.stop_signals = 0
+        self.first_signal = 0.0
         self.ready = False
         self.router_url = f"http://{connect_host(args.host)}:{self.port}"
 
@@ -174,7 +176,11 @@ class Up:
     # ---- stop ---------------------------------------------------------------------------------------------
 
     def on_signal(self, signum, frame) -> None:
+        now = time.monotonic()
+        if self.stop_signals and now - self.first_signal < SIGNAL_DEBOUNCE:
+            return  # the same Ctrl-C, forwarded by a wrapper (make, timeout) or sent to the whole group
         self.stop_signals += 1
+        self.first_signal = self.first_signal or now
         if self.stop_signals > 1:  # only signals here: the main thread may be inside a wait()
             self.say("second signal: killing every process now")
             for child in self.children:
