@@ -169,12 +169,9 @@ def test_missing_redis_server_says_how_to_install_it(tmp_path):
 
 def test_managed_redis_and_sigterm_while_starting(demo_model_dir, pdpool_cache, tmp_path):
     """No nodes (replicas 0): the router never gets ready; SIGTERM then still stops it and the pool's own Redis."""
-    body = copy.deepcopy(DEFAULT_POOL)
-    body["metadata"]["name"] = "empty"
-    body["spec"]["prefill"]["replicas"] = body["spec"]["decode"]["replicas"] = 0
-    (tmp_path / "p.yaml").write_text(yaml.safe_dump(body))
     port = free_port()
-    up = UpProcess([str(tmp_path / "p.yaml"), "--port", str(port)], dict(os.environ, PDPOOL_CACHE=str(pdpool_cache)))
+    up = UpProcess([str(empty_pool(tmp_path, "empty")), "--port", str(port)],
+                   dict(os.environ, PDPOOL_CACHE=str(pdpool_cache)))
     try:
         up.wait_for_line(r"^router-0 +\| .*listening", timeout=120)
         saved = json.loads((Path(pdpool_cache) / "up" / f"{port}.json").read_text())
@@ -190,12 +187,54 @@ def test_managed_redis_and_sigterm_while_starting(demo_model_dir, pdpool_cache, 
     assert not (Path(pdpool_cache) / "up" / f"{port}.json").exists()
 
 
-def assert_gone(pids: list[int]) -> None:
-    for pid in pids:
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
-        with pytest.raises(ProcessLookupError):
-            os.killpg(pid, 0)  # nothing of its process group either
+def empty_pool(tmp_path: Path, name: str) -> Path:
+    body = copy.deepcopy(DEFAULT_POOL)
+    body["metadata"]["name"] = name
+    body["spec"]["prefill"]["replicas"] = body["spec"]["decode"]["replicas"] = 0
+    (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(body))
+    return tmp_path / f"{name}.yaml"
+
+
+def test_what_a_killed_up_left_running_is_stopped_by_the_next_up(demo_model_dir, pdpool_cache, tmp_path):
+    env = dict(os.environ, PDPOOL_CACHE=str(pdpool_cache))
+    port = free_port()
+    first = UpProcess([str(empty_pool(tmp_path, "first")), "--port", str(port)], env)
+    second = None
+    try:
+        first.wait_for_line(r"^router-0 +\| .*listening", timeout=120)
+        saved = json.loads((Path(pdpool_cache) / "up" / f"{port}.json").read_text())
+        pids = [saved["redis_pid"], *(p["pid"] for p in saved["processes"])]
+        first.proc.kill()  # SIGKILL: no chance to stop its children
+        first.proc.wait()
+        for pid in pids:
+            os.kill(pid, 0)  # still running
+        second = UpProcess([str(empty_pool(tmp_path, "second")), "--port", str(free_port())], env)
+        second.wait_for_line(rf"^up +\| stopped 2 processes left running by a killed pdpool up \(pid {first.proc.pid}\)",
+                             timeout=60)
+        assert_gone(pids)
+    finally:
+        for up in (first, second):
+            if up is not None and up.proc.poll() is None:
+                up.proc.send_signal(signal.SIGTERM)
+                up.proc.wait(60)
+
+
+def assert_gone(pids: list[int], timeout: float = 10.0) -> None:
+    """No process left with these pids, nor in their process groups (a killed orphan's zombie may linger until
+    init reaps it: wait for that, boundedly)."""
+    def gone(pid: int) -> bool:
+        for probe in (os.kill, os.killpg):
+            try:
+                probe(pid, 0)
+                return False
+            except ProcessLookupError:
+                pass
+        return True
+
+    deadline = time.monotonic() + timeout
+    while not all(gone(pid) for pid in pids):
+        assert time.monotonic() < deadline, [pid for pid in pids if not gone(pid)]
+        time.sleep(0.1)
 
 
 # ---- a running pool -----------------------------------------------------------------------------------------

@@ -112,6 +112,9 @@ class Up:
 
     def start(self) -> None:
         p = self.pool
+        for pid, stopped in state.reap_stale():
+            self.say(f"stopped {len(stopped)} processes left running by a killed pdpool up (pid {pid}): "
+                     f"{', '.join(map(str, stopped)) or 'none'}")
         self.say(f"pool {p.name}: model {p.router.served_model_name}, {replicas(p, 'prefill')} prefill + "
                  f"{replicas(p, 'decode')} decode on {p.node.device.device}, router on port {self.port}")
         self.start_redis()

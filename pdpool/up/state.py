@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 from pathlib import Path
 
 from pdpool.models.demo import cache_dir
@@ -44,6 +45,35 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _ours(pid: int) -> bool:
+    """``pid`` still runs a pool process (a pdpool child or a redis-server), not a process that reused the pid."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"pdpool" in cmdline or b"redis-server" in cmdline
+
+
+def reap_stale() -> list[tuple[int, list[int]]]:
+    """Stop what a killed ``pdpool up`` left running (its children live in their own sessions, so nothing else
+    stops them); returns [(that up's pid, the pids stopped)] and removes its state files."""
+    reaped = []
+    for path in sorted(state_dir().glob("*.json")):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            saved = json.loads(path.read_text())
+            if _alive(int(saved["pid"])):
+                continue
+            pids = [p["pid"] for p in saved["processes"] if p.get("pid")]
+            pids += [saved["redis_pid"]] if saved.get("redis_pid") else []
+            stopped = [pid for pid in pids if _ours(pid)]
+            for pid in stopped:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)  # each child leads its own process group
+            remove(path)
+            reaped.append((int(saved["pid"]), stopped))
+    return reaped
 
 
 def running() -> list[dict]:
