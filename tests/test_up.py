@@ -168,15 +168,24 @@ def test_missing_redis_server_says_how_to_install_it(tmp_path):
 
 
 def test_managed_redis_and_sigterm_while_starting(demo_model_dir, pdpool_cache, tmp_path):
-    """No nodes (replicas 0): the router never gets ready; SIGTERM then still stops it and the pool's own Redis."""
+    """No nodes (replicas 0): the router never gets ready. The pool's own Redis, killed, is restarted; SIGTERM then
+    stops the router and Redis."""
     port = free_port()
     up = UpProcess([str(empty_pool(tmp_path, "empty")), "--port", str(port)],
                    dict(os.environ, PDPOOL_CACHE=str(pdpool_cache)))
     try:
         up.wait_for_line(r"^router-0 +\| .*listening", timeout=120)
-        saved = json.loads((Path(pdpool_cache) / "up" / f"{port}.json").read_text())
-        pids = [saved["redis_pid"], *(p["pid"] for p in saved["processes"])]
+        state_path = Path(pdpool_cache) / "up" / f"{port}.json"
+        saved = json.loads(state_path.read_text())
         assert saved["redis_url"].startswith("redis://127.0.0.1:") and saved["redis_pid"]
+        os.kill(saved["redis_pid"], signal.SIGKILL)  # the pool's Redis is supervised too
+        up.wait_for_line(r"^up +\| redis-server exited with code -9; restarting it", timeout=30)
+        deadline = time.monotonic() + 30
+        while json.loads(state_path.read_text())["redis_pid"] == saved["redis_pid"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        pids = [saved["redis_pid"], json.loads(state_path.read_text())["redis_pid"],
+                *(p["pid"] for p in saved["processes"])]
         up.proc.send_signal(signal.SIGTERM)
         assert up.proc.wait(60) == 0, up.log()
     finally:

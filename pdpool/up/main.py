@@ -105,6 +105,13 @@ class Up:
                                f"{', '.join(live)}; stop them or give this pool another metadata.name")
         self.say(f"using the pool's Redis at {self.redis_url}")
 
+    def restart_redis(self) -> None:
+        """Same port and password; the nodes notice an empty Redis at their next heartbeat and republish."""
+        self.say(f"redis-server exited with code {self.redis.proc.returncode}; restarting it")
+        self.redis.start()
+        self.out.pump("redis", self.redis.proc.stdout)
+        self.say(f"redis-server (pid {self.redis.proc.pid}) on {self.redis.url}")
+
     def _state_dir(self) -> str:
         d = state.state_dir()
         d.mkdir(parents=True, exist_ok=True)
@@ -151,6 +158,9 @@ class Up:
         while not self.stop_signals:
             now = time.monotonic()
             changed = [c.poll(now) for c in self.children]
+            if self.redis is not None and self.redis.proc.poll() is not None:
+                self.restart_redis()
+                changed.append(True)
             if any(changed) or (not self.ready and now - last_progress >= PROGRESS_EVERY):
                 self.progress(started)
                 last_progress = now
