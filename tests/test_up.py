@@ -213,6 +213,7 @@ def test_what_a_killed_up_left_running_is_stopped_by_the_next_up(demo_model_dir,
         first.wait_for_line(r"^router-0 +\| .*listening", timeout=120)
         saved = json.loads((Path(pdpool_cache) / "up" / f"{port}.json").read_text())
         pids = [saved["redis_pid"], *(p["pid"] for p in saved["processes"])]
+        assert Path(saved["run_dir"]).is_dir()
         first.proc.kill()  # SIGKILL: no chance to stop its children
         first.proc.wait()
         for pid in pids:
@@ -221,6 +222,7 @@ def test_what_a_killed_up_left_running_is_stopped_by_the_next_up(demo_model_dir,
         second.wait_for_line(rf"^up +\| stopped 2 processes left running by a killed pdpool up \(pid {first.proc.pid}\)",
                              timeout=60)
         assert_gone(pids)
+        assert not Path(saved["run_dir"]).exists()
     finally:
         for up in (first, second):
             if up is not None and up.proc.poll() is None:

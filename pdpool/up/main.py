@@ -247,7 +247,7 @@ class Up:
             "pid": os.getpid(), "pool": p.name, "namespace": p.namespace, "model": p.router.served_model_name,
             "router_url": self.router_url, "ready": self.ready,
             "redis_url": self.redis_url, "redis_password": self.redis_password,
-            "redis_pid": self.redis.proc.pid if self.redis is not None else None,
+            "redis_pid": self.redis.proc.pid if self.redis is not None else None, "run_dir": self.run_dir,
             "processes": [{"name": c.name, "role": c.spec.role, "url": c.spec.url, "pid": c.pid, "state": c.state,
                            "restarts": c.restarts} for c in self.children],
         })

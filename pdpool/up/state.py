@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -71,6 +72,8 @@ def reap_stale() -> list[tuple[int, list[int]]]:
             for pid in stopped:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(pid, signal.SIGKILL)  # each child leads its own process group
+            if saved.get("run_dir"):
+                shutil.rmtree(saved["run_dir"], ignore_errors=True)
             remove(path)
             reaped.append((int(saved["pid"]), stopped))
     return reaped
