@@ -137,8 +137,10 @@ async def main_async(args) -> None:
     procs: list[subprocess.Popen] = []
 
     def spawn(argv, env=None) -> subprocess.Popen:
+        # cwd outside the checkout: `python -m` puts the cwd first on sys.path, and the checkout's operator/
+        # folder would shadow the standard library's operator module in the peers' Pythons
         p = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
+                             start_new_session=True, cwd="/tmp")
         procs.append(p)
         return p
 
