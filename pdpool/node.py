@@ -93,7 +93,7 @@ class Node:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
-        self._loaded = threading.Event()
+        self._registered = False  # the heartbeat runs (the node is in the pool's Redis)
         self.app = create_app(config, self, routes=self._internal_routes())
 
     # ---- what the HTTP app reads -----------------------------------------------------------------
@@ -163,9 +163,9 @@ class Node:
         self.llm = llm
         if self.status == "loading":
             self.status = "ready"
-        self._loaded.set()
-        if self.heartbeat is not None:
+        if self.heartbeat is not None and not self.draining:  # a node stopping already does not register
             self.heartbeat.start()
+            self._registered = True
         logger.info("engine ready: %s (max_model_len %d)", self.config.served_model_name, llm.max_model_len)
 
     def _set_failed(self, error: str) -> None:
@@ -302,7 +302,7 @@ class Node:
             await asyncio.wait(list(self.decode.tasks), timeout=3 * self.config.disagg.kv_transfer_timeout)
         if self.prefill is not None and self.llm is not None:
             self.prefill.release_all()  # the engine thread is idle now: no step runs
-        if self.heartbeat is not None:
+        if self.index is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._deregister)
         if self.worker is not None and not loading:
             self.worker.close()  # no transfer reads or writes our memory any more
@@ -310,7 +310,8 @@ class Node:
             await self._session.close()
 
     def _deregister(self) -> None:
-        self.heartbeat.stop()
+        if self._registered:
+            self.heartbeat.stop()
         self.index.deregister()
 
 
