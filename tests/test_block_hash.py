@@ -5,10 +5,11 @@ from __future__ import annotations
 import hashlib
 import struct
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
-from pdpool.block_hash import (HASH_BYTES, ModelFingerprint, hash_block_tokens, hash_prompt_blocks,
-                               root_hash)
+from pdpool.block_hash import (HASH_BYTES, ModelFingerprint, extend_block_hashes, hash_block_tokens,
+                               hash_prompt_blocks, root_hash)
 
 FP = ModelFingerprint("HuggingFaceTB/SmolLM2-135M-Instruct", "bfloat16", 16)
 
@@ -111,3 +112,35 @@ def test_field_boundaries_are_unambiguous():
     root = root_hash(FP)
     assert hash_block_tokens(root, [1, 2], ("ab",)) != hash_block_tokens(root, [1, 2], ("a", "b"))
     assert hash_block_tokens(root, [1]) != hash_block_tokens(root, [1, 0])
+
+
+def _extend_block_by_block(hashes, tokens, block_size, root, extra_keys=()):
+    """The implementation before the one-buffer fast path (a block at a time), kept as the reference."""
+    hashes = list(hashes)
+    parent = hashes[-1] if hashes else root
+    for start in range(len(hashes) * block_size, len(tokens) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, tokens[start:start + block_size], extra_keys)
+        hashes.append(parent)
+    return hashes
+
+
+@settings(max_examples=150, deadline=None)
+@given(tokens=st.lists(st.integers(0, 2**32 - 1), max_size=200), block_size=st.sampled_from([1, 3, 4, 16, 32]),
+       already=st.integers(0, 10), extra_keys=st.lists(st.text(max_size=6), max_size=3),
+       salt=st.one_of(st.none(), st.text(max_size=6)))
+def test_one_buffer_path_equals_block_by_block(tokens, block_size, already, extra_keys, salt):
+    """The engines, the router and the Redis index depend on these bits: the fast path must not change one."""
+    root = root_hash(FP, salt)
+    full = _extend_block_by_block([], tokens, block_size, root, extra_keys)
+    assert hash_prompt_blocks(tokens, block_size, root, extra_keys) == full
+    start = full[:min(already, len(full))]  # a request's hashes growing as its output fills blocks
+    assert extend_block_hashes(list(start), tokens, block_size, root, extra_keys) == full
+
+
+def test_one_buffer_path_refuses_what_the_block_path_refuses():
+    root = root_hash(FP)
+    for bad in ([-1] * 16, [2**32] * 16):
+        with pytest.raises(struct.error):
+            hash_prompt_blocks(bad, 16, root)
+        with pytest.raises(struct.error):
+            hash_block_tokens(root, bad)
