@@ -10,7 +10,7 @@ import base64
 import copy
 import datetime
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import kopf
 import redis.exceptions
@@ -31,6 +31,8 @@ class Options:
     # operator running outside the cluster, and for tests.
     managed_redis_url: str | None = None
     finalizer_retries: int = 5
+    # A partial spec applied under every pool (--pool-defaults): the cluster's RDMA, UCX and placement settings.
+    pool_defaults: dict = field(default_factory=dict)
 
 
 def configure(settings: kopf.OperatorSettings) -> None:
@@ -94,7 +96,7 @@ def register(registry: kopf.OperatorRegistry, options: Options) -> None:
     async def reconcile_pool(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger, **_) -> None:
         generation = body["metadata"].get("generation", 1)
         try:
-            pool = parse_pool(dict(body))
+            pool = parse_pool(dict(body), options.pool_defaults)
         except SpecError as exc:
             _set_status(patch, body, await observe(memo.kube, body, None, ("InvalidSpec", str(exc)), generation))
             kopf.warn(body, reason="InvalidSpec", message=str(exc))
@@ -124,7 +126,7 @@ def register(registry: kopf.OperatorRegistry, options: Options) -> None:
             current = copy.deepcopy(dict(body))  # ``body`` is live: read it once, under the lock
             meta, applied = current["metadata"], (current.get("status") or {}).get("observedGeneration", 0)
             try:
-                pool, error = parse_pool(current), None
+                pool, error = parse_pool(current, options.pool_defaults), None
             except SpecError as exc:
                 pool, error = None, ("InvalidSpec", str(exc))
             if pool is not None and applied == pool.generation and not meta.get("deletionTimestamp"):

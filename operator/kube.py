@@ -21,6 +21,9 @@ KINDS = {
     "ConfigMap": ("api/v1", "configmaps"),
     "Secret": ("api/v1", "secrets"),
     "NetworkPolicy": ("apis/networking.k8s.io/v1", "networkpolicies"),
+    "ServiceAccount": ("api/v1", "serviceaccounts"),
+    "Role": ("apis/rbac.authorization.k8s.io/v1", "roles"),
+    "RoleBinding": ("apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     "Lease": ("apis/coordination.k8s.io/v1", "leases"),
     "InferencePool": ("apis/pdpool.io/v1alpha1", "inferencepools"),
 }

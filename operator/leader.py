@@ -42,6 +42,7 @@ class LeaseElector:
         self._observed_at = 0.0
         self.holder: str | None = None
         self._renewed_at: float | None = None
+        self.last_contact: float | None = None  # when the API server last answered (readiness)
 
     def is_leader(self) -> bool:
         """True while the last renewal is fresh: a paused or partitioned leader fences itself off in time."""
@@ -56,6 +57,7 @@ class LeaseElector:
     async def try_acquire_or_renew(self) -> bool:
         now = _micro_time()
         lease = await self.kube.get("Lease", self.namespace, self.name)
+        self.last_contact = time.monotonic()
         if lease is None:
             body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                     "metadata": {"name": self.name, "namespace": self.namespace}, "spec": self._spec({}, now)}

@@ -1,4 +1,9 @@
-"""``pdpool operator [--namespace NS] …``: kopf behind a Lease elector. ``pdpool operator crd`` prints the CRD."""
+"""``pdpool operator [--namespace NS] …``: kopf behind a Lease elector. ``pdpool operator crd`` prints the CRD.
+
+kopf's cluster scanning is off: it would list and watch ``namespaces`` and ``customresourcedefinitions``, two
+cluster-scoped resources, and a namespaced operator must not need a ClusterRole. So the namespaces are exactly
+``--namespace``, and the CRD must be served before kopf starts: the operator waits for it (not ready meanwhile).
+"""
 
 from __future__ import annotations
 
@@ -10,11 +15,13 @@ import os
 import sys
 
 import kopf
+import yaml
 
 from pdpool import logs
 from pdpool.operator import crd
 from pdpool.operator.handlers import Options, configure, register
-from pdpool.operator.kube import Kube, login
+from pdpool.operator.health import Health
+from pdpool.operator.kube import ApiError, Kube, login
 from pdpool.operator.leader import LeaseElector, default_identity
 
 log = logging.getLogger("pdpool.operator")
@@ -36,6 +43,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--managed-redis-url", default=None,
                    help="Reach managed Redis at this URL ({name}, {namespace} filled in), e.g. when the operator "
                         "runs outside the cluster.")
+    p.add_argument("--pool-defaults", default=None, metavar="FILE",
+                   help="YAML partial InferencePool spec applied under every pool (a pool's own values win), e.g. "
+                        "kvTransfer.ucxNetDevices, kvTransfer.rdma, placement; checked against the CRD schema.")
+    p.add_argument("--health-port", type=int, default=0,
+                   help="Serve /healthz, /readyz and /metrics on this port (0: off).")
+    p.add_argument("--health-host", default="0.0.0.0", help="Address of the health port.")
+    p.add_argument("--crd-wait-seconds", type=float, default=10.0,
+                   help="Seconds between checks that the InferencePool CRD is served, before kopf starts.")
     p.add_argument("--verbose", "-v", action="store_true")
     return p
 
@@ -47,18 +62,65 @@ class _QuietTimers(logging.Filter):
         return not (record.getMessage().startswith("Timer ") and record.getMessage().endswith(" succeeded."))
 
 
+async def crd_served(kube: Kube) -> bool:
+    """Discovery (a non-resource URL every authenticated user may read): is pdpool.io/v1alpha1 served?"""
+    try:
+        found = await kube._request("GET", f"/apis/{crd.GROUP}/{crd.VERSION}", fenced=False)
+    except ApiError as exc:
+        if exc.status == 404:
+            return False
+        raise
+    return any(r.get("name") == crd.PLURAL for r in (found or {}).get("resources") or [])
+
+
+async def wait_for_crd(kube: Kube, every: float) -> None:
+    while True:
+        try:
+            if await crd_served(kube):
+                return
+            log.error(f"the CRD {crd.CRD_NAME} is not served; install it (docs/deploy.md: `helm upgrade` with "
+                      f"crds.install=true, or `pdpool operator crd | kubectl apply --server-side -f -`)")
+        except (ApiError, OSError, asyncio.TimeoutError) as exc:
+            log.warning(f"checking for the CRD {crd.CRD_NAME}: {exc}")
+        await asyncio.sleep(every)
+
+
+def load_pool_defaults(path: str | None) -> dict:
+    if not path:
+        return {}
+    from pdpool.up.pool import schema_errors  # the CRD-schema checker pdpool up uses (no torch)
+
+    with open(path) as f:
+        defaults = yaml.safe_load(f) or {}
+    root = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    errors = schema_errors(defaults, root, "poolDefaults")
+    if errors:
+        raise SystemExit(f"pdpool operator: --pool-defaults {path}: " + "; ".join(errors))
+    return defaults
+
+
 async def run(args: argparse.Namespace) -> int:
+    health = Health(args.lease_seconds)
+    if args.health_port:
+        await health.start(args.health_host, args.health_port)
     connection = login()
     registry = kopf.OperatorRegistry()
-    register(registry, Options(status_interval=args.status_interval, managed_redis_url=args.managed_redis_url))
+    register(registry, Options(status_interval=args.status_interval, managed_redis_url=args.managed_redis_url,
+                               pool_defaults=load_pool_defaults(args.pool_defaults)))
     settings = kopf.OperatorSettings()
     configure(settings)
+    settings.scanning.disabled = True  # no namespaces/CRD watches: see the module docstring
+    discovery = Kube(connection, user_agent="pdpool-operator/discovery")
+    await wait_for_crd(discovery, args.crd_wait_seconds)
+    await discovery.close()
+    health.crd_served = True
     elector = None
     identity = args.identity or default_identity()
     if args.leader_election:
         ns = args.lease_namespace or (args.namespace[0] if args.namespace else "default")
         elector = LeaseElector(Kube(connection, user_agent=f"pdpool-operator/{identity}/lease"), ns,
                                args.lease_name, identity, args.lease_seconds)
+        health.elector = elector
         identity = elector.identity
         log.info(f"{identity}: waiting for Lease {ns}/{args.lease_name}")
         await elector.acquire()
@@ -71,6 +133,7 @@ async def run(args: argparse.Namespace) -> int:
         registry=registry, settings=settings, standalone=True, clusterwide=not args.namespace,
         namespaces=args.namespace, stop_flag=stop, memo=kopf.Memo(kube=kube, connection=connection,
                                                    locks=collections.defaultdict(asyncio.Lock))))
+    health.kopf_task = operator
     holding = asyncio.create_task(elector.hold()) if elector else None
     done, _ = await asyncio.wait({t for t in (operator, holding) if t}, return_when=asyncio.FIRST_COMPLETED)
     if holding in done:
@@ -83,6 +146,7 @@ async def run(args: argparse.Namespace) -> int:
         await elector.release()
         await elector.kube.close()
     await kube.close()
+    await health.stop()
     operator.result()
     return 0
 

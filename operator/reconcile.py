@@ -18,7 +18,8 @@ from pdpool.operator.kube import ApiError
 
 CREATE_ONLY = {"Secret"}
 # Optional pod-spec fields the builders may stop setting; a merge patch must null them out explicitly.
-OWNED_OPTIONAL_POD_FIELDS = ("nodeSelector", "tolerations", "volumes")
+OWNED_OPTIONAL_POD_FIELDS = ("nodeSelector", "tolerations", "volumes", "initContainers", "affinity",
+                             "serviceAccountName")
 
 
 class ChildConflict(Exception):
@@ -55,6 +56,8 @@ def merge_patch(desired: dict, actual: dict) -> dict:
         for name in OWNED_OPTIONAL_POD_FIELDS:
             if name in have and name not in want:
                 want[name] = None
+        if want.get("serviceAccountName", "") is None:  # the API server copies the deprecated alias back
+            want["serviceAccount"] = None
         if isinstance(want.get("nodeSelector"), dict):
             for label in set(have.get("nodeSelector") or {}) - set(want["nodeSelector"]):
                 want["nodeSelector"][label] = None

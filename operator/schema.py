@@ -9,6 +9,7 @@ from __future__ import annotations
 
 DEFAULT_IMAGE = "ghcr.io/pdpool/pdpool:0.1.0"
 DEFAULT_REDIS_IMAGE = "redis:7.4-alpine"
+DEFAULT_DOWNLOAD_IMAGE = "amazon/aws-cli:2.22.35"
 
 
 def _str(description: str, **kw) -> dict:
@@ -62,24 +63,55 @@ def _role(role: str) -> dict[str, dict]:
     }
 
 
+_QUANTITY = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}
+
+_PEERS = {"type": "array", "description": "NetworkPolicy peers (podSelector, namespaceSelector, ipBlock) allowed to "
+          "reach the nodes' and the router's HTTP port, for example Prometheus scraping /metrics.", "items": {
+              "type": "object", "x-kubernetes-preserve-unknown-fields": True}}
+
+MODEL_SOURCE = {
+    "type": "object", "description": "Where model.name lives when it is not 'demo' or a path baked into the image: "
+    "set one of pvc, hostPath, objectStore, image; it is mounted at model.mountPath.",
+    "properties": {
+        "pvc": {"type": "object", "description": "A PersistentVolumeClaim, e.g. holding a Hugging Face cache.",
+                "required": ["claimName"], "properties": {
+                    "claimName": _str("PersistentVolumeClaim name."),
+                    "subPath": _str("Folder inside the volume."),
+                    "readOnly": {"type": "boolean", "default": True, "description": "Mount read-only."},
+                }},
+        "hostPath": {"type": "object", "description": "A folder on each node.", "required": ["path"],
+                     "properties": {"path": _str("Folder on the node.")}},
+        "objectStore": {"type": "object", "description": "Downloaded by an init container (aws s3 sync) into an "
+                        "emptyDir before the engine starts; each pod downloads its own copy.",
+                        "required": ["uri"], "properties": {
+                            "uri": _str("s3://bucket/prefix (any S3-compatible store).", pattern="^s3://.+"),
+                            "endpointUrl": _str("S3 endpoint of a non-AWS store (MinIO, Ceph, GCS interop)."),
+                            "credentialsSecretRef": {"type": "object", "required": ["name"],
+                                                     "description": "Secret whose keys become the init "
+                                                     "container's environment (AWS_ACCESS_KEY_ID, ...).",
+                                                     "properties": {"name": _str("Secret name.")}},
+                            "image": _str("Image of the download container.", default=DEFAULT_DOWNLOAD_IMAGE),
+                            "sizeLimit": {**_QUANTITY, "description": "Size limit of the emptyDir."},
+                        }},
+        "image": {"type": "object", "description": "An OCI image (artifact) mounted read-only as an image volume "
+                  "(Kubernetes ImageVolume: beta in 1.33, on by default from 1.35).",
+                  "required": ["reference"], "properties": {
+                      "reference": _str("Image reference holding the model files."),
+                      "pullPolicy": _str("Pull policy.", enum=["Always", "IfNotPresent", "Never"],
+                                         default="IfNotPresent"),
+                  }},
+    }}
+
 DEPLOYMENT_FIELDS: dict[str, dict] = {
     "image": _str("Image with the pdpool package, for nodes and router.", default=DEFAULT_IMAGE),
     "imagePullPolicy": _str("Pull policy of that image.", enum=["Always", "IfNotPresent", "Never"],
                             default="IfNotPresent"),
-    "model.source": {"type": "object", "description": "Where model.name lives when it is not 'demo' or a path "
-                     "baked into the image: a PersistentVolumeClaim or a host path, mounted at model.mountPath.",
-                     "properties": {
-                         "pvc": {"type": "object", "required": ["claimName"], "properties": {
-                             "claimName": _str("PersistentVolumeClaim name."),
-                             "subPath": _str("Folder inside the volume."),
-                             "readOnly": {"type": "boolean", "default": True, "description": "Mount read-only."},
-                         }},
-                         "hostPath": {"type": "object", "required": ["path"], "properties": {
-                             "path": _str("Folder on the node."),
-                         }},
-                     }},
+    "model.source": MODEL_SOURCE,
     "model.mountPath": _str("Where the model source is mounted; model.name must then lie under it.",
                             default="/models"),
+    "model.loadTimeoutSeconds": _int("Seconds a node may take to load the model before its startupProbe fails "
+                                     "(size it for a cold load of the largest model: download, read, warm-up).",
+                                     minimum=30, default=600),
     **_role("prefill"),
     **_role("decode"),
     "router.replicas": _int("Router pods (unset: an autoscaler owns them).", minimum=0, default=1),
@@ -92,6 +124,21 @@ DEPLOYMENT_FIELDS: dict[str, dict] = {
     "redis.passwordSecretRef": _secret_ref("Secret with the password of the external Redis at redis.url.",
                                            "password"),
     "redis.image": _str("Image of the managed Redis (used when redis.url is unset).", default=DEFAULT_REDIS_IMAGE),
+    "router.discovery": _str("How the router finds nodes: redis (heartbeats; the router's pods get no Kubernetes "
+                             "token) or kubernetes (EndpointSlices of the node Services; the operator creates a "
+                             "ServiceAccount with a read-only Role on EndpointSlices for the router).",
+                             enum=["redis", "kubernetes"], default="redis"),
+    "kvTransfer.rdma.ipcLock": {"type": "boolean", "default": False, "description": "Add the IPC_LOCK capability "
+                                "to the nodes, so that RDMA can pin KV memory beyond RLIMIT_MEMLOCK (see "
+                                "docs/deploy.md: a non-root process also needs the runtime's memlock limit)."},
+    "kvTransfer.shmSize": {**_QUANTITY, "description": "Size of a memory-backed /dev/shm for the nodes (UCX "
+                           "shared-memory and CUDA IPC transports), e.g. 16Gi; unset: the runtime's 64Mi."},
+    "placement.topologyKey": _str("Node label whose value groups nodes that share a fast fabric (rack, NVLink "
+                                  "domain), e.g. nvidia.com/gpu.clique or topology.kubernetes.io/zone: the pool's "
+                                  "prefill and decode pods are placed in the same group."),
+    "placement.mode": _str("preferred (a scheduling preference) or required (pods wait for room in one group).",
+                           enum=["preferred", "required"], default="preferred"),
+    "networkPolicy.scrapeFrom": _PEERS,
 }
 
 SECTION_DESCRIPTIONS = {
@@ -104,4 +151,7 @@ SECTION_DESCRIPTIONS = {
     "router.weights": "Scorer weights of the router's endpoint picker.",
     "redis": "Block-ownership index and heartbeats: managed by the operator unless redis.url is set.",
     "kvTransfer": "KV movement between prefill and decode nodes.",
+    "kvTransfer.rdma": "RDMA settings of the node pods (RDMA devices themselves are resources, e.g. rdma/ib).",
+    "placement": "Topology-aware placement of the pool's prefill and decode pods.",
+    "networkPolicy": "The pool's NetworkPolicies: router → nodes' HTTP, nodes ↔ nodes (NIXL, UCX), Redis.",
 }

@@ -74,6 +74,11 @@ class Pool:
         return self.spec["redis"].get("url") or f"redis://{self.name}-redis.{self.namespace}.svc:6379/0"
 
     @property
+    def kubernetes_discovery(self) -> bool:
+        """The router finds nodes through EndpointSlices: it then gets a token and a read-only Role."""
+        return self.spec["router"]["discovery"] == "kubernetes"
+
+    @property
     def termination_grace_seconds(self) -> int:
         """Longer than a KV lease, so a draining prefill node outlives every lease it granted."""
         return math.ceil(self.node.disagg.kv_lease_seconds) + 30
@@ -111,7 +116,7 @@ def _check(pool: Pool) -> None:
     spec = pool.spec
     source = spec["model"].get("source") or {}
     if len(source) > 1:
-        raise SpecError(f"model.source: set one of pvc, hostPath (got {sorted(source)})")
+        raise SpecError(f"model.source: set one of pvc, hostPath, objectStore, image (got {sorted(source)})")
     if source:
         mount = spec["model"]["mountPath"].rstrip("/")
         if not spec["model"]["name"].startswith(mount + "/"):
@@ -126,10 +131,21 @@ def _check(pool: Pool) -> None:
                 raise SpecError(f"engine.device is cuda but {role}.resources.limits has no {GPU}")
 
 
-def parse_pool(body: dict) -> Pool:
+def merge_defaults(spec: dict, defaults: dict) -> dict:
+    """``defaults`` (the operator's --pool-defaults, a partial spec) under ``spec``: the pool's own values win;
+    mappings merge key by key, anything else (lists included) is taken whole from the pool when it sets it."""
+    out = dict(defaults)
+    for k, v in spec.items():
+        out[k] = merge_defaults(v, out[k]) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def parse_pool(body: dict, defaults: dict | None = None) -> Pool:
+    """``defaults``: a partial spec the cluster's operator applies under every pool (RDMA, UCX, placement)."""
     meta = body["metadata"]
     root = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    spec = crd.apply_defaults(dict(body.get("spec") or {}), root)
+    spec = merge_defaults(dict(body.get("spec") or {}), defaults or {})
+    spec = crd.apply_defaults(spec, root)
     pool = Pool(name=meta["name"], namespace=meta.get("namespace", "default"), uid=meta.get("uid", ""),
                 generation=int(meta.get("generation", 1)), spec=spec, node=_settings(spec, config.NodeConfig),
                 router=_settings(spec, config.RouterCommandConfig),

@@ -9,7 +9,7 @@ from pdpool.operator.builders.common import metadata, with_hash
 from pdpool.operator.builders.network import nodes_policy, redis_policy
 from pdpool.operator.builders.nodes import node_deployment, node_service
 from pdpool.operator.builders.redis import generated_secret, redis_deployment, redis_service
-from pdpool.operator.builders.router import endpoint, router_deployment, router_service
+from pdpool.operator.builders.router import endpoint, router_deployment, router_rbac, router_service
 from pdpool.operator.spec import NODE_ROLES, Pool
 
 __all__ = ["render", "config_map", "endpoint", "new_token"]
@@ -40,5 +40,5 @@ def render(pool: Pool, token: Callable[[], str] = new_token) -> list[dict]:
     objs += [config_map(pool), nodes_policy(pool)]
     for role in NODE_ROLES:
         objs += [node_service(pool, role), node_deployment(pool, role)]
-    objs += [router_service(pool), router_deployment(pool)]
+    objs += [router_service(pool), *router_rbac(pool), router_deployment(pool)]
     return objs

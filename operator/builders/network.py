@@ -1,30 +1,40 @@
-"""NetworkPolicies: Redis and the nodes' HTTP and NIXL ports admit only this pool's own pods.
+"""NetworkPolicies: the router alone reaches the nodes' HTTP port (OpenAI and internal routes); only the pool's
+nodes reach each other (NIXL metadata port, UCX data, the lease routes); Redis admits only the pool's own pods.
 
-The router's Service stays open to clients; the router reaches nodes because it is one of the pool's pods.
+Node to node traffic is allowed on every port, not just the NIXL port: UCX's TCP transport moves KV over
+ephemeral ports (RDMA bypasses the kernel's IP stack, so a NetworkPolicy does not see it at all). Decode nodes
+call prefill nodes' ``/internal/kv/*`` routes over HTTP. The router's Service stays open to clients;
+``networkPolicy.scrapeFrom`` adds peers (Prometheus) allowed to the nodes' HTTP port for ``/metrics``.
 """
 
 from __future__ import annotations
 
 from pdpool.operator.builders.common import metadata, pool_selector, selector_labels, with_hash
+from pdpool.operator.builders.nodes import nodes_selector
 from pdpool.operator.builders.redis import REDIS_PORT
 from pdpool.operator.spec import NODE_HTTP_PORT, Pool
 
 
-def _policy(pool: Pool, name: str, component: str, pod_selector: dict, ports: list[int]) -> dict:
+def _tcp(*ports: int) -> list[dict]:
+    return [{"protocol": "TCP", "port": p} for p in ports]
+
+
+def _policy(pool: Pool, name: str, component: str, pod_selector: dict, ingress: list[dict]) -> dict:
     return with_hash({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
                       "metadata": metadata(pool, name, component),
-                      "spec": {"podSelector": pod_selector, "policyTypes": ["Ingress"], "ingress": [{
-                          "from": [{"podSelector": {"matchLabels": pool_selector(pool)}}],
-                          "ports": [{"protocol": "TCP", "port": p} for p in ports]}]}})
+                      "spec": {"podSelector": pod_selector, "policyTypes": ["Ingress"], "ingress": ingress}})
 
 
 def nodes_policy(pool: Pool) -> dict:
-    selector = {"matchLabels": pool_selector(pool), "matchExpressions": [
-        {"key": "app.kubernetes.io/component", "operator": "In", "values": ["prefill", "decode"]}]}
-    return _policy(pool, f"{pool.name}-nodes", "prefill-decode", selector,
-                   [NODE_HTTP_PORT, pool.node.disagg.nixl_port])
+    router = {"podSelector": {"matchLabels": selector_labels(pool, "router")}}
+    ingress = [{"from": [router], "ports": _tcp(NODE_HTTP_PORT)},
+               {"from": [{"podSelector": nodes_selector(pool)}]}]
+    scrapers = (pool.spec.get("networkPolicy") or {}).get("scrapeFrom") or []
+    if scrapers:
+        ingress.append({"from": list(scrapers), "ports": _tcp(NODE_HTTP_PORT)})
+    return _policy(pool, f"{pool.name}-nodes", "prefill-decode", nodes_selector(pool), ingress)
 
 
 def redis_policy(pool: Pool) -> dict:
     return _policy(pool, f"{pool.name}-redis", "redis", {"matchLabels": selector_labels(pool, "redis")},
-                   [REDIS_PORT])
+                   [{"from": [{"podSelector": {"matchLabels": pool_selector(pool)}}], "ports": _tcp(REDIS_PORT)}])

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+from dataclasses import dataclass, field
 
 from pdpool import config
-from pdpool.operator.builders.common import labels, metadata, selector_labels, with_hash
+from pdpool.operator.builders.common import labels, metadata, pool_selector, selector_labels, with_hash
 from pdpool.operator.spec import NODE_HTTP_PORT, Pool, SecretRef
 
 HEALTH_LIVE, HEALTH_READY = "/health/live", "/health/ready"
+STARTUP_PERIOD = 5  # seconds between startup probes; model.loadTimeoutSeconds sets how many may fail
 
 
 def node_config(pool: Pool, role: str) -> config.NodeConfig:
@@ -42,10 +45,39 @@ def http_probe(path: str, period: int, failures: int) -> dict:
     return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "failureThreshold": failures}
 
 
-def model_volume(pool: Pool) -> tuple[list[dict], list[dict]]:
-    """(volumes, volumeMounts) for model.source; none for 'demo' or a path baked into the image."""
+# What the router needs of a model folder: the tokenizer and configs, not the weights.
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
+
+
+@dataclass
+class ModelMount:
+    volumes: list[dict] = field(default_factory=list)
+    mounts: list[dict] = field(default_factory=list)
+    init_containers: list[dict] = field(default_factory=list)
+
+
+def download_container(pool: Pool, store: dict, mount: str, weights: bool) -> dict:
+    args = ["s3", "sync", "--no-progress", "--only-show-errors"]
+    if store.get("endpointUrl"):
+        args += ["--endpoint-url", store["endpointUrl"]]
+    if not weights:
+        for pattern in WEIGHT_FILES:
+            args += ["--exclude", pattern]
+    container = {"name": "model-download", "image": store["image"], "command": ["aws"],
+                 "args": [*args, store["uri"], mount], "env": [{"name": "HOME", "value": "/tmp"}],
+                 "volumeMounts": [{"name": "model", "mountPath": mount}],
+                 "securityContext": {"allowPrivilegeEscalation": False}}
+    if store.get("credentialsSecretRef"):
+        container["envFrom"] = [{"secretRef": {"name": store["credentialsSecretRef"]["name"]}}]
+    return container
+
+
+def model_volume(pool: Pool, weights: bool = True) -> ModelMount:
+    """Volumes, mounts and init containers for model.source; none for 'demo' or a path baked into the image.
+    ``weights=False`` (the router, which only tokenizes) downloads everything but the weight files."""
     source = pool.spec["model"].get("source") or {}
     mount = pool.spec["model"]["mountPath"]
+    read_only = {"name": "model", "mountPath": mount, "readOnly": True}
     if "pvc" in source:
         pvc = source["pvc"]
         volume = {"name": "model", "persistentVolumeClaim": {"claimName": pvc["claimName"],
@@ -53,11 +85,21 @@ def model_volume(pool: Pool) -> tuple[list[dict], list[dict]]:
         vm = {"name": "model", "mountPath": mount, "readOnly": pvc.get("readOnly", True)}
         if pvc.get("subPath"):
             vm["subPath"] = pvc["subPath"]
-        return [volume], [vm]
+        return ModelMount([volume], [vm])
     if "hostPath" in source:
         volume = {"name": "model", "hostPath": {"path": source["hostPath"]["path"], "type": "Directory"}}
-        return [volume], [{"name": "model", "mountPath": mount, "readOnly": True}]
-    return [], []
+        return ModelMount([volume], [read_only])
+    if "objectStore" in source:
+        store = source["objectStore"]
+        empty = {"sizeLimit": store["sizeLimit"]} if store.get("sizeLimit") is not None else {}
+        return ModelMount([{"name": "model", "emptyDir": empty}], [read_only],
+                          [download_container(pool, store, mount, weights)])
+    if "image" in source:
+        image = source["image"]
+        volume = {"name": "model", "image": {"reference": image["reference"],
+                                             "pullPolicy": image.get("pullPolicy", "IfNotPresent")}}
+        return ModelMount([volume], [read_only])
+    return ModelMount()
 
 
 def pod_placement(pool: Pool, role: str) -> dict:
@@ -70,10 +112,40 @@ def pod_placement(pool: Pool, role: str) -> dict:
     return out
 
 
+def nodes_selector(pool: Pool) -> dict:
+    """Every prefill and decode pod of this pool."""
+    return {"matchLabels": pool_selector(pool), "matchExpressions": [
+        {"key": "app.kubernetes.io/component", "operator": "In", "values": ["prefill", "decode"]}]}
+
+
+def topology_affinity(pool: Pool) -> dict | None:
+    """Prefill and decode pods in one topology group (rack, NVLink domain): KV moves over the fast fabric."""
+    placement = pool.spec.get("placement") or {}
+    if not placement.get("topologyKey"):
+        return None
+    term = {"labelSelector": nodes_selector(pool), "topologyKey": placement["topologyKey"]}
+    if placement["mode"] == "required":
+        return {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}}
+    return {"podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+        {"weight": 100, "podAffinityTerm": term}]}}
+
+
+def transport_settings(pool: Pool) -> tuple[dict | None, list[dict], list[dict]]:
+    """(container securityContext, volumes, mounts) for RDMA and shared-memory KV transports."""
+    kv = pool.spec["kvTransfer"]
+    security = {"capabilities": {"add": ["IPC_LOCK"]}} if (kv.get("rdma") or {}).get("ipcLock") else None
+    if kv.get("shmSize") is None:
+        return security, [], []
+    return security, [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": kv["shmSize"]}}], \
+        [{"name": "dshm", "mountPath": "/dev/shm"}]
+
+
 def node_deployment(pool: Pool, role: str) -> dict:
     cfg = node_config(pool, role)
     role_spec = pool.roles[role]
-    volumes, mounts = model_volume(pool)
+    model = model_volume(pool)
+    security, shm_volumes, shm_mounts = transport_settings(pool)
+    volumes, mounts = model.volumes + shm_volumes, model.mounts + shm_mounts
     container = {
         "name": "node",
         "image": pool.image,
@@ -86,13 +158,16 @@ def node_deployment(pool: Pool, role: str) -> dict:
         "env": common_env(pool) + list(role_spec.env),
         "resources": role_spec.resources,
         # startup covers model load; after it, liveness restarts a wedged process, readiness gates traffic
-        "startupProbe": http_probe(HEALTH_LIVE, 5, 120),
+        "startupProbe": http_probe(HEALTH_LIVE, STARTUP_PERIOD,
+                                   math.ceil(pool.spec["model"]["loadTimeoutSeconds"] / STARTUP_PERIOD)),
         "livenessProbe": http_probe(HEALTH_LIVE, 10, 3),
         "readinessProbe": http_probe(HEALTH_READY, 5, 2),
         "lifecycle": {"preStop": {"exec": {"command": [
             "python", "-m", "pdpool.operator.drain", "--port", str(NODE_HTTP_PORT),
             "--wait", str(cfg.disagg.kv_lease_seconds)]}}},
     }
+    if security:
+        container["securityContext"] = security
     if mounts:
         container["volumeMounts"] = mounts
     pod_spec = {
@@ -102,8 +177,13 @@ def node_deployment(pool: Pool, role: str) -> dict:
         "containers": [container],
         **pod_placement(pool, role),
     }
+    if model.init_containers:
+        pod_spec["initContainers"] = model.init_containers
     if volumes:
         pod_spec["volumes"] = volumes
+    affinity = topology_affinity(pool)
+    if affinity:
+        pod_spec["affinity"] = affinity
     spec: dict = {
         "selector": {"matchLabels": selector_labels(pool, role)},
         "template": {"metadata": {"labels": labels(pool, role)}, "spec": pod_spec},

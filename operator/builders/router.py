@@ -11,16 +11,43 @@ from pdpool.operator.builders.nodes import (HEALTH_LIVE, HEALTH_READY, common_en
 from pdpool.operator.spec import Pool
 
 
+# The router's read-only access, granted only with router.discovery: kubernetes (router/discovery_k8s.py).
+DISCOVERY_RULES = [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                    "verbs": ["get", "list", "watch"]}]
+
+
 def router_config(pool: Pool) -> config.RouterCommandConfig:
     r = pool.router.router
     return dataclasses.replace(pool.router, router=dataclasses.replace(
-        r, redis=pool.redis_url, pool=pool.name, namespace=pool.namespace))
+        r, redis=pool.redis_url, pool=pool.name, namespace=pool.namespace, kubernetes=pool.kubernetes_discovery))
+
+
+def router_account_name(pool: Pool) -> str:
+    return f"{pool.name}-router"
+
+
+def router_rbac(pool: Pool) -> list[dict]:
+    """ServiceAccount, Role (EndpointSlices, read-only) and RoleBinding of a router that discovers nodes through
+    the Kubernetes API; nothing when it uses Redis (its pods then get no token at all)."""
+    if not pool.kubernetes_discovery:
+        return []
+    name = router_account_name(pool)
+    account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": metadata(pool, name, "router"),
+               "automountServiceAccountToken": False}
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": metadata(pool, name, "router"),
+            "rules": DISCOVERY_RULES}
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+               "metadata": metadata(pool, name, "router"),
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+               "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": pool.namespace}]}
+    return [with_hash(account), with_hash(role), with_hash(binding)]
 
 
 def router_deployment(pool: Pool) -> dict:
     """The router tokenizes as the engines do, so it mounts the model folder (read-only) as the nodes do."""
     cfg = router_config(pool)
-    volumes, mounts = model_volume(pool)
+    model = model_volume(pool, weights=False)
+    volumes, mounts = model.volumes, model.mounts
     container = {
         "name": "router",
         "image": pool.image,
@@ -36,8 +63,12 @@ def router_deployment(pool: Pool) -> dict:
     }
     if mounts:
         container["volumeMounts"] = [dict(m, readOnly=True) for m in mounts]
-    pod_spec = {"enableServiceLinks": False, "automountServiceAccountToken": False, "containers": [container],
-                **pod_placement(pool, "router")}
+    pod_spec = {"enableServiceLinks": False, "automountServiceAccountToken": pool.kubernetes_discovery,
+                "containers": [container], **pod_placement(pool, "router")}
+    if pool.kubernetes_discovery:
+        pod_spec["serviceAccountName"] = router_account_name(pool)
+    if model.init_containers:
+        pod_spec["initContainers"] = model.init_containers
     if volumes:
         pod_spec["volumes"] = volumes
     spec: dict = {

@@ -6,6 +6,7 @@
         k8s.set_status("apps/v1", "deployments", "default", "web", {"readyReplicas": 1})
         k8s.api.get(k8s.resource("apps/v1", "deployments"), "default", "web")   # in-process
         k8s.writes(resource="deployments", method="PATCH"); k8s.clear_writes()
+        k8s.requests(verb="watch")               # every resource request with its RBAC verb (for RBAC audits)
         # over HTTP: GET /_emulator/writes, DELETE /_emulator/writes
 
 Modules, one role each: routing (paths), resources (served types), store (objects, versions,

@@ -1,4 +1,4 @@
-"""HTTP handlers of resources: CRUD, list, watch, Table and Scale views, and the write log entries."""
+"""HTTP handlers of resources: CRUD, list, watch, Table and Scale views, the write and request log entries."""
 
 from __future__ import annotations
 
@@ -16,6 +16,15 @@ from .watching import serve_watch
 
 log = logging.getLogger("k8s_emulator")
 MUTATING = {"POST", "PUT", "PATCH", "DELETE"}
+
+
+def rbac_verb(method: str, named: bool, watch: bool) -> str:
+    """The verb an RBAC authorizer sees for a resource request (as the API server's RequestInfoFactory)."""
+    if method == "GET":
+        return "get" if named else "watch" if watch else "list"
+    if method == "DELETE":
+        return "delete" if named else "deletecollection"
+    return {"POST": "create", "PUT": "update", "PATCH": "patch"}.get(method, method.lower())
 
 def json_response(body, status: int = 200) -> web.Response:
     return web.Response(body=json.dumps(body).encode(), status=status, content_type="application/json")
@@ -84,6 +93,14 @@ class Handlers:
             code = 500
             return status_response(ApiError(500, f"the emulator failed: {exc!r}"))
         finally:
+            if target is not None:
+                self.ctx.store.record_request({
+                    "time": started, "verb": rbac_verb(request.method, bool(target.name),
+                                                       request.query.get("watch") in ("true", "1")),
+                    "group": target.group, "resource": target.plural, "subresource": target.subresource,
+                    "namespace": target.namespace, "name": target.name, "status": code,
+                    "user_agent": request.headers.get("User-Agent", ""),
+                })
             if request.method in MUTATING:
                 self.ctx.store.record_write({
                     "time": started, "method": request.method, "path": request.path,

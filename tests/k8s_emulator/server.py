@@ -143,6 +143,12 @@ class Emulator:
     def clear_writes(self) -> None:
         self.store.clear_writes()
 
+    def requests(self, **where) -> list[dict]:
+        """Every resource request (reads and watches too) with its RBAC verb, group, resource, subresource,
+        namespace and user agent, e.g. `requests(verb="watch")`: what a client's Role must allow."""
+        with self.store.lock:
+            return [dict(r) for r in self.store.requests if all(r.get(k) == v for k, v in where.items())]
+
     def resource(self, api_version: str, plural: str):
         """The served type, for the in-process API: `k8s.api.get(k8s.resource("apps/v1", "deployments"), ns, n)`."""
         group, _, version = api_version.rpartition("/")

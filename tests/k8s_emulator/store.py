@@ -1,4 +1,4 @@
-"""In-memory objects, the global resourceVersion counter, watch fan-out and the write log.
+"""In-memory objects, the global resourceVersion counter, watch fan-out, the write log and the request log.
 
 One lock guards everything. Watchers are asyncio queues fed with
 `loop.call_soon_threadsafe`, so the store may be written from any thread.
@@ -37,6 +37,7 @@ class Store:
         self._oldest: dict[tuple, int] = {}
         self._watchers: set[Watcher] = set()
         self.writes: list[dict] = []
+        self.requests: list[dict] = []  # every resource request, reads included (RBAC audits)
 
     def next_resource_version(self) -> str:
         with self.lock:
@@ -111,3 +112,7 @@ class Store:
     def clear_writes(self) -> None:
         with self.lock:
             self.writes.clear()
+
+    def record_request(self, entry: dict) -> None:
+        with self.lock:
+            self.requests.append(entry)

@@ -8,7 +8,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from operator_examples import GOLDEN, NAMES, example_body, make_body
+from operator_examples import GOLDEN, NAMES, admits, example_body, make_body
 from pdpool import config
 from pdpool.operator import builders
 from pdpool.operator.builders.common import ROLE_LABEL, SPEC_HASH
@@ -117,11 +117,19 @@ def test_managed_redis_and_network_policies():
     assert redis_np["ingress"][0]["from"] == [{"podSelector": {"matchLabels": {
         "app.kubernetes.io/instance": "demo", "app.kubernetes.io/part-of": "pdpool"}}}]
     assert [p["port"] for p in redis_np["ingress"][0]["ports"]] == [6379]
-    nodes_np = objs["NetworkPolicy/demo-nodes"]["spec"]
-    assert [p["port"] for p in nodes_np["ingress"][0]["ports"]] == [8000, 5600]
-    # the router is one of the pool's pods, so the policy admits it
-    router_labels = objs["Deployment/demo-router"]["spec"]["template"]["metadata"]["labels"]
-    assert nodes_np["ingress"][0]["from"][0]["podSelector"]["matchLabels"].items() <= router_labels.items()
+    nodes_np = objs["NetworkPolicy/demo-nodes"]
+    pods = {c: objs[f"Deployment/demo-{c}"]["spec"]["template"]["metadata"]["labels"]
+            for c in ("prefill", "decode", "router", "redis")}
+    # only the router reaches the nodes' HTTP port (OpenAI and /internal routes) from outside the node set;
+    # only nodes reach each other's NIXL port (and UCX's ephemeral TCP ports)
+    assert admits(nodes_np, pods["router"], pods["prefill"], 8000)
+    assert not admits(nodes_np, pods["router"], pods["decode"], 5600)
+    assert admits(nodes_np, pods["decode"], pods["prefill"], 5600)
+    assert admits(nodes_np, pods["prefill"], pods["decode"], 41234)
+    assert not admits(nodes_np, pods["redis"], pods["prefill"], 8000)
+    assert not admits(nodes_np, pods["redis"], pods["decode"], 5600)
+    assert not admits(nodes_np, {"app": "other"}, pods["prefill"], 8000)
+    assert not admits(nodes_np, pods["prefill"], pods["router"], 8000), "the router's pods are not selected"
 
 
 def test_unset_replicas_leave_scaling_to_an_autoscaler():
