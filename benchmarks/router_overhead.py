@@ -27,6 +27,7 @@ import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
 VENVS = Path("/tmp/router-bench-venvs")
+LOGS = Path("/tmp/router-overhead-logs")
 PEERS = {
     "vllm-router": ("vllm-router", lambda py, port, workers: [
         str(Path(py).parent / "vllm-router"), "--port", str(port), "--policy", "cache_aware",
@@ -74,11 +75,36 @@ async def wait_http(url: str, timeout: float = 60) -> None:
     raise TimeoutError(url)
 
 
-def prompts(n: int = 64) -> list[str]:
-    words = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river stone cloud".split()
-    rng = random.Random(0)
-    shared = [" ".join(rng.choice(words) for _ in range(600)) for _ in range(8)]
-    return [shared[i % 8] + " " + " ".join(rng.choice(words) for _ in range(250)) for i in range(n)]
+WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river stone cloud".split()
+
+
+def bodies_for(n: int, seed: int, distinct: int = 0) -> list[bytes]:
+    """Request bodies of about 1k tokens: one of 8 shared system prompts (600 words, about 700 tokens) and a
+    question of 250 words (about 290 tokens). Every question is fresh (``distinct`` 0), as in real traffic, so
+    a router's caches help only with the shared part; ``distinct`` N > 0 cycles N prompts instead (the run
+    before the token cache used 64)."""
+    shared_rng = random.Random(0)
+    shared = [" ".join(shared_rng.choices(WORDS, k=600)) for _ in range(8)]
+    rng = random.Random(seed)
+    count = distinct or n
+    prompts = [shared[i % 8] + " " + " ".join(rng.choices(WORDS, k=250)) for i in range(count)]
+    return [json.dumps({"model": "demo", "prompt": prompts[i % count], "max_tokens": 1}).encode()
+            for i in range(n)]
+
+
+async def wait_completion(url: str, timeout: float) -> None:
+    body = {"model": "demo", "prompt": "hello", "max_tokens": 1}
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            try:
+                async with s.post(url, json=body, timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    if r.status == 200:
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+            await asyncio.sleep(0.5)
+    raise TimeoutError(url)
 
 
 async def load(url: str, rate: float, seconds: float, bodies: list[bytes]) -> list[float]:
@@ -118,10 +144,11 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000 if xs else float("nan")
 
 
-async def measure(name: str, url: str, pid: int | None, rates, seconds, bodies, direct) -> list[dict]:
+async def measure(name: str, url: str, pid: int | None, rates, seconds, make_bodies, direct) -> list[dict]:
     rows = []
     for rate in rates:
-        await load(url, rate, 2, bodies)  # warm-up
+        await load(url, rate, 2, make_bodies(int(rate * 2), -int(rate)))  # warm-up, its own questions
+        bodies = make_bodies(int(rate * seconds), int(rate))
         c0 = cpu_seconds(pid) if pid else 0.0
         lat = await load(url, rate, seconds, bodies)
         cpu = (cpu_seconds(pid) - c0) / seconds if pid else float("nan")
@@ -136,47 +163,57 @@ async def measure(name: str, url: str, pid: int | None, rates, seconds, bodies, 
 async def main_async(args) -> None:
     procs: list[subprocess.Popen] = []
 
-    def spawn(argv, env=None) -> subprocess.Popen:
+    LOGS.mkdir(exist_ok=True)
+
+    def spawn(argv, name: str) -> subprocess.Popen:
         # cwd outside the checkout: `python -m` puts the cwd first on sys.path, and the checkout's operator/
         # folder would shadow the standard library's operator module in the peers' Pythons
-        p = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True, cwd="/tmp")
+        with open(LOGS / f"{name}.log", "wb") as log:
+            p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd="/tmp")
         procs.append(p)
         return p
 
     try:
         redis_port = free_port()
         spawn([shutil.which("redis-server") or "/usr/bin/redis-server", "--port", str(redis_port), "--save", "",
-               "--appendonly", "no"])
+               "--appendonly", "no"], "redis")
         redis_url = f"redis://127.0.0.1:{redis_port}/0"
         time.sleep(0.5)
         stubs = []
         for i in range(2):
             port = free_port()
             spawn([sys.executable, str(ROOT / "benchmarks/router_stub_upstream.py"), "--port", str(port),
-                   "--redis", redis_url, "--node-id", f"stub-{i}"])
+                   "--redis", redis_url, "--node-id", f"stub-{i}"], f"stub-{i}")
             stubs.append(f"http://127.0.0.1:{port}")
         for s in stubs:
             await wait_http(s + "/health")
-        bodies = [json.dumps({"model": "demo", "prompt": p, "max_tokens": 1}).encode() for p in prompts()]
-        direct = {r: await load(stubs[0] + "/v1/completions", r, args.seconds, bodies) for r in args.rates}
+        def make_bodies(n: int, seed: int) -> list[bytes]:
+            return bodies_for(n, seed, args.distinct_prompts)
+
+        direct = {r: await load(stubs[0] + "/v1/completions", r, args.seconds, make_bodies(int(r * args.seconds), 7))
+                  for r in args.rates}
         for r in args.rates:
             print(json.dumps({"router": "direct", "rate": r, "p50_ms": pct(direct[r], 0.5),
                               "p99_ms": pct(direct[r], 0.99)}), flush=True)
         results = []
         port = free_port()
         ours = spawn([sys.executable, "-m", "pdpool.cli", "router", "--model", "demo", "--host", "127.0.0.1",
-                      "--port", str(port), "--redis", redis_url, "--pool", "bench", "--dtype", "float32"])
+                      "--port", str(port), "--redis", redis_url, "--pool", "bench", "--dtype", "float32"], "pdpool")
         await wait_http(f"http://127.0.0.1:{port}/health/ready")
         results += await measure("pdpool", f"http://127.0.0.1:{port}/v1/completions", ours.pid, args.rates,
-                                 args.seconds, bodies, direct)
+                                 args.seconds, make_bodies, direct)
         for name in args.peers:
             py = peer_python(name)
             port = free_port()
-            p = spawn(PEERS[name][1](py, port, stubs))
-            await wait_http(f"http://127.0.0.1:{port}/health", 120)
+            p = spawn(PEERS[name][1](py, port, stubs), name)
+            try:  # a router that answers /health may still have no worker: one real request must pass
+                await wait_http(f"http://127.0.0.1:{port}/health", 120)
+                await wait_completion(f"http://127.0.0.1:{port}/v1/completions", 60)
+            except TimeoutError:
+                print(f"  {name} did not come up; its log: {LOGS / name}.log", file=sys.stderr)
+                continue
             results += await measure(name, f"http://127.0.0.1:{port}/v1/completions", p.pid, args.rates,
-                                     args.seconds, bodies, direct)
+                                     args.seconds, make_bodies, direct)
         print(json.dumps(results, indent=1))
     finally:
         for p in procs:
@@ -191,6 +228,8 @@ def main() -> None:
     ap.add_argument("--rates", type=float, nargs="+", default=[200, 1000])
     ap.add_argument("--seconds", type=float, default=20)
     ap.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS))
+    ap.add_argument("--distinct-prompts", type=int, default=0,
+                    help="cycle this many prompts (0: every request has its own question)")
     asyncio.run(main_async(ap.parse_args()))
 
 

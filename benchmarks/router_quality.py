@@ -2,9 +2,15 @@
 scheduler, round-robin and random pickers, all in one run. Reports the realized prefix-hit ratio (the nodes'
 counters), TTFT mean and p90 (streaming, first content event) and throughput.
 
-    python benchmarks/router_quality.py [--groups 8 --per-group 12 --concurrency 8 --num-kv-blocks 64]
+    python benchmarks/router_quality.py [--groups 8 --per-group 12 --concurrency 8 --system-words 512
+                                         --question-words 32 --num-kv-blocks 128 --max-model-len 1024]
 
-Each scheduler gets fresh system prompts, so no run profits from the cache of the one before.
+Workload (the shape of inference-perf's ``shared_prefix``): ``groups`` system prompts of ``system-words`` words
+(one token each with the demo tokenizer: 512 tokens, 32 blocks of 16), each followed by ``per-group`` questions
+of ``question-words`` words, sent interleaved (group 0, 1, ..., 7, 0, 1, ...) by ``concurrency`` clients, 8
+output tokens each. Each node's KV cache (``num-kv-blocks``) holds about half of the groups' system prompts, so
+no node can keep every group: where a group's requests land decides whether its prefix is computed once or
+again and again. Each scheduler gets fresh system prompts, so no run profits from the cache of the one before.
 """
 
 from __future__ import annotations
@@ -31,12 +37,28 @@ WORDS = "river mountain lantern harbor violet copper meadow falcon orchard glaci
 SCHEDULERS = {"default": [], "round-robin": ["--picker", "round-robin"], "random": ["--picker", "random"]}
 
 
-def workload(tag: str, groups: int, per_group: int) -> list[str]:
+def workload(tag: str, groups: int, per_group: int, system_words: int, question_words: int) -> list[str]:
     rng = random.Random(tag)
-    systems = [f"[{tag} {g}] " + " ".join(rng.choice(WORDS) for _ in range(120)) for g in range(groups)]
-    reqs = [f"{systems[g]}\nQ{i}: {' '.join(rng.choice(WORDS) for _ in range(10))}?"
+    systems = [f"[{tag} {g}] " + " ".join(rng.choices(WORDS, k=system_words)) for g in range(groups)]
+    reqs = [f"{systems[g]}\nQ{i}: {' '.join(rng.choices(WORDS, k=question_words))}?"
             for i in range(per_group) for g in range(groups)]  # interleaved groups
     return reqs
+
+
+def achievable_hit_ratio(prompts: list[str], groups: int, block_size: int = 16) -> tuple[float, float]:
+    """(mean prompt tokens, the hit ratio of a perfect router with unbounded caches): every request but each
+    group's first reuses the full blocks its group shares."""
+    from pdpool.frontend import Frontend
+
+    tok = Frontend.from_model("demo").tokenizer
+    ids = [tok.encode(p, True) for p in prompts]
+    hits = 0
+    for g in range(groups):
+        members = ids[g::groups]
+        common = min(len(os.path.commonprefix([members[0], m])) for m in members[1:]) if len(members) > 1 else 0
+        hits += (len(members) - 1) * (common // block_size) * block_size
+    total = sum(len(i) for i in ids)
+    return total / len(ids), hits / total
 
 
 def ttft(url: str, prompt: str, max_tokens: int) -> float:
@@ -57,7 +79,10 @@ def main() -> None:
     ap.add_argument("--per-group", type=int, default=12)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--num-kv-blocks", type=int, default=64)
+    ap.add_argument("--num-kv-blocks", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--system-words", type=int, default=512)
+    ap.add_argument("--question-words", type=int, default=32)
     args = ap.parse_args()
     log_dir = Path("/tmp/router-quality-logs")
     log_dir.mkdir(exist_ok=True)
@@ -68,7 +93,8 @@ def main() -> None:
                 n = NodeProcess(f"node-{i}")
                 n.launch(n.serve_argv(["--role", "both", "--node-id", f"node-{i}", "--redis", redis.url,
                                        "--heartbeat-seconds", "0.2", "--dtype", "float32", "--block-size", "16",
-                                       "--max-model-len", "512", "--num-kv-blocks", str(args.num_kv_blocks)]),
+                                       "--max-model-len", str(args.max_model_len),
+                                       "--num-kv-blocks", str(args.num_kv_blocks)]),
                          dict(os.environ), log_dir / f"node-{i}.log")
                 nodes.append(n)
             for n in nodes:
@@ -82,7 +108,8 @@ def main() -> None:
                 routers.append(r)
                 r.wait_ready(120)
                 before = [n.metrics() for n in nodes]
-                prompts = workload(name, args.groups, args.per_group)
+                prompts = workload(name, args.groups, args.per_group, args.system_words, args.question_words)
+                mean_tokens, achievable = achievable_hit_ratio(prompts, args.groups)
                 t0 = time.perf_counter()
                 with concurrent.futures.ThreadPoolExecutor(args.concurrency) as ex:
                     ttfts = list(ex.map(lambda p: ttft(r.url, p, args.max_tokens), prompts))
@@ -94,6 +121,7 @@ def main() -> None:
                               - b["pdpool_prefix_cache_queried_tokens_total"] for a, b in zip(after, before))
                 ts = sorted(ttfts)
                 results.append({"scheduler": name, "hit_ratio": round(hit / max(1, queried), 3),
+                                "achievable_hit_ratio": round(achievable, 3), "prompt_tokens": round(mean_tokens),
                                 "ttft_mean_s": round(statistics.mean(ts), 3),
                                 "ttft_p90_s": round(ts[int(0.9 * (len(ts) - 1))], 3),
                                 "requests_per_s": round(len(prompts) / elapsed, 2)})
