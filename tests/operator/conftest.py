@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +30,12 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(k8s_module, tmp_path_factory) -> Cluster:
+def cluster(k8s_module, tmp_path_factory, request):
     tmp = tmp_path_factory.mktemp("cluster")
     kubeconfig = write_kubeconfig(tmp / "kubeconfig", k8s_module.url)
-    return Cluster(k8s_module, kubeconfig, Kubectl(kubeconfig, tmp / "home"))
+    yield Cluster(k8s_module, kubeconfig, Kubectl(kubeconfig, tmp / "home"))
+    # tests/helm/test_chart_rbac.py runs a module with this set, and compares its requests with the chart's RBAC
+    log = os.environ.get("PDPOOL_K8S_REQUEST_LOG")
+    if log:
+        Path(log).with_name(f"{Path(log).name}.{request.module.__name__}").write_text(
+            json.dumps(k8s_module.requests()))

@@ -251,6 +251,38 @@ def test_a_missing_secret_is_reported_until_it_exists(cluster, operator, tmp_pat
     cluster.kubectl("delete", POOL, "keyed", "--timeout=20s")
 
 
+def test_kubernetes_discovery_and_changed_children_are_patched(cluster, operator):
+    """router.discovery: kubernetes adds the router's ServiceAccount, Role and RoleBinding; a changed ConfigMap,
+    NetworkPolicy and Service are patched; RBAC children rendered differently (an operator upgrade) are too."""
+    peer = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    cluster.kubectl("patch", POOL, "demo", "--type=merge", "-p", json.dumps({"spec": {
+        "router": {"discovery": "kubernetes", "service": {"port": 8080}},
+        "kvTransfer": {"ucxNetDevices": "eth0"}, "networkPolicy": {"scrapeFrom": [peer]}}}))
+    router = wait_until(lambda: (d := get(cluster, "deployment", "demo-router"))["spec"]["template"]["spec"]
+                        .get("serviceAccountName") == "demo-router" and d, what="router with a service account")
+    pod = router["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is True and "--kubernetes" in pod["containers"][0]["args"]
+    role = get(cluster, "role", "demo-router")
+    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                              "verbs": ["get", "list", "watch"]}]
+    assert get(cluster, "rolebinding", "demo-router")["roleRef"]["name"] == "demo-router"
+    assert get(cluster, "serviceaccount", "demo-router")
+    assert get(cluster, "configmap", "demo-config")["data"]["UCX_NET_DEVICES"] == "eth0"
+    assert get(cluster, "service", "demo")["spec"]["ports"][0]["port"] == 8080
+    assert get(cluster, "networkpolicy", "demo-nodes")["spec"]["ingress"][-1]["from"] == [peer]
+    cluster.clear_writes()
+    for kind in ("serviceaccount", "role", "rolebinding"):  # as if an older operator had rendered them
+        cluster.kubectl("annotate", "--overwrite", kind, "demo-router", "pdpool.io/spec-hash=0000000000000000")
+    wait_until(lambda: {(w["resource"], w["method"]) for w in cluster.writes()} >= {
+        ("serviceaccounts", "PATCH"), ("roles", "PATCH"), ("rolebindings", "PATCH")}, what="drift repaired")
+    cluster.kubectl("patch", POOL, "demo", "--type=merge", "-p", json.dumps({"spec": {
+        "router": {"discovery": "redis", "service": {"port": 80}}}}))
+    wait_until(lambda: "serviceAccountName" not in get(cluster, "deployment", "demo-router")["spec"]["template"]
+               ["spec"], what="router back on Redis discovery")
+    assert get(cluster, "deployment", "demo-router")["spec"]["template"]["spec"]["automountServiceAccountToken"] \
+        is False
+
+
 def test_delete_runs_the_finalizer_on_real_redis(cluster, operator, redis_server):
     secret = get(cluster, "secret", "demo-redis")
     import base64

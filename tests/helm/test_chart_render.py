@@ -1,0 +1,260 @@
+"""charts/pdpool: helm lint and helm template (Helm 4) for every value set; each object valid for Kubernetes
+1.33 and 1.35; the CRD is the generated one; the operator's pod is restricted and probed; values are checked."""
+
+from __future__ import annotations
+
+import json
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from chart import CHART, NAMESPACE, ROOT, VALUE_SETS, helm, one, render, template
+from operator_examples import _selects
+from pdpool.operator import crd
+from pdpool.up.pool import schema_errors
+
+BUILT_IN_API_GROUPS = ("v1", "apps/v1", "policy/v1", "rbac.authorization.k8s.io/v1", "networking.k8s.io/v1",
+                       "apiextensions.k8s.io/v1")
+
+
+def spec_schema() -> dict:
+    return crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_lint(name):
+    out = helm("lint", "--strict", str(CHART), "--namespace", NAMESPACE, *VALUE_SETS[name]).stdout
+    assert "0 chart(s) failed" in out, out
+
+
+@pytest.mark.parametrize("version", ["1.33", "1.35"])
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_every_rendered_object_validates(name, version):
+    docs = render(*VALUE_SETS[name])
+    kinds = set()
+    for doc in docs:
+        kinds.add(doc["kind"])
+        if doc["apiVersion"] in BUILT_IN_API_GROUPS:
+            kubernetes_validate.validate(doc, version, strict=True)
+        elif doc["kind"] == "InferencePool":  # our CRD's schema, as the API server applies it
+            assert schema_errors(doc["spec"], spec_schema(), "spec") == []
+        else:
+            assert doc["kind"] == "PodMonitor", doc["kind"]  # checked in test_monitoring
+    assert {"Deployment", "ServiceAccount", "ConfigMap", "Role", "RoleBinding"} <= kinds
+
+
+def test_chart_crd_file_is_the_generated_one():
+    assert (CHART / "files" / "inferencepools.pdpool.io.yaml").read_text() == crd.render_crd(), \
+        "pdpool operator crd > charts/pdpool/files/inferencepools.pdpool.io.yaml"
+
+
+def test_rendered_crd_is_the_generated_one_kept_on_uninstall():
+    rendered = one(render(), "CustomResourceDefinition")
+    assert rendered["metadata"].pop("annotations") == {"helm.sh/resource-policy": "keep"}
+    assert rendered == crd.build_crd()
+    assert "CustomResourceDefinition" not in {d["kind"] for d in render(*VALUE_SETS["single-replica-crds-off"])}
+    no_keep = one(render("--set", "crds.keep=false"), "CustomResourceDefinition")
+    assert "annotations" not in no_keep["metadata"]
+
+
+def test_operator_pod_is_restricted_probed_and_leader_elected():
+    docs = render()
+    dep = one(docs, "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["image"] == "ghcr.io/pdpool/pdpool-operator:0.1.0"  # the chart's appVersion
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                    "capabilities": {"drop": ["ALL"]}}
+    assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"], "a read-only root needs a writable /tmp"
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
+    assert {"name": "health", "containerPort": 8080, "protocol": "TCP"} in c["ports"]
+    assert c["resources"]["requests"] and c["resources"]["limits"]
+    assert pod["serviceAccountName"] == one(docs, "ServiceAccount")["metadata"]["name"]
+    assert c["command"] == ["pdpool", "operator"]
+    assert "--health-port=8080" in c["args"] and "--pool-defaults=/etc/pdpool/pool-defaults.yaml" in c["args"]
+    assert {e["name"] for e in c["env"]} >= {"POD_NAME", "POD_NAMESPACE"}  # Lease identity and namespace
+    assert dep["spec"]["replicas"] == 2
+    pdb = one(docs, "PodDisruptionBudget")
+    assert _selects(pdb["spec"]["selector"], dep["spec"]["template"]["metadata"]["labels"])
+    assert "PodDisruptionBudget" not in {d["kind"] for d in render("--set", "operator.replicas=1")}
+    tagged = one(render("--set", "operator.image.tag=0.2.0"), "Deployment")
+    assert tagged["spec"]["template"]["spec"]["containers"][0]["image"].endswith(":0.2.0")
+
+
+def test_cluster_wide_rbac_by_default():
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in render()}
+    assert ("ClusterRole", "pdpool") in kinds and ("ClusterRoleBinding", "pdpool") in kinds
+
+
+def test_namespaced_mode_has_no_cluster_scoped_rbac():
+    docs = render(*VALUE_SETS["namespaced"])
+    cluster_scoped = {d["kind"] for d in docs if "namespace" not in d["metadata"]}
+    assert cluster_scoped == {"CustomResourceDefinition"}, "only the CRD, which the installer applies"
+    roles = [d for d in docs if d["kind"] == "Role"]
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["batch", NAMESPACE, "serving"]
+    assert [r["metadata"]["name"] for r in roles if r["metadata"]["namespace"] == NAMESPACE] == ["pdpool-leader"]
+    args = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=serving" in args and "--namespace=batch" in args
+    for binding in (d for d in docs if d["kind"] == "RoleBinding"):
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "pdpool", "namespace": NAMESPACE}]
+    assert not any(d["kind"] == "CustomResourceDefinition" for d in render(
+        *VALUE_SETS["namespaced"], "--set", "crds.install=false"))
+
+
+def test_example_pool_is_the_cpu_demo_example():
+    pool = one(render(*VALUE_SETS["example-pool"]), "InferencePool")
+    example = yaml.safe_load((ROOT / "examples" / "cpu-demo.yaml").read_text())
+    assert pool["spec"] == {**example["spec"], "image": "ghcr.io/pdpool/pdpool:0.1.0"}
+    assert pool["metadata"]["annotations"]["helm.sh/hook"] == "post-install,post-upgrade"
+    assert pool["metadata"]["namespace"] == NAMESPACE
+    over = one(render("--set", "examplePool.enabled=true", "--set", "examplePool.spec.router.service.type=NodePort",
+                      "--set", "examplePool.spec.decode.replicas=2"), "InferencePool")
+    assert over["spec"]["router"] == {"service": {"type": "NodePort"}} and over["spec"]["decode"]["replicas"] == 2
+    assert over["spec"]["decode"]["resources"] == example["spec"]["decode"]["resources"]
+
+
+def test_example_pool_outside_the_watched_namespaces_is_refused():
+    out = helm("template", "r", str(CHART), "--set", "examplePool.enabled=true", "--set", "watchNamespaces={a}",
+               check=False)
+    assert out.returncode != 0 and "not in watchNamespaces" in out.stderr
+
+
+def pool_defaults(docs: list[dict]) -> dict:
+    cm = one(docs, "ConfigMap", "pdpool-pool-defaults")
+    return yaml.safe_load(cm["data"]["pool-defaults.yaml"])
+
+
+def test_rdma_values_become_pool_defaults_the_operator_accepts():
+    docs = render(*VALUE_SETS["rdma"])
+    defaults = pool_defaults(docs)
+    assert defaults == {
+        "kvTransfer": {"rdma": {"ipcLock": True}, "shmSize": "16Gi", "ucxTls": "rc,cuda_copy,cuda_ipc",
+                       "ucxNetDevices": "mlx5_0:1"},
+        "prefill": {"resources": {"limits": {"rdma/ib": 1}}},
+        "decode": {"resources": {"limits": {"rdma/ib": 1}}},
+        "placement": {"topologyKey": "nvidia.com/gpu.clique", "mode": "required"}}
+    assert schema_errors(defaults, spec_schema(), "poolDefaults") == []
+    assert pool_defaults(render()) == {}
+    # poolDefaults win over the derived values, and restarting the operator follows a change of them
+    mixed = render(*VALUE_SETS["rdma"], "--set", "poolDefaults.kvTransfer.ucxTls=rc\\,tcp")
+    assert pool_defaults(mixed)["kvTransfer"]["ucxTls"] == "rc,tcp"
+    hashes = {one(d, "Deployment")["spec"]["template"]["metadata"]["annotations"]["pdpool.io/pool-defaults-hash"]
+              for d in (docs, mixed, render())}
+    assert len(hashes) == 3
+
+
+def test_monitoring():
+    docs = render(*VALUE_SETS["monitoring"])
+    operator_pod = one(docs, "Deployment")["spec"]["template"]
+    monitors = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PodMonitor"}
+    assert set(monitors) == {"pdpool-operator", "pdpool-pools"}
+    op = monitors["pdpool-operator"]["spec"]
+    assert _selects(op["selector"], operator_pod["metadata"]["labels"])
+    assert op["podMetricsEndpoints"][0]["port"] in {p["name"] for p in operator_pod["spec"]["containers"][0]["ports"]}
+    # the pools' monitor selects exactly the routers and nodes the operator renders, on their "http" port
+    from operator_examples import example_body
+    from pdpool.operator import builders
+    from pdpool.operator.spec import parse_pool
+
+    pools = monitors["pdpool-pools"]["spec"]
+    assert pools["namespaceSelector"] == {"any": True}
+    for child in builders.render(parse_pool(example_body("cpu-demo")), token=lambda: "t"):
+        if child["kind"] != "Deployment":
+            continue
+        pod = child["spec"]["template"]
+        component = pod["metadata"]["labels"]["app.kubernetes.io/component"]
+        assert _selects(pools["selector"], pod["metadata"]["labels"]) == (component != "redis"), component
+        if component != "redis":
+            assert "http" in {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
+    for monitor in monitors.values():
+        assert set(monitor["spec"]) <= {"selector", "namespaceSelector", "podMetricsEndpoints"}
+        for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+            assert set(endpoint) <= {"port", "path", "interval", "relabelings"} and endpoint["path"] == "/metrics"
+    # the scrapers reach the operator's health port, and the nodes' HTTP port through the pool defaults
+    peer = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    policy = one(docs, "NetworkPolicy")["spec"]
+    assert policy["ingress"] == [{"from": [peer], "ports": [{"protocol": "TCP", "port": 8080}]}]
+    assert pool_defaults(docs) == {"networkPolicy": {"scrapeFrom": [peer]}}
+    ns_docs = render(*VALUE_SETS["monitoring"], *VALUE_SETS["namespaced"])
+    assert one(ns_docs, "PodMonitor", "pdpool-pools")["spec"]["namespaceSelector"] == {"matchNames": ["serving",
+                                                                                                      "batch"]}
+
+
+def test_dashboard_configmap_embeds_the_dashboard_file():
+    path = CHART / "files" / "grafana-dashboard.json"
+    if not path.exists():  # (written by the dashboard's owner) the chart still renders, and says so
+        assert "ConfigMap/pdpool-dashboard" not in {f"{d['kind']}/{d['metadata']['name']}"
+                                                    for d in render(*VALUE_SETS["monitoring"])}
+        out = helm("install", "pdpool", str(CHART), "--dry-run=client", *VALUE_SETS["monitoring"]).stdout
+        assert "no files/grafana-dashboard.json" in out
+        return
+    cm = one(render(*VALUE_SETS["monitoring"]), "ConfigMap", "pdpool-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["pdpool.json"]) == json.loads(path.read_text())
+
+
+def test_operator_network_policy_admits_nothing_without_scrapers():
+    policy = one(render(), "NetworkPolicy")["spec"]
+    assert policy["ingress"] == [] and policy["policyTypes"] == ["Ingress"]
+    assert "NetworkPolicy" not in {d["kind"] for d in render("--set", "networkPolicy.enabled=false")}
+
+
+@pytest.mark.parametrize("values, message", [
+    (["--set", "operater.replicas=1"], "additional properties 'operater' not allowed"),
+    (["--set", "operator.replicas=two"], "got string, want integer"),
+    (["--set", "operator.replicas=0"], "minimum"),
+    (["--set", "rdma.placement=sometimes"], "placement"),
+    (["--set", "rdma.shmSize=lots"], "shmSize"),
+    (["--set", "monitoring.podMonitors.intervall=30s"], "additional properties 'intervall' not allowed"),
+    (["--set", "watchNamespaces=serving"], "want array"),
+    (["--set", "watchNamespaces={Serving}"], "watchNamespaces"),
+    (["--set", "examplePool.enabeld=true"], "additional properties 'enabeld' not allowed"),
+    (["--set", "crds.install=yes"], "want boolean"),
+    (["--set", "operator.image.pullPolicy=Sometimes"], "pullPolicy"),
+])
+def test_values_schema_rejects_typos_and_wrong_types(values, message):
+    out = helm("template", "r", str(CHART), *values, check=False)
+    assert out.returncode != 0, f"{values} was accepted"
+    assert message in out.stderr, out.stderr
+
+
+def test_every_value_is_documented_inline():
+    """Each key of values.yaml has a comment on the line(s) before it, or a trailing comment, or belongs to a
+    mapping whose comment documents it (one level of leaf keys under a commented parent)."""
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    undocumented = []
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#") or ":" not in stripped or stripped.startswith("-"):
+            continue
+        indent = len(line) - len(stripped)
+        prev = lines[i - 1].strip() if i else ""
+        documented = "#" in line or prev.startswith("#")
+        if not documented:  # a leaf of a commented parent mapping (e.g. resources.requests, image.pullPolicy)
+            for j in range(i - 1, -1, -1):
+                above = lines[j]
+                if above.strip() and len(above) - len(above.lstrip()) < indent:
+                    documented = j > 0 and lines[j - 1].strip().startswith("#") or "#" in above
+                    break
+        if not documented:
+            undocumented.append(stripped)
+    assert undocumented == []
+
+
+def test_notes_tell_how_to_create_a_pool_and_reach_it():
+    out = helm("install", "pdpool", str(CHART), "--dry-run=client", "--namespace", NAMESPACE).stdout
+    notes = out[out.index("NOTES:"):]
+    assert "kind: InferencePool" in notes and "port-forward svc/demo 8000:80" in notes
+    assert "/v1/chat/completions" in notes
+    assert "every namespace" in notes
+    crds_off = helm("install", "pdpool", str(CHART), "--dry-run=client", "--namespace", NAMESPACE,
+                    "--set", "crds.install=false").stdout
+    assert "kubectl apply --server-side" in crds_off
+
+
+def test_template_is_deterministic():
+    assert template(*VALUE_SETS["rdma"]) == template(*VALUE_SETS["rdma"])
