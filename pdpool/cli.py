@@ -57,6 +57,8 @@ COMMANDS = {
                "show a running pool's nodes, load and the router's decisions, as kubectl get would"),
     "bench": (lambda argv: __import__("pdpool.bench.main", fromlist=["main"]).main(argv),
               "measure an OpenAI-compatible endpoint (TTFT, TPOT, ITL, throughput, goodput; JSON and plots)"),
+    "diag": (lambda argv: __import__("pdpool.diag", fromlist=["main"]).main(argv),
+             "check a KV transfer between two pods (pdpool diag kv): bytes, bandwidth, UCX transports, causes"),
 }
 
 
