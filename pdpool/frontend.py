@@ -20,6 +20,8 @@ demo model's first use, whose one-time GGUF conversion needs transformers (``pdp
 from __future__ import annotations
 
 import json
+import re
+from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
@@ -132,6 +134,102 @@ class Tokenizer:
         return env.from_string(self.chat_template)
 
 
+class TokenChunkCache:
+    """Token ids of long prompts, tokenized chunk by chunk and cached per chunk: a system prompt or document that
+    many requests share is tokenized once, and only each request's own tail after that.
+
+    The text is cut into chunks of about ``chunk_chars`` characters, each cut right before a space whose
+    preceding character is not whitespace. The cuts depend only on the text before them (plus one character), so
+    requests sharing a prefix share its chunks; the LRU is keyed by the chunk text itself.
+
+    Why a chunk's ids do not depend on its neighbours, for the tokenizers it accepts (``cacheable``): no
+    normalizer; added tokens without whitespace and without lstrip/rstrip (so none spans a cut, and the text is
+    split around them the same way); the GPT-2 byte-level pre-tokenizer, whose pieces are
+    ``'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+``. A piece holding a
+    non-whitespace character holds no whitespace after it, so the piece ending at the cut's left neighbour ends
+    at the cut whatever follows, and without lookbehind the pieces from the cut on depend only on the text from
+    the cut on. BPE runs within pieces, so ``encode(a + b) == encode(a) + encode(b)``. A hypothesis test checks
+    it against the real tokenizer (``tests/router/test_token_cache.py``). Other tokenizers are encoded whole.
+
+    One thread only (the router's event loop): the LRU is not locked.
+    """
+
+    CUT = re.compile(r"(?<=\S) ")
+
+    def __init__(self, tokenizer: "Tokenizer", capacity: int = 8192, chunk_chars: int = 256) -> None:
+        self.tokenizer = tokenizer
+        self.capacity = capacity
+        self.chunk_chars = max(1, chunk_chars)
+        raw = tokenizer._tok
+        self._encode_batch = getattr(raw, "encode_batch_fast", raw.encode_batch)
+        self._lru: OrderedDict[str, list[int]] = OrderedDict()
+        self.enabled = self.cacheable(tokenizer)
+        self.special_prefix = self._special_prefix() if self.enabled else None
+        self.hit_chunks = 0
+        self.missed_chunks = 0
+
+    @staticmethod
+    def cacheable(tokenizer: "Tokenizer") -> bool:
+        raw = tokenizer._tok
+        try:
+            pre = json.loads(raw.pre_tokenizer.__getstate__()) if raw.pre_tokenizer is not None else {}
+        except (AttributeError, TypeError, ValueError):
+            return False
+        if raw.normalizer is not None or pre != {"type": "ByteLevel", "add_prefix_space": False,
+                                                 "trim_offsets": pre.get("trim_offsets"), "use_regex": True}:
+            return False
+        for added in raw.get_added_tokens_decoder().values():
+            if added.lstrip or added.rstrip or added.single_word or any(c.isspace() for c in added.content):
+                return False
+        return True
+
+    def _special_prefix(self) -> list[int] | None:
+        """What ``add_special_tokens`` puts before the text (e.g. a BOS), or None when it adds anything after it."""
+        probes = ("hello world", "The sky is blue.")
+        plain = [self.tokenizer.encode(p, False) for p in probes]
+        special = [self.tokenizer.encode(p, True) for p in probes]
+        prefix = special[0][:len(special[0]) - len(plain[0])]
+        ok = all(s == prefix + p for s, p in zip(special, plain))
+        return prefix if ok else None
+
+    def chunks(self, text: str) -> list[str]:
+        cuts = [0]
+        pos = self.chunk_chars
+        while pos < len(text):
+            m = self.CUT.search(text, pos)
+            if m is None:
+                break
+            cuts.append(m.start())
+            pos = m.start() + self.chunk_chars
+        cuts.append(len(text))
+        return [text[a:b] for a, b in zip(cuts, cuts[1:])]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not self.enabled or len(text) < 2 * self.chunk_chars or (add_special_tokens and
+                                                                    self.special_prefix is None):
+            return self.tokenizer.encode(text, add_special_tokens)
+        pieces = self.chunks(text)
+        lru = self._lru
+        found = [lru.get(p) for p in pieces]
+        missing = list(dict.fromkeys(p for p, ids in zip(pieces, found) if ids is None))
+        fresh = {}
+        if missing:
+            fresh = {p: e.ids for p, e in zip(missing, self._encode_batch(missing, add_special_tokens=False))}
+            self.missed_chunks += len(missing)
+        ids = list(self.special_prefix) if add_special_tokens else []
+        for piece, piece_ids in zip(pieces, found):
+            if piece_ids is None:
+                piece_ids = fresh[piece]
+                lru[piece] = piece_ids
+                if len(lru) > self.capacity:
+                    lru.popitem(last=False)
+            else:
+                self.hit_chunks += 1
+                lru.move_to_end(piece)
+            ids.extend(piece_ids)
+        return ids
+
+
 def _chat_template(path: Path, config: dict) -> str | None:
     jinja = path / "chat_template.jinja"
     if jinja.is_file():
@@ -183,19 +281,23 @@ def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model
 class Frontend:
     """Turns requests into validated token ids and block hashes; see the module docstring."""
 
-    def __init__(self, files: ModelFiles, tokenizer: Tokenizer) -> None:
+    def __init__(self, files: ModelFiles, tokenizer: Tokenizer, token_cache_chunks: int = 0) -> None:
+        """``token_cache_chunks`` > 0: prompt text goes through a ``TokenChunkCache`` of that many chunks (the
+        router's choice; one thread only)."""
         self.files = files
         self.tokenizer = tokenizer
         self.vocab_size = files.vocab_size
         self.eos_token_ids = files.eos_token_ids
+        self.token_cache = TokenChunkCache(tokenizer, token_cache_chunks) if token_cache_chunks > 0 else None
+        self._encode_text = self.token_cache.encode if self.token_cache is not None else tokenizer.encode
 
     @classmethod
-    def from_model(cls, model: str) -> "Frontend":
+    def from_model(cls, model: str, token_cache_chunks: int = 0) -> "Frontend":
         """``model``: 'demo' or a local folder (never downloaded)."""
         from pdpool.models.demo import resolve_model
 
         path = resolve_model(model)
-        return cls(ModelFiles.read(path), Tokenizer(path))
+        return cls(ModelFiles.read(path), Tokenizer(path), token_cache_chunks)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The chat template applied to ``messages``; raises ``InvalidRequestError`` (param ``messages``) when it fails."""
@@ -207,7 +309,7 @@ class Frontend:
     def encode_prompt(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt (text, or ids checked against the vocabulary); raises ``InvalidRequestError``."""
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens)
+            ids = self._encode_text(prompt, add_special_tokens)
         else:
             ids = list(prompt)
             check_token_ids(ids, self.vocab_size, "prompt")

@@ -1,0 +1,81 @@
+"""The router's per-chunk token cache must give exactly the token ids of whole-text tokenization (the engines
+hash the ids the router forwards): property tests against the demo model's real tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from pdpool.frontend import Frontend, TokenChunkCache
+
+# Fragments chosen to stress the pre-tokenizer's pieces: runs of spaces, other whitespace (Unicode too), the
+# contractions, digits, punctuation runs, non-Latin letters, emoji, and the tokenizer's added tokens.
+FRAGMENTS = ["a", "b", "Hello", "world", "é", "ß", "日本", "中", "🙂", "7", "42", "0.5", " ", "  ", "   ", "\n", "\n\n",
+             "\t", "\r\n", "\xa0", "\u3000", "\u2028", "\x85", "\x1c", "\u200b", "'", "'s", "'ll", "n't", ".", ",",
+             "!?", "...", "-", "(", ")", '"', "<|im_start|>", "<|im_end|>", "<|endoftext|>", "system", "user"]
+texts = st.lists(st.sampled_from(FRAGMENTS), min_size=0, max_size=120).map("".join)
+
+
+@pytest.fixture(scope="module")
+def frontend(demo_model_dir):
+    return Frontend.from_model("demo")
+
+
+@pytest.fixture(scope="module")
+def tiny_chunks(frontend):
+    """Chunks of a few characters, so every example is cut many times; one cache across examples (warm hits)."""
+    cache = TokenChunkCache(frontend.tokenizer, capacity=64, chunk_chars=3)
+    assert cache.enabled and cache.special_prefix is not None
+    return cache
+
+
+@settings(max_examples=400, deadline=None)
+@given(text=texts, add_special=st.booleans())
+def test_chunked_equals_whole_text_tokenization(tiny_chunks, text, add_special):
+    expected = tiny_chunks.tokenizer.encode(text, add_special)
+    assert tiny_chunks.encode(text, add_special) == expected
+    assert tiny_chunks.encode(text, add_special) == expected  # again, now from the cache
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=texts, size=st.integers(1, 12))
+def test_cuts_are_before_a_space_after_non_whitespace(frontend, text, size):
+    chunks = TokenChunkCache(frontend.tokenizer, chunk_chars=size).chunks(text)
+    assert "".join(chunks) == text
+    for left, right in zip(chunks, chunks[1:]):
+        assert right.startswith(" ") and left and not left[-1].isspace()
+
+
+@pytest.fixture(scope="module")
+def cached_frontend(frontend):
+    cached = Frontend(frontend.files, frontend.tokenizer, token_cache_chunks=256)
+    cached.token_cache.chunk_chars = 8
+    return cached
+
+
+@settings(max_examples=100, deadline=None)
+@given(system=texts, question=texts)
+def test_chat_prompts_sharing_a_system_prompt(frontend, cached_frontend, system, question):
+    cached = cached_frontend
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    text = frontend.render_chat(messages)
+    assert cached.encode_prompt(text, False) == frontend.encode_prompt(text, False)
+
+
+def test_a_shared_system_prompt_is_tokenized_once(frontend):
+    cached = Frontend.from_model("demo", token_cache_chunks=1024)
+    system = "You are a careful assistant. " * 60
+    prompts = [frontend.render_chat([{"role": "system", "content": system},
+                                     {"role": "user", "content": f"Question {i}: what is {i} squared?"}])
+               for i in range(5)]
+    for text in prompts:
+        assert cached.encode_prompt(text, False) == frontend.encode_prompt(text, False)
+    cache = cached.token_cache
+    per_prompt = len(cache.chunks(prompts[0]))
+    assert cache.hit_chunks >= 4 * (per_prompt - 2)  # only the tail chunks of prompts 2..5 were tokenized
+
+
+def test_short_texts_and_unknown_tokenizers_are_encoded_whole(frontend):
+    cache = TokenChunkCache(frontend.tokenizer, chunk_chars=256)
+    assert cache.encode("short", True) == frontend.tokenizer.encode("short", True)
+    assert cache.missed_chunks == 0 and cache.hit_chunks == 0
