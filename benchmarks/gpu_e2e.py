@@ -20,6 +20,12 @@ loop on/off) in one process; HF transformers runs the first ``--hf-requests`` re
 
     python3 benchmarks/gpu_e2e.py [--models Qwen3-0.6B,Llama-3.1-8B] [--variants base,both] [--single-stream]
     python3 benchmarks/gpu_e2e.py --device cpu --tiny --num-requests 8 --hf-requests 4  # CPU smoke test
+
+Every run reports wall ms per step, GPU kernel ms per step (torch profiler over steps 300-320) and host ms per step
+by part (``StepTimer.PARTS``), so a number shows whether it is GPU-bound or host-bound. Host sensitivity:
+``--hosts unpinned,pinned`` runs each configuration in a child process, the pinned one under
+``taskset -c 0,1`` (``--pin-cpus``); ``--code new,old=PATH`` also runs an older checkout (PATH first on
+sys.path) in the same call, so old and new code meet on the same machine.
 """
 
 from __future__ import annotations
@@ -145,12 +151,18 @@ VARIANTS = {"base": (False, False), "overlap": (False, True), "fused": (True, Fa
 
 
 class StepTimer:
-    """Wall time of the engine's parts during one generate (wraps bound methods of one engine instance). With the
-    overlapped loop the parts run while the GPU computes, so they no longer add up to the wall time; ``sample``
-    holds the wait for the GPU."""
+    """Host time of the engine's parts during one generate (wraps bound methods of one engine instance), and a
+    torch profile of the steps in ``profile_steps``. With the overlapped loop the parts run while the GPU computes,
+    so they need not add up to the wall time; ``wait`` (or, for engines before the split, ``sample``) holds the wait
+    for the GPU. Parts that an engine version lacks are skipped, so one script times old and new code."""
 
     PARTS = (("scheduler", "schedule"), ("scheduler", "update_from_output"), ("runner", "pack"),
-             ("runner", "launch"), ("runner", "sample"), ("engine", "_make_output"))
+             ("runner", "launch"), ("runner", "upload"), ("runner", "run"), ("runner", "sample"),
+             ("runner", "wait"), ("runner", "collect"), ("engine", "_fill_placeholders"),
+             ("engine", "_make_outputs"))
+    # "launch" holds "upload" and "run" (forward + logits launch; and, where the sampler runs at launch, its
+    # launch too); "collect" holds "wait". Parts outside these nest in nothing.
+    NESTED = {"upload": "launch", "run": "launch", "wait": "collect"}
 
     def __init__(self, llm, profile_steps: tuple[int, int] | None = None):
         self.totals: dict[str, float] = {}
@@ -160,7 +172,8 @@ class StepTimer:
         self._undo = []
         owners = dict(scheduler=eng.scheduler, runner=eng.runner, engine=eng)
         for owner, name in self.PARTS:
-            self._wrap(owners[owner], name)
+            if hasattr(owners[owner], name):
+                self._wrap(owners[owner], name)
         self._wrap(eng, "step", self._count)
 
     def _wrap(self, obj, name, before=None):
@@ -183,10 +196,14 @@ class StepTimer:
                 delattr(obj, name)
         self._undo = []
 
+    def per_step_ms(self) -> dict[str, float]:
+        return {k: round(1e3 * v / max(1, self.steps), 3) for k, v in self.totals.items() if k != "step"}
+
     def _count(self):
         n = self.steps
         if self.profile_steps and n == self.profile_steps[0]:
             import torch
+            torch.cuda.synchronize()
             self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                            torch.profiler.ProfilerActivity.CUDA])
             self.prof.__enter__()
@@ -252,7 +269,7 @@ def run_pdpool(llm, reqs, device: str, *, overlap: bool, profile: bool = False, 
     params = [SamplingParams(temperature=temperature, max_tokens=o, ignore_eos=True) for _, o in reqs]
     warm = [p for p, _ in reqs[:4]]
     llm.generate(warm, [SamplingParams(max_tokens=8, ignore_eos=True)] * len(warm), use_tqdm=False)
-    timer = StepTimer(llm, (300, 310) if profile and device == "cuda" else None)
+    timer = StepTimer(llm, (300, 320) if profile and device == "cuda" else None)
     if device == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -263,12 +280,13 @@ def run_pdpool(llm, reqs, device: str, *, overlap: bool, profile: bool = False, 
     runner = llm.engine.runner
     result = dict(seconds=seconds, output_tokens=tokens, tokens_per_s=tokens / seconds, steps=timer.steps,
                   ms_per_step=1e3 * seconds / max(1, timer.steps),
-                  parts_s={k: round(v, 3) for k, v in timer.totals.items()}, num_kv_blocks=runner.num_blocks,
+                  parts_s={k: round(v, 3) for k, v in timer.totals.items()}, host_ms_per_step=timer.per_step_ms(),
+                  num_kv_blocks=runner.num_blocks,
                   cuda_graphs=runner.graphs is not None, graph_replays=getattr(runner.graphs, "num_replays", None),
                   attention=runner.backend.name, preemptions=llm.engine.scheduler.num_preemptions,
                   fused_ops=runner.model.fused_ops, overlap_steps=llm.engine.overlap_steps)
     if timer.prof is not None:
-        result["profile"] = profile_summary(timer.prof, 10, timer.prof_wall)
+        result["profile"] = profile_summary(timer.prof, 20, timer.prof_wall)
     timer.remove()
     return result
 
@@ -342,13 +360,87 @@ def run_single_stream(folder: Path, device: str, nums: dict, ceil: dict, fused: 
     result = dict(fused_ops=fused, overlap_steps=llm.engine.overlap_steps, tokens_per_s=tps,
                   ms_per_token=1e3 / tps, roofline_tokens_per_s=1 / roof_s, roofline_ms=1e3 * roof_s,
                   fraction=tps * roof_s, weight_only_fraction=tps * nums["weight_bytes"] / ceil["copy_bw"],
-                  parts_s={k: round(v, 3) for k, v in timer.totals.items()})
+                  parts_s={k: round(v, 3) for k, v in timer.totals.items()}, host_ms_per_step=timer.per_step_ms())
     if timer.prof is not None:
         result["profile"] = profile_summary(timer.prof, 20, timer.prof_wall, trace)
     timer.remove()
     del llm, out
     release_gpu(device)
     return result
+
+
+def host_info() -> dict:
+    """The host CPU this process may run on (model, cores it is pinned to), for the report."""
+    model = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return dict(cpu_model=model, cpus_allowed=sorted(os.sched_getaffinity(0)), cpu_count=os.cpu_count())
+
+
+def summary_line(label: str, name: str, v: str, res: dict) -> str:
+    """One run: throughput, wall ms/step, GPU kernel ms/step (profiled window) and host ms/step by part."""
+    prof = res.get("profile") or {}
+    gpu = f"{prof['gpu_kernel_ms_per_step']:.2f}" if prof else "-"
+    host = " ".join(f"{k}={v:.2f}" for k, v in res.get("host_ms_per_step", {}).items())
+    return (f"{label} {name} [{v}]: {res['tokens_per_s']:.0f} tok/s, {res.get('fraction_of_roofline', 0):.1%} of "
+            f"roofline, wall {res['ms_per_step']:.2f} ms/step, GPU kernels {gpu} ms/step (steps 300-320); "
+            f"host ms/step: {host}")
+
+
+def run_children(args, argv: list[str]) -> None:
+    """One child process per (code, host) pair, one after the other on the same GPU: ``pinned`` runs under
+    ``taskset -c <--pin-cpus>``; a code ``old=PATH`` puts PATH first on sys.path (an older checkout)."""
+    import subprocess
+
+    skip = {"--hosts", "--code", "--out"}
+    child_argv, i = [], 0
+    while i < len(argv):
+        if argv[i] in skip:
+            i += 2
+            continue
+        child_argv.append(argv[i])
+        i += 1
+    out = Path(args.out)
+    labels = []
+    for code in args.code.split(","):
+        name, _, root = code.partition("=")
+        for host in args.hosts.split(","):
+            label = f"{name}-{host}"
+            cmd = [sys.executable, str(Path(__file__).resolve()), *child_argv, "--child", label, "--out", str(out)]
+            if root:
+                cmd += ["--code-root", root]
+            if host == "pinned":
+                cmd = ["taskset", "-c", args.pin_cpus, *cmd]
+            print(f"=== {label}: {' '.join(cmd)}", flush=True)
+            rc = subprocess.call(cmd)
+            print(f"=== {label}: exit {rc}", flush=True)
+            labels.append(label)
+    print("\n=== summary (each line one child process; same GPU, one after the other)")
+    for label in labels:
+        f = out / f"gpu_e2e_{label}.json"
+        if not f.exists():
+            print(f"{label}: no result")
+            continue
+        results = json.loads(f.read_text())
+        h = results["host"]
+        print(f"{label}: host {h['cpu_model']}, cpus {h['cpus_allowed']}")
+        for name, r in results["models"].items():
+            for v, res in r["pdpool"].items():
+                print("  " + summary_line(label, name, v, res))
+            for v, res in r.get("single_stream", {}).items():
+                print(f"  {label} {name} single stream [{v}]: {res['tokens_per_s']:.1f} tok/s, "
+                      f"{res['ms_per_token']:.2f} ms/token, {res['fraction']:.1%} of roofline; GPU kernels "
+                      f"{(res.get('profile') or {}).get('gpu_kernel_ms_per_step', float('nan')):.2f} ms/step; "
+                      f"host ms/step: {res['host_ms_per_step']}")
+            if "hf_subset" in r:
+                hf = r["hf_subset"]
+                print(f"  {label} {name} HF {hf['tokens_per_s']:.0f} tok/s on the first requests; pdpool on the "
+                      f"same {r.get('pdpool_subset', {}).get('tokens_per_s', float('nan')):.0f} tok/s")
 
 
 def main() -> None:
@@ -364,19 +456,40 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-main", action="store_true", help="skip the 256-request runs (HF, single stream only)")
     ap.add_argument("--tiny", action="store_true", help="small configs and lengths: a CPU smoke test")
+    ap.add_argument("--traces", action="store_true", help="write the single-stream chrome traces to --out")
+    ap.add_argument("--hosts", default=None,
+                    help="comma list of unpinned,pinned: one child process each (pinned: taskset -c --pin-cpus)")
+    ap.add_argument("--pin-cpus", default="0,1")
+    ap.add_argument("--code", default="new",
+                    help="with --hosts: comma list of NAME or NAME=PATH (PATH first on sys.path: another checkout)")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--code-root", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    if args.hosts and not args.child:
+        run_children(args, sys.argv[1:])
+        return
+    if args.code_root:
+        sys.path.insert(0, str(Path(args.code_root).resolve()))
     import torch
 
+    import pdpool
+    label = args.child or "run"
     variants = args.variants.split(",")
     ceil = measure_ceilings(args.device)
+    host = host_info()
+    print(f"[{label}] pdpool from {Path(pdpool.__file__).parent}; host {host['cpu_model']}, cpus "
+          f"{host['cpus_allowed']}", flush=True)
     print(f"GPU {ceil['gpu']}: copy {ceil['copy_bw'] / 1e12:.2f} TB/s (read+write), "
           f"bf16 matmul {ceil['matmul_rate'] / 1e12:.0f} TFLOP/s", flush=True)
-    results = dict(ceilings=ceil, torch=torch.__version__, models={})
+    results = dict(ceilings=ceil, torch=torch.__version__, host=host, pdpool=str(Path(pdpool.__file__).parent),
+                   models={})
     tmp = Path(tempfile.mkdtemp(prefix="pdpool-e2e-"))
     tiny = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=32, vocab_size=10240) if args.tiny else None
     lines = []
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    result_file = Path(args.out) / (f"gpu_e2e_{args.child}.json" if args.child else "gpu_e2e.json")
     for name in args.models.split(","):
         folder = model_folder(name, tmp, tiny)
         cfg = json.loads((folder / "config.json").read_text())
@@ -395,10 +508,8 @@ def main() -> None:
                 res = r["pdpool"][v] = run_pdpool(llm, reqs, args.device, overlap=VARIANTS[v][1],
                                                   profile=v in ("base", variants[-1]))
                 res["fraction_of_roofline"] = res["tokens_per_s"] / roof["tokens_per_s"]
-                line = (f"{name} [{v}: fused={fused} overlap={VARIANTS[v][1]}]: {res['tokens_per_s']:.0f} tok/s "
-                        f"({res['seconds']:.2f} s, {res['steps']} steps, {res['ms_per_step']:.2f} ms/step), "
-                        f"{res['fraction_of_roofline']:.1%} of roofline {roof['tokens_per_s']:.0f}")
-                print(line + f"; parts {res['parts_s']}", flush=True)
+                line = summary_line(label, name, v, res) + f" (roofline {roof['tokens_per_s']:.0f} tok/s)"
+                print(line, flush=True)
                 lines.append(line)
                 if "profile" in res:
                     print(json.dumps(res["profile"]), flush=True)
@@ -409,8 +520,9 @@ def main() -> None:
         if not args.skip_hf:
             r["hf_subset"] = hf = run_hf(folder, sub, args.device, args.hf_max_seconds)
             best = r["pdpool"].get(variants[-1], {}).get("tokens_per_s")
-            line = (f"{name} HF transformers {hf['transformers']} ({hf['mode']}, first {len(sub)} requests, "
-                    f"{hf['steps']}/{hf['longest']} steps in {hf['seconds']:.1f} s): {hf['tokens_per_s']:.0f} tok/s")
+            line = (f"{label} {name} HF transformers {hf['transformers']} ({hf['mode']}, first {len(sub)} "
+                    f"requests, {hf['steps']}/{hf['longest']} steps in {hf['seconds']:.1f} s): "
+                    f"{hf['tokens_per_s']:.0f} tok/s")
             if "pdpool_subset" in r:
                 line += (f"; pdpool on the same {len(sub)}: {r['pdpool_subset']['tokens_per_s']:.0f} tok/s "
                          f"({r['pdpool_subset']['tokens_per_s'] / hf['tokens_per_s']:.1f}x)")
@@ -422,16 +534,18 @@ def main() -> None:
             r["single_stream"] = {}
             for v in variants:
                 fused, overlap = VARIANTS[v]
-                trace = Path(args.out) / f"single_stream_{v}.json" if v in ("base", variants[-1]) else None
+                trace = (Path(args.out) / f"single_stream_{label}_{v}.json"
+                         if args.traces and v in ("base", variants[-1]) else None)
                 s = r["single_stream"][v] = run_single_stream(folder, args.device, nums, ceil, fused, overlap,
                                                               trace=trace)
-                line = (f"{name} single stream [{v}]: {s['tokens_per_s']:.1f} tok/s ({s['ms_per_token']:.2f} "
-                        f"ms/token; roofline {s['roofline_ms']:.2f} ms), {s['fraction']:.1%} of roofline")
-                print(line + f"; parts {s['parts_s']}", flush=True)
+                line = (f"{label} {name} single stream [{v}]: {s['tokens_per_s']:.1f} tok/s "
+                        f"({s['ms_per_token']:.2f} ms/token; roofline {s['roofline_ms']:.2f} ms), "
+                        f"{s['fraction']:.1%} of roofline; host ms/step {s['host_ms_per_step']}")
+                print(line, flush=True)
                 lines.append(line)
                 if "profile" in s:
                     print(json.dumps(s["profile"]), flush=True)
-        (Path(args.out) / "gpu_e2e.json").write_text(json.dumps(results, indent=1, default=str))
+        result_file.write_text(json.dumps(results, indent=1, default=str))
     shutil.rmtree(tmp, ignore_errors=True)
     print("\n".join(lines))
 

@@ -9,16 +9,17 @@ vLLM v1 splits its ``EngineCore`` from its front end. One ``step()``::
         -> scheduler.update_from_output() -> EngineOutputs (new token ids, logprobs, finish) -> connector.after_step
 
 On CUDA the steps overlap (``overlap_steps``, vLLM v1's async scheduling): while the GPU runs step N, the host
-books N's samples as placeholders, schedules and packs N+1, and after launching N+1 builds N's outputs::
+books N's samples as placeholders, schedules and packs N+1 and queues it (its input ids gathered on the device from
+N's samples), and only then waits for N's sampled ids, fills them in and builds N's outputs::
 
-    host: | update N (placeholders) | schedule N+1 | pack N+1 | sample N (waits) | fill | launch N+1 | outputs N |
-    GPU:  | ...................... forward N ...................... | sample N |        | forward N+1 ...
+    host: | update N (placeholders) | schedule N+1 | pack + launch N+1 | collect N (waits) | fill | outputs N |
+    GPU:  | ......... forward N + sampler N ......... | forward N+1 + sampler N+1 ...........................
 
 The placeholders (``PLACEHOLDER``) are only counts to the scheduler (lengths, blocks); they are replaced by the
-sampled ids before anything reads them as tokens (block hashes, the next step's input, outputs). A stop token
-sampled at N is seen after N+1 was scheduled: N+1's work for that request is dropped. A step whose sampling reads
-earlier outputs (penalties, min_tokens masking) samples before booking, as the plain loop does. A connector
-whose ``supports_overlap`` is false keeps the plain loop.
+sampled ids before anything on the host reads them as tokens (block hashes, outputs). A stop token sampled at N is
+seen after N+1 was queued: N+1's work for that request is dropped. A step whose sampling reads earlier outputs
+(penalties, min_tokens masking) samples before booking, as the plain loop does, and such a step is queued only
+after the tokens it reads are real. A connector whose ``supports_overlap`` is false keeps the plain loop.
 
 A request whose own sampling fails (the sampler reports it) finishes alone with ``finish_reason`` "error"; its
 batch-mates go on.
@@ -227,10 +228,12 @@ class LLMEngine:
             self.connector.on_schedule(scheduler_output)
         return scheduler_output
 
-    def _launch(self, scheduler_output: SchedulerOutput, packed=None) -> _InFlight | None:
+    def _launch(self, scheduler_output: SchedulerOutput, packed=None, prev: _InFlight | None = None
+                ) -> _InFlight | None:
         if not scheduler_output.scheduled:
             return None
-        packed = packed if packed is not None else self.runner.pack(scheduler_output)
+        if packed is None:
+            packed = self.runner.pack(scheduler_output, prev.launched if prev is not None else None)
         return _InFlight(scheduler_output, self.runner.launch(packed))
 
     def _step_overlapped(self) -> list[EngineOutput]:
@@ -245,17 +248,25 @@ class LLMEngine:
                 current.scheduled, {sr.request.request_id: PLACEHOLDER for sr in sampling})
             holes = [(r, r.num_output_tokens - 1) for r in touched]  # each got exactly one placeholder, last
             following = self._schedule()
-            packed = self.runner.pack(following) if following.scheduled else None
-            sampled = self.runner.sample(current.launched)  # waits for step N
-            failed = self._fail_sampling_errors(sampled)
-            self._fill_placeholders(holes, sampled)
-        else:  # the sampler reads these requests' earlier outputs: book real tokens, then schedule
-            sampled = self.runner.sample(current.launched)
+            if all(_samples_without_history(sr.request) for sr in following.scheduled if sr.samples):
+                # N+1 gathers N's samples on the device: queued before the host reads N's tokens
+                upcoming = self._launch(following, prev=current)
+                sampled = self.runner.collect(current.launched)  # waits for step N's samples only
+                failed = self._fail_sampling_errors(sampled)
+                self._fill_placeholders(holes, sampled)
+            else:  # N+1's sampler reads earlier outputs: they must hold N's real tokens when it is queued
+                packed = self.runner.pack(following) if following.scheduled else None
+                sampled = self.runner.collect(current.launched)
+                failed = self._fail_sampling_errors(sampled)
+                self._fill_placeholders(holes, sampled)
+                upcoming = self._launch(following, packed)
+        else:  # the sampler read these requests' earlier outputs: book real tokens, then schedule
+            sampled = self.runner.collect(current.launched)
             failed = self._fail_sampling_errors(sampled)
             touched = self.scheduler.update_from_output(current.scheduled, sampled)
             following = self._schedule()
-            packed = None
-        self._in_flight = self._launch(following, packed)
+            upcoming = self._launch(following)
+        self._in_flight = upcoming
         self.last_step_num_scheduled = len(following.scheduled)
         return self._make_outputs(touched, sampled) + failed
 

@@ -1,9 +1,11 @@
 """The model runner: loads the model, owns the KV cache, runs one scheduled step.
 
-``execute`` = pack (host) -> launch (one upload, forward, logits; nothing waits for the GPU) -> sample (waits).
-The engine may call the three apart to overlap its host work with the GPU (``LLMEngine``'s overlapped loop): a
-packed step may hold placeholder ids (< 0) for tokens sampled by the step still running; ``launch`` reads them
-again from the requests, which by then hold the real ones. ``compute_logits_for`` stops after the logits, so
+``execute`` = pack (host) -> launch (one upload, forward, logits and the sampler, all queued; nothing waits for
+the GPU) -> collect (waits for the sampled ids only). The engine may call them apart to overlap its host work
+with the GPU (``LLMEngine``'s overlapped loop). A packed step may hold placeholder ids (< 0) for tokens sampled
+by the step still running: when ``pack`` is given that step, each placeholder is gathered on the device from its
+sampled ids (``PendingSample.token_ids``), so step N+1 is queued before the host has read step N's tokens;
+without it, ``upload`` reads the ids again from the requests. ``compute_logits_for`` stops after the logits, so
 tests can compare them with a reference. Only this file (and ``cuda_graphs``, its helper) creates device tensors.
 
 On CUDA: the KV cache takes what ``--gpu-memory-utilization`` leaves after a profiling forward over a full token
@@ -23,7 +25,7 @@ import torch
 from pdpool.attention import AttentionMetadata, pick_backend, reset_context, set_context
 from pdpool.config import NodeConfig
 from pdpool.engine.cuda_graphs import DecodeGraphs, graph_safe
-from pdpool.engine.sampler import Sampler, make_generator
+from pdpool.engine.sampler import PendingSample, Sampler, make_generator
 from pdpool.frontend import ModelFiles
 from pdpool.models.demo import resolve_model
 from pdpool.models.loader import load_hf_config, load_model
@@ -70,24 +72,30 @@ class StepInputs:
 class PackedStep:
     """A step's inputs on the host, one int64 buffer::
 
-        | ids T | positions T | slots T | samples S | starts R+1 | seq_lens R | tables R*width |
+        | ids T | positions T | slots T | samples S | gather_to G | gather_from G | starts R+1 | seq_lens R |
+        | tables R*width |
+
+    ``gather_to``/``gather_from``: token offsets whose id is a placeholder, and the row of the previous step's
+    samples (``prev``) that holds it; the ids are gathered on the device at upload.
     """
     host: np.ndarray
     T: int
     R: int
     S: int
+    G: int
     width: int
     query_lens: list[int]
     seq_lens: list[int]
     sampling: list  # ScheduledRequest of each sampling row
-    holes: list  # (offset in host, request, token index): ids not sampled yet when packed, read at upload
+    holes: list  # (offset in host, request, token index): placeholders with no device source, read at upload
+    prev: "LaunchedStep | None" = None  # the step whose samples fill gather_from
 
 
 @dataclass
 class LaunchedStep:
     inputs: StepInputs
-    logits: torch.Tensor | None  # [R_s, V] float32, being computed
-    generators: list  # of the sampling rows, taken at launch (a finished request's may be forgotten meanwhile)
+    pending: PendingSample | None  # the sampled ids on the device; None when no row samples
+    rows: dict  # request id -> its row in the samples
 
 
 class ModelRunner:
@@ -170,23 +178,33 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
-    def pack(self, scheduler_output) -> PackedStep:
-        """The step's tokens packed request after request, with their attention metadata (see attention.py)."""
+    def pack(self, scheduler_output, prev: LaunchedStep | None = None) -> PackedStep:
+        """The step's tokens packed request after request, with their attention metadata (see attention.py).
+        ``prev``: the step in flight, whose device samples fill this step's placeholder ids."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_lens, seq_lens, sample_rows, sampling, holes = [], [], [], [], []
+        gather_to, gather_from = [], []
+        prev_rows = prev.rows if prev is not None and prev.pending is not None else {}
         scheduled = scheduler_output.scheduled
         width = max(1, max(len(sr.block_ids) for sr in scheduled))
         tables = np.zeros((len(scheduled), width), dtype=np.int64)  # [R, max_blocks], padded with 0
         for r, sr in enumerate(scheduled):
-            start, n = sr.request.num_computed_tokens, sr.num_new_tokens
-            tokens, blocks = sr.request.all_token_ids, sr.block_ids
+            request = sr.request
+            start, n = request.num_computed_tokens, sr.num_new_tokens
+            tokens, blocks = request.all_token_ids, sr.block_ids
             tables[r, :len(blocks)] = blocks
             ids += tokens[start:start + n]
             if tokens[start + n - 1] < 0:  # sampled by the step in flight: only ever a request's last token
-                holes.append((len(ids) - 1, sr.request, start + n - 1))
+                row = prev_rows.get(request.request_id)
+                if row is None:
+                    holes.append((len(ids) - 1, request, start + n - 1))
+                else:
+                    gather_to.append(len(ids) - 1)
+                    gather_from.append(row)
+                    ids[-1] = 0
             if n == 1:  # decode: skip numpy's per-call cost
                 positions.append(start)
                 slots.append(blocks[start // bs] * bs + start % bs)
@@ -202,27 +220,36 @@ class ModelRunner:
         T, R = len(ids), len(scheduled)
         starts = np.zeros(R + 1, dtype=np.int64)
         np.cumsum(query_lens, out=starts[1:])
-        host = np.concatenate([np.asarray(ids + positions + slots + sample_rows, dtype=np.int64), starts,
-                               np.asarray(seq_lens, dtype=np.int64), tables.ravel()])
-        return PackedStep(host, T, R, len(sample_rows), width, query_lens, seq_lens, sampling, holes)
+        host = np.concatenate([np.asarray(ids + positions + slots + sample_rows + gather_to + gather_from,
+                                          dtype=np.int64), starts, np.asarray(seq_lens, dtype=np.int64),
+                               tables.ravel()])
+        return PackedStep(host, T, R, len(sample_rows), len(gather_to), width, query_lens, seq_lens, sampling,
+                          holes, prev if gather_to else None)
 
     def upload(self, packed: PackedStep) -> StepInputs:
-        """One pinned host-to-device copy of the packed step (placeholder ids filled from the requests first)."""
+        """One pinned host-to-device copy of the packed step; placeholder ids gathered on the device from the
+        previous step's samples (or, without them, filled from the requests first)."""
         host = packed.host
         for offset, request, index in packed.holes:
             host[offset] = request.all_token_ids[index]
         if packed.holes:
             assert host[:packed.T].min() >= 0, "a placeholder id was not filled before upload"
-        T, R, S, width = packed.T, packed.R, packed.S, packed.width
+        T, R, S, G, width = packed.T, packed.R, packed.S, packed.G, packed.width
         tensor = torch.from_numpy(host)
         dev = tensor.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else tensor
-        small = dev[3 * T + S:].to(torch.int32)  # starts, seq_lens, tables
+        at = 3 * T + S + 2 * G
+        small = dev[at:].to(torch.int32)  # starts, seq_lens, tables
+        input_ids = dev[:T]
+        if G:
+            to, frm = dev[3 * T + S:3 * T + S + G], dev[3 * T + S + G:at]
+            input_ids = input_ids.clone() if self.device.type != "cuda" else input_ids  # the CPU view is `host`
+            input_ids.index_copy_(0, to, packed.prev.pending.token_ids.index_select(0, frm))
         meta = AttentionMetadata(query_start_loc=small[:R + 1], seq_lens=small[R + 1:2 * R + 1],
                                  block_tables=small[2 * R + 1:].view(R, width), slot_mapping=dev[2 * T:3 * T],
                                  max_query_len=max(packed.query_lens), max_seq_len=max(packed.seq_lens),
                                  query_lens_cpu=packed.query_lens, seq_lens_cpu=packed.seq_lens,
                                  block_size=self.block_size)
-        return StepInputs(dev[:T], dev[T:2 * T], meta, dev[3 * T:3 * T + S], packed.sampling)
+        return StepInputs(input_ids, dev[T:2 * T], meta, dev[3 * T:3 * T + S], packed.sampling)
 
     def prepare_inputs(self, scheduler_output) -> StepInputs:
         return self.upload(self.pack(scheduler_output))
@@ -247,28 +274,41 @@ class ModelRunner:
     def execute(self, scheduler_output) -> dict[str, SampledToken]:
         if not scheduler_output.scheduled:
             return {}
-        return self.sample(self.launch(self.pack(scheduler_output)))
+        return self.collect(self.launch(self.pack(scheduler_output)))
 
     def launch(self, packed: PackedStep) -> LaunchedStep:
-        """Upload, forward and logits, queued on the device; returns without waiting for it."""
+        """Upload, forward, logits and the sampler, queued on the device; returns without waiting for it. The
+        sampler reads the requests' params now, and their token lists where a row has penalties or unmet
+        ``min_tokens`` (the engine launches such a step only once those lists hold real ids)."""
         inputs = self.upload(packed)
         logits = self.run(inputs)
-        return LaunchedStep(inputs, logits if inputs.sampling else None,
-                            [self._generator(sr.request) for sr in inputs.sampling])
-
-    def sample(self, step: LaunchedStep) -> dict[str, SampledToken]:
-        """The sampled token of each sampling request (waits for the device)."""
-        if not step.inputs.sampling:
-            return {}
-        requests = [sr.request for sr in step.inputs.sampling]
+        if not inputs.sampling:
+            return LaunchedStep(inputs, None, {})
+        requests = [sr.request for sr in inputs.sampling]
         # The sampler reads the token lists (penalties, min_tokens) and does not keep them: no copies.
-        out = self.sampler.sample(step.logits, [r.sampling_params for r in requests],
-                                  [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests],
-                                  step.generators)
-        return {r.request_id: SampledToken(out.token_ids[i], out.logprobs[i],
-                                           out.top_logprobs[i] if out.top_logprobs is not None else None,
-                                           out.failed.get(i))
-                for i, r in enumerate(requests)}
+        pending = self.sampler.sample_async(logits, [r.sampling_params for r in requests],
+                                            [r.prompt_token_ids for r in requests],
+                                            [r.output_token_ids for r in requests],
+                                            [self._generator(r) for r in requests])
+        return LaunchedStep(inputs, pending, {r.request_id: i for i, r in enumerate(requests)})
+
+    def wait(self, step: LaunchedStep) -> None:
+        """Until the step's sampled ids are on the host (not for any step queued after it)."""
+        if step.pending is not None:
+            step.pending.wait()
+
+    def collect(self, step: LaunchedStep) -> dict[str, SampledToken]:
+        """The sampled token of each sampling request (waits for the step's samples)."""
+        if step.pending is None:
+            return {}
+        self.wait(step)
+        out = step.pending.result()
+        tops = out.top_logprobs or [None] * len(out.token_ids)
+        failed = out.failed
+        return {rid: SampledToken(token, logprob, top, failed.get(i) if failed else None)
+                for (rid, i), token, logprob, top in zip(step.rows.items(), out.token_ids, out.logprobs, tops)}
+
+    sample = collect  # the name before the split
 
     def _generator(self, request) -> torch.Generator | None:
         seed = request.sampling_params.seed

@@ -35,6 +35,64 @@ class SamplerOutput:
     failed: dict[int, str] = field(default_factory=dict)  # row -> why that request failed; {} when none did
 
 
+class PendingSample:
+    """A step's samples on the device, queued and not waited for (``Sampler.sample_async``).
+
+    ``token_ids`` [R] int64 stays on the device: the next step gathers its input ids from it. A failed row holds
+    0 there (a valid id, so a gather never indexes out of range) and -1 in ``result()``. On CUDA the host copies
+    (tokens, and logprobs when asked) are queued at once into pinned buffers behind an event; ``result()`` waits
+    for that event only, never for work queued after it."""
+
+    def __init__(self, token_ids: torch.Tensor, logprob_parts: tuple | None, top_n: list[int] | None,
+                 failed: dict[int, str]):
+        self.token_ids = token_ids
+        self.failed = failed
+        self._top_n = top_n
+        parts = (token_ids,) + (logprob_parts or ())
+        if token_ids.device.type == "cuda":
+            self._host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                               for t in parts)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = parts, None
+
+    def wait(self) -> None:
+        if self._ready is not None:
+            self._ready.synchronize()
+            self._ready = None
+
+    def result(self) -> SamplerOutput:
+        self.wait()
+        token_ids = self._host[0].tolist()
+        if len(self._host) == 1:  # a full pass over [R, V] saved: nobody asked for logprobs
+            out = SamplerOutput(token_ids, [float("nan")] * len(token_ids), None)
+        else:
+            sampled_logprobs = self._host[1].tolist()
+            top_logprobs = None
+            if len(self._host) == 4:
+                values, indices = self._host[2].tolist(), self._host[3].tolist()
+                top_logprobs = [list(zip(indices[i][:n], values[i][:n])) for i, n in enumerate(self._top_n)]
+            out = SamplerOutput(token_ids, sampled_logprobs, top_logprobs)
+        if self.failed:
+            out.failed = dict(self.failed)
+            for row in self.failed:
+                out.token_ids[row] = -1
+                out.logprobs[row] = float("nan")
+                if out.top_logprobs is not None:
+                    out.top_logprobs[row] = []
+        return out
+
+
+def column(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a device tensor [len] without a sync (``torch.tensor(..., device=cuda)`` copies from
+    pageable memory and waits for the stream: the whole queued forward)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator for one request; ``SamplingParamsError`` for a seed outside ``[SEED_MIN, SEED_MAX]``."""
     if seed is not None and not (isinstance(seed, int) and SEED_MIN <= seed <= SEED_MAX):
@@ -83,20 +141,32 @@ class Sampler:
         generators: list[torch.Generator | None],
     ) -> SamplerOutput:
         """One token per row. A row whose own work raises is reported in ``failed`` (see the module docstring)."""
+        return self.sample_async(logits, params, prompt_token_ids, output_token_ids, generators).result()
+
+    def sample_async(self, logits, params, prompt_token_ids, output_token_ids, generators) -> PendingSample:
+        """``sample`` without waiting: queues the device work (no host sync on the common path: random or greedy
+        rows, seeded or not, logprobs) and returns the samples on the device. Rows with penalties or unmet
+        ``min_tokens`` read the token lists now, so the caller passes real ids for them."""
         failed: dict[int, str] = {}
         logits = logits.float()
+        device = logits.device
+        rows_all = len(params)
         processed = self._mask_min_tokens(logits, params, output_token_ids, failed)
         penalized = [i for i, p in enumerate(params) if p.has_penalties]
         if penalized:
             processed = processed.clone() if processed is logits else processed
             _isolated(lambda rows: apply_penalties(processed, params, prompt_token_ids, output_token_ids, rows),
                       [i for i in penalized if i not in failed] if failed else penalized, failed)
-        token_ids = processed.argmax(dim=-1)  # [R]
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if failed:
             random_rows = [i for i in random_rows if i not in failed]
+        all_random = len(random_rows) == rows_all
+        token_ids = None if all_random else processed.argmax(dim=-1)  # [R]
         if random_rows:
-            chunks = _isolated(lambda rows: (rows, filtered_probs(processed[rows], [params[i] for i in rows])),
+            every = (lambda rows: len(rows) == rows_all)  # noqa: E731 - whole batch: no gather, no list index
+            chunks = _isolated(lambda rows: (rows, filtered_probs(processed if every(rows) else
+                                                                  processed[column(rows, torch.long, device)],
+                                                                  [params[i] for i in rows])),
                                random_rows, failed)
             if len(chunks) == 1:
                 random_rows, probs = chunks[0]
@@ -105,34 +175,33 @@ class Sampler:
                 probs = torch.cat([p for _, p in chunks]) if chunks else None
             if random_rows:
                 q = self._exponentials(probs, [generators[i] for i in random_rows], random_rows, failed)
-                token_ids[random_rows] = (probs / q).argmax(dim=-1)  # exponential race = sampling from probs
-        token_ids = token_ids.tolist()  # the step's one sync
-        if all(p.logprobs is None for p in params):  # a full pass over [R, V] saved: nobody reads them
-            out = SamplerOutput(token_ids, [float("nan")] * len(token_ids), None)
-        else:
-            out = self._with_logprobs(logits, params, token_ids)
+                drawn = (probs / q).argmax(dim=-1)  # exponential race = sampling from probs
+                if len(random_rows) == rows_all:
+                    token_ids = drawn
+                else:
+                    if token_ids is None:
+                        token_ids = processed.argmax(dim=-1)
+                    token_ids[column(random_rows, torch.long, device)] = drawn
+        if token_ids is None:  # every row random and some failed while filtering
+            token_ids = processed.argmax(dim=-1)
         if failed:
-            out.failed = failed
-            for row in failed:
-                out.token_ids[row] = -1
-                out.logprobs[row] = float("nan")
-                if out.top_logprobs is not None:
-                    out.top_logprobs[row] = []
-        return out
+            token_ids[column(sorted(failed), torch.long, device)] = 0
+        logprob_parts, top_n = None, None
+        if any(p.logprobs is not None for p in params):
+            logprob_parts, top_n = self._logprobs(logits, params, token_ids)
+        return PendingSample(token_ids, logprob_parts, top_n, failed)
 
     @staticmethod
-    def _with_logprobs(logits: torch.Tensor, params: list[SamplingParams], token_ids: list[int]) -> SamplerOutput:
+    def _logprobs(logits: torch.Tensor, params: list[SamplingParams], token_ids: torch.Tensor):
+        """Raw logprobs on the device: the sampled token's [R], and the top-n values and ids [R, max_n]."""
         lse = torch.logsumexp(logits, dim=-1)  # [R], raw logprob normalizer
-        chosen = torch.tensor(token_ids, device=logits.device)[:, None]
-        sampled_logprobs = (logits.gather(1, chosen)[:, 0] - lse).tolist()
-        top_logprobs = None
+        sampled = logits.gather(1, token_ids[:, None])[:, 0] - lse
         max_n = min(max((p.logprobs or 0) for p in params), logits.shape[1])
-        if max_n:
-            values, indices = logits.topk(max_n, dim=-1)  # [R, max_n]
-            values, indices = (values - lse[:, None]).tolist(), indices.tolist()
-            top_logprobs = [list(zip(indices[i][: p.logprobs or 0], values[i][: p.logprobs or 0]))
-                            for i, p in enumerate(params)]
-        return SamplerOutput(token_ids, sampled_logprobs, top_logprobs)
+        top_n = [min(p.logprobs or 0, max_n) for p in params]
+        if not max_n:
+            return (sampled,), None
+        values, indices = logits.topk(max_n, dim=-1)  # [R, max_n]
+        return (sampled, values - lse[:, None], indices), top_n
 
     def _mask_min_tokens(self, logits, params, output_token_ids, failed: dict[int, str]) -> torch.Tensor:
         masked = logits
@@ -163,8 +232,11 @@ class Sampler:
         if unseeded:
             if self._shared is None or self._shared.device != probs.device:
                 self._shared = make_generator(self.seed, probs.device)
-            q[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
-                generator=self._shared)
+            if len(unseeded) == len(generators):  # the same draws as below, without a list index
+                q.exponential_(generator=self._shared)
+            else:
+                q[column(unseeded, torch.long, probs.device)] = torch.empty(
+                    len(unseeded), probs.shape[1], device=probs.device).exponential_(generator=self._shared)
         for i, g in enumerate(generators):
             if g is not None:
                 try:
@@ -205,7 +277,7 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompt_t
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p on [r, V] logits of non-greedy rows; returns probabilities [r, V]."""
     device = logits.device
-    x = logits / torch.tensor([p.temperature for p in params], device=device)[:, None]
+    x = logits / column([p.temperature for p in params], logits.dtype, device)[:, None]
     if any(p.top_k > 0 or p.top_p < 1 for p in params):
         x = apply_top_k_top_p(x, [p.top_k for p in params], [p.top_p for p in params])
     if any(p.min_p > 0 for p in params):
@@ -218,13 +290,13 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     cumulative probability is <= 1 - p, always keeping the top one (as HF's warpers)."""
     vocab, device = logits.shape[1], logits.device
     sorted_logits, sorted_idx = logits.sort(dim=-1)  # [r, V] ascending
-    k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=device)
+    k = column([min(k, vocab) if k > 0 else vocab for k in top_k], torch.long, device)
     kth = sorted_logits.gather(1, (vocab - k)[:, None])  # [r, 1]
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     # 1 - p taken in float64 then rounded, as HF's python-float threshold is
-    drop_below = torch.tensor([1 - p for p in top_p], device=device)[:, None]
+    drop_below = column([1 - p for p in top_p], torch.float32, device)[:, None]
     cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    remove = (cum <= drop_below) & torch.tensor([p < 1 for p in top_p], device=device)[:, None]
+    remove = (cum <= drop_below) & column([p < 1 for p in top_p], torch.bool, device)[:, None]
     remove[:, -1] = False
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
@@ -233,7 +305,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
 def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
     """Drop tokens whose probability is below min_p times the top token's."""
     probs = logits.softmax(dim=-1)
-    threshold = torch.tensor(min_p, device=logits.device)[:, None] * probs.amax(dim=-1, keepdim=True)
+    threshold = column(min_p, torch.float32, logits.device)[:, None] * probs.amax(dim=-1, keepdim=True)
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 

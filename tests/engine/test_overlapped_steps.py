@@ -102,3 +102,40 @@ def test_preemption_and_abort_while_a_step_is_in_flight(demo_model_dir):
     while engine.has_unfinished_requests():
         assert engine.step() == []
     assert engine.stats()["num_free_blocks"] == total
+
+
+def test_next_step_takes_its_ids_from_the_device_samples(llm, monkeypatch):
+    """In the overlapped loop a decode step is queued before the host read the previous step's tokens: its
+    placeholder ids are gathered from the previous step's samples on the device (``PackedStep.G``), and the
+    tokens still equal the plain loop's, seeded sampling included."""
+    params = [SamplingParams(max_tokens=10, temperature=0.0), SamplingParams(max_tokens=10, temperature=0.8, seed=5),
+              SamplingParams(max_tokens=10, temperature=0.7, seed=9, top_k=20, logprobs=1),
+              SamplingParams(max_tokens=10, temperature=0.0, logprobs=2), SamplingParams(max_tokens=10, seed=11)]
+    runner = llm.engine.runner
+    gathered: list[int] = []
+    upload = runner.upload
+
+    def counting(packed):
+        gathered.append(packed.G)
+        assert not packed.holes  # every placeholder had a device source
+        return upload(packed)
+
+    plain = run(llm, False, params)
+    monkeypatch.setattr(runner, "upload", counting)
+    assert run(llm, True, params) == plain
+    assert sum(gathered) >= 3 * 8  # 3 requests x (10 tokens - first - last) decode steps read device samples
+
+
+def test_pending_sample_equals_the_synchronous_result():
+    import torch
+
+    from pdpool.engine.sampler import Sampler, make_generator
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.9, seed=1, logprobs=3),
+              SamplingParams(temperature=0.5), SamplingParams(temperature=1.0, top_p=0.5, min_p=0.1, seed=2)]
+    gens = lambda: [None, make_generator(1), None, make_generator(2)]  # noqa: E731
+    sync = Sampler(seed=0).sample(logits, params, [[1]] * 4, [[]] * 4, gens())
+    pending = Sampler(seed=0).sample_async(logits, params, [[1]] * 4, [[]] * 4, gens())
+    assert pending.token_ids.tolist() == sync.token_ids
+    assert pending.result() == sync
