@@ -85,6 +85,19 @@ async def wait_for_crd(kube: Kube, every: float) -> None:
         await asyncio.sleep(every)
 
 
+def defaulted_paths(defaults: dict, node: dict, path: str) -> list[str]:
+    """Leaves with a CRD default: the API server writes that default into every pool, which then wins."""
+    out = []
+    for name, value in defaults.items():
+        sub = (node.get("properties") or {}).get(name) or {}
+        if isinstance(value, dict) and sub.get("type") == "object" and "properties" in sub:
+            out += defaulted_paths(value, sub, f"{path}.{name}")
+        elif "default" in sub:
+            out.append(f"{path}.{name}: has a CRD default ({sub['default']!r}), which the API server writes into "
+                       "every pool, so a pool default would never apply; set it in the pools")
+    return out
+
+
 def load_pool_defaults(path: str | None) -> dict:
     if not path:
         return {}
@@ -93,7 +106,7 @@ def load_pool_defaults(path: str | None) -> dict:
     with open(path) as f:
         defaults = yaml.safe_load(f) or {}
     root = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    errors = schema_errors(defaults, root, "poolDefaults")
+    errors = schema_errors(defaults, root, "poolDefaults") + defaulted_paths(defaults, root, "poolDefaults")
     if errors:
         raise SystemExit(f"pdpool operator: --pool-defaults {path}: " + "; ".join(errors))
     return defaults

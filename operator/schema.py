@@ -128,7 +128,9 @@ DEPLOYMENT_FIELDS: dict[str, dict] = {
                              "token) or kubernetes (EndpointSlices of the node Services; the operator creates a "
                              "ServiceAccount with a read-only Role on EndpointSlices for the router).",
                              enum=["redis", "kubernetes"], default="redis"),
-    "kvTransfer.rdma.ipcLock": {"type": "boolean", "default": False, "description": "Add the IPC_LOCK capability "
+    # No schema defaults below: the API server would write them into every pool, and a pool's value beats the
+    # operator's --pool-defaults, where clusters set these (unset means false / preferred).
+    "kvTransfer.rdma.ipcLock": {"type": "boolean", "description": "Add the IPC_LOCK capability "
                                 "to the nodes, so that RDMA can pin KV memory beyond RLIMIT_MEMLOCK (see "
                                 "docs/deploy.md: a non-root process also needs the runtime's memlock limit)."},
     "kvTransfer.shmSize": {**_QUANTITY, "description": "Size of a memory-backed /dev/shm for the nodes (UCX "
@@ -136,8 +138,8 @@ DEPLOYMENT_FIELDS: dict[str, dict] = {
     "placement.topologyKey": _str("Node label whose value groups nodes that share a fast fabric (rack, NVLink "
                                   "domain), e.g. nvidia.com/gpu.clique or topology.kubernetes.io/zone: the pool's "
                                   "prefill and decode pods are placed in the same group."),
-    "placement.mode": _str("preferred (a scheduling preference) or required (pods wait for room in one group).",
-                           enum=["preferred", "required"], default="preferred"),
+    "placement.mode": _str("preferred (unset: a scheduling preference) or required (pods wait for room in one "
+                           "group).", enum=["preferred", "required"]),
     "networkPolicy.scrapeFrom": _PEERS,
 }
 

@@ -124,7 +124,7 @@ def topology_affinity(pool: Pool) -> dict | None:
     if not placement.get("topologyKey"):
         return None
     term = {"labelSelector": nodes_selector(pool), "topologyKey": placement["topologyKey"]}
-    if placement["mode"] == "required":
+    if placement.get("mode") == "required":
         return {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}}
     return {"podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
         {"weight": 100, "podAffinityTerm": term}]}}

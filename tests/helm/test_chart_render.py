@@ -12,6 +12,7 @@ import yaml
 from chart import CHART, NAMESPACE, ROOT, VALUE_SETS, helm, one, render, template
 from operator_examples import _selects
 from pdpool.operator import crd
+from pdpool.operator.main import defaulted_paths
 from pdpool.up.pool import schema_errors
 
 BUILT_IN_API_GROUPS = ("v1", "apps/v1", "policy/v1", "rbac.authorization.k8s.io/v1", "networking.k8s.io/v1",
@@ -138,6 +139,7 @@ def test_rdma_values_become_pool_defaults_the_operator_accepts():
         "decode": {"resources": {"limits": {"rdma/ib": 1}}},
         "placement": {"topologyKey": "nvidia.com/gpu.clique", "mode": "required"}}
     assert schema_errors(defaults, spec_schema(), "poolDefaults") == []
+    assert defaulted_paths(defaults, spec_schema(), "poolDefaults") == [], "a CRD default would beat it"
     assert pool_defaults(render()) == {}
     # poolDefaults win over the derived values, and restarting the operator follows a change of them
     mixed = render(*VALUE_SETS["rdma"], "--set", "poolDefaults.kvTransfer.ucxTls=rc\\,tcp")

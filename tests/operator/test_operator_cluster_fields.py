@@ -12,7 +12,7 @@ import yaml
 
 from operator_examples import ROOT, _selects, example_body
 from pdpool.router import settings
-from pdpool.operator import builders
+from pdpool.operator import builders, crd
 from pdpool.operator.builders.router import DISCOVERY_RULES
 from pdpool.operator.main import load_pool_defaults
 from pdpool.operator.reconcile import merge_patch
@@ -158,6 +158,8 @@ def test_pool_defaults_apply_under_the_pool_and_the_pool_wins(tmp_path):
     defaults = {"kvTransfer": {"ucxNetDevices": "mlx5_1:1", "ucxTls": "rc,cuda_copy", "rdma": {"ipcLock": True}},
                 "placement": {"topologyKey": "topology.kubernetes.io/rack"}}
     body = gpu_body()  # sets ucxNetDevices mlx5_0:1 itself
+    spec_schema = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    body["spec"] = crd.apply_defaults(body["spec"], spec_schema)  # as stored: the API server's defaults in
     objs = render(body, defaults)
     assert objs["ConfigMap/llama-2p4d-config"]["data"]["UCX_NET_DEVICES"] == "mlx5_0:1"
     assert pod(objs, "llama-2p4d-decode")["containers"][0]["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
@@ -170,6 +172,9 @@ def test_pool_defaults_apply_under_the_pool_and_the_pool_wins(tmp_path):
     assert load_pool_defaults(str(path)) == defaults
     path.write_text(yaml.safe_dump({"kvTransfer": {"rdma": {"ipcLok": True}}}))
     with pytest.raises(SystemExit, match="ipcLok: unknown field"):
+        load_pool_defaults(str(path))
+    path.write_text(yaml.safe_dump({"kvTransfer": {"failurePolicy": "fail"}}))  # the CRD defaults it
+    with pytest.raises(SystemExit, match="failurePolicy: has a CRD default"):
         load_pool_defaults(str(path))
 
 
