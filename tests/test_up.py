@@ -167,6 +167,19 @@ def test_missing_redis_server_says_how_to_install_it(tmp_path):
     assert "apt-get install -y redis-server" in out.stderr
 
 
+def test_missing_nixl_says_how_to_install_it(monkeypatch, capsys):
+    """`pip install -e .` alone has no NIXL: up says so before it starts anything (else every node fails, forever)."""
+    import importlib.util
+
+    from pdpool.up import main as up_main
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in up_main.NIXL_PACKAGES else find_spec(name, *a))
+    assert up_main.main(["--port", str(free_port())]) == 1
+    assert "pip install 'pdpool[nixl]'" in capsys.readouterr().err
+
+
 def test_managed_redis_and_sigterm_while_starting(demo_model_dir, pdpool_cache, tmp_path):
     """No nodes (replicas 0): the router never gets ready. The pool's own Redis, killed, is restarted; SIGTERM then
     stops the router and Redis."""
@@ -294,6 +307,33 @@ def test_status_prints_nodes_and_route_decisions(up):
     by_url = subprocess.run([sys.executable, "-m", "pdpool.cli", "status", "--url", f"http://127.0.0.1:{up.port}/v1"],
                             env=up.env, capture_output=True, text=True, timeout=60)
     assert by_url.stdout == out.stdout
+
+
+def test_bench_against_the_pool_writes_json_and_pngs_with_consistent_counts(up, tmp_path):
+    from pdpool.bench import datasets
+    from pdpool.frontend import Frontend
+
+    before = router_metrics(up)
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, "-m", "pdpool.cli", "bench", "--url", f"http://127.0.0.1:{up.port}",
+                           "--model", "demo", "--tokenizer", "demo", "--random-token-ids", "--random-input-len",
+                           "20:40", "--random-output-len", "2:4", "--num-requests", "5", "--concurrency", "2",
+                           "--ignore-eos", "--seed", "3", "--time-limit", "180", "--out", str(out), "--no-progress"],
+                          env=up.env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert {"bench.json", "latency_cdf.png", "ttft_over_time.png"} <= {p.name for p in out.iterdir()}
+    (run,) = json.loads((out / "bench.json").read_text())["runs"]
+    expected = datasets.random_requests(5, (20, 40), (2, 4), datasets.Lengths(Frontend.from_model("demo")), seed=3,
+                                        token_ids=True)
+    assert [r["index"] for r in run["records"]] == list(range(5)) and run["summary"]["completed"] == 5
+    for record, req in zip(run["records"], expected):  # the responses' usage, for exactly these requests
+        assert record["usage_reported"] and record["error"] is None
+        assert (record["prompt_tokens"], record["completion_tokens"]) == (len(req.prompt), req.max_tokens)
+    assert run["summary"]["total_input_tokens"] == sum(len(r.prompt) for r in expected)
+    assert run["summary"]["total_output_tokens"] == sum(r.max_tokens for r in expected)
+    after = router_metrics(up)
+    key = 'pdpool_router_requests_total{decision="disaggregated"}'
+    assert after[key] - before.get(key, 0.0) == 5  # every request took the disaggregated path
 
 
 def test_a_killed_decode_node_restarts_and_requests_keep_succeeding(up):

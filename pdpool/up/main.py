@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import os
 import secrets
 import shlex
@@ -269,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdpool up: error: port {up.port} is in use (another pool? see pdpool status); give --port",
               file=sys.stderr)
         return 2
+    if not nixl_installed():
+        print(f"pdpool up: error: {NIXL_HINT}", file=sys.stderr)
+        return 1
     if up.pool.managed_redis and not shutil.which("redis-server"):
         print(f"pdpool up: error: {local_redis.INSTALL_HINT}", file=sys.stderr)
         return 1
@@ -284,6 +288,16 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stopped = up.stop()
     return code or stopped
+
+
+NIXL_PACKAGES = ("nixl_cu13", "nixl_cu12", "nixl")  # the ones pdpool.kv_transfer.agent imports
+NIXL_HINT = ("the pool's prefill and decode nodes move the KV cache with NIXL, which is not installed here:\n"
+             "    pip install 'pdpool[nixl]'      # nixl-cu12 (CPU and CUDA 12); nixl-cu13 on CUDA 13")
+
+
+def nixl_installed() -> bool:
+    """Checked before anything starts: without NIXL every node would fail to start, and restart, forever."""
+    return any(importlib.util.find_spec(name) is not None for name in NIXL_PACKAGES)
 
 
 def port_free(host: str, port: int) -> bool:
