@@ -46,8 +46,10 @@ def _latency_cdfs(plt, results, out_dir: Path) -> Path:
     for ax, (name, values_of) in zip(axes.flat, metrics):
         for label, run in _series(results):
             values = np.sort(np.asarray(values_of(records_of(run)), dtype=float)) * 1000.0
-            if len(values):
-                ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post", label=label)
+            if len(values):  # the empirical CDF: 0 up to the smallest value, 1 from the largest
+                ax.step(np.concatenate([values[:1], values]), np.arange(len(values) + 1) / len(values),
+                        where="post", label=label)
+        ax.set_ylim(0, 1.02)
         ax.set_title(f"{name} CDF")
         ax.set_xlabel("ms")
         ax.set_ylabel("fraction of requests" if name != "ITL" else "fraction of gaps")
