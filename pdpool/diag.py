@@ -157,7 +157,8 @@ def diagnose_failure(stage: str, error: str, facts: HostFacts, pinned_bytes: int
         found.append(Finding(
             "error", f"UCX found no usable transport (UCX_TLS={facts.ucx_tls or 'all'}, "
             f"UCX_NET_DEVICES={facts.ucx_net_devices or 'all'}): {error}",
-            "unset UCX_TLS and UCX_NET_DEVICES to let UCX choose, then narrow them again"))
+            "unset UCX_TLS and UCX_NET_DEVICES to let UCX choose, then narrow them again; on a GPU host keep "
+            "cuda_copy in UCX_TLS (UCX_TLS=tcp alone failed to start NIXL on an H100 host, tcp,cuda_copy worked)"))
     elif stage in ("connect", "read", "write"):
         found.append(Finding(
             "error", f"the peer did not answer over UCX ({stage}): {error}",
@@ -190,32 +191,64 @@ _LOG_LINE = re.compile(r"^\[(?P<ts>[^\]]+)\]\s+\[(?P<where>[^\]]+)\]\s+(?P<text>
 _TRANSPORT = re.compile(r"\b([a-z][a-z0-9_]*)/([A-Za-z0-9_.:\-]+)")
 
 
-def parse_ucx_protocols(log_text: str) -> dict[str, list[str]]:
-    """UCX_PROTO_INFO tables -> ``{"read": ["tcp/eth0"], "write": [...]}`` for the transfers between agents.
+def parse_ucx_protocols(log_text: str) -> list[tuple[str, str, list[str]]]:
+    """UCX_PROTO_INFO tables -> ``[(title, operation, ["transport/device", ...])]``.
 
-    A table is printed as lines sharing one timestamp: a title (``<worker> inter-node cfg#1``), the operation
-    (``remote memory read by ucp_get* ...``), then rows ``| range | description | transport/device |``. Tables of
-    an agent's own ``self`` loopback are skipped."""
-    tables: dict[tuple[str, str], list[list[str]]] = {}
+    UCX prints each protocol selection as a table::
+
+        +----------------------------------------------------------+
+        | <worker> inter-node cfg#1                                |
+        | remote memory read by ucp_get* into host memory from host |
+        +-----------+--------------------+-------------------------+
+        |   Range   |    Description     |          Config         |
+        +-----------+--------------------+-------------------------+
+        |   0..8184 | zero-copy          | rc_mlx5/mlx5_0:1        |
+
+    A one-cell row after data rows starts the next table (tables are printed back to back)."""
+    tables: list[tuple[list[str], list[str]]] = []
     for line in log_text.splitlines():
         m = _LOG_LINE.match(line.strip())
-        if m and m["text"].startswith("|"):
-            cells = [c.strip() for c in m["text"].strip().strip("|").split("|")]
-            tables.setdefault((m["ts"], m["where"]), []).append(cells)
+        if not m or not m["text"].startswith("|"):
+            continue
+        cells = [c.strip() for c in m["text"].strip().strip("|").split("|")]
+        if len(cells) == 1:
+            if not tables or tables[-1][1]:
+                tables.append(([], []))
+            tables[-1][0].append(cells[0])
+        elif tables and len(cells) == 3 and cells[0] != "Range":
+            tables[-1][1].append(cells[2])
+    found = []
+    for heads, configs in tables:
+        if len(heads) < 2:
+            continue
+        names: list[str] = []
+        for config in configs:
+            for tl, dev in _TRANSPORT.findall(config):
+                if f"{tl}/{dev}" not in names:
+                    names.append(f"{tl}/{dev}")
+        found.append((heads[0], heads[1], names))
+    return found
+
+
+_OPERATION = re.compile(r"remote memory (?:(?P<read>read) by \S+ into (?P<rdst>.+?) from (?P<rsrc>.+)"
+                        r"|(?P<write>write) by \S+ from (?P<wsrc>.+?) to (?P<wdst>.+))$")
+
+
+def transfer_transports(tables: list[tuple[str, str, list[str]]], mem: str) -> dict[str, list[str]]:
+    """The transports UCX chose for remote READs and WRITEs between two buffers of ``mem`` ("host" or "cuda")
+    memory (UCX names them ``host memory``/``host`` and ``cuda/GPU0``/``cuda/dev[1]``/``cuda``), leaving out an
+    agent's loopback to itself (``self`` tables)."""
     found: dict[str, list[str]] = {}
-    for rows in tables.values():
-        heads = [r[0] for r in rows if len(r) == 1]
-        if len(heads) < 2 or " self " in f" {heads[0]} ":
+    for title, operation, names in tables:
+        m = _OPERATION.match(operation)
+        if not m or " self " in f" {title} ":
             continue
-        op = "read" if "remote memory read" in heads[1] else "write" if "remote memory write" in heads[1] else None
-        if op is None:
-            continue
-        for r in rows:
-            if len(r) == 3 and r[0] != "Range":
-                for tl, dev in _TRANSPORT.findall(r[2]):
-                    name = f"{tl}/{dev}"
-                    if name not in found.setdefault(op, []):
-                        found[op].append(name)
+        op = "read" if m["read"] else "write"
+        ends = (m["rdst"], m["rsrc"]) if m["read"] else (m["wsrc"], m["wdst"])
+        if all(end.split("/")[0].split()[0] == mem for end in ends):
+            for name in names:
+                if name not in found.setdefault(op, []):
+                    found[op].append(name)
     return found
 
 
@@ -224,7 +257,7 @@ def ucx_report(workdir: str):
     """UCX_PROTO_INFO on, UCX's log into ``workdir`` (UCX reads both when NIXL creates its context), and the
     process's stderr (NIXL's own log) copied there too; yields a callable returning (ucx log, nixl log)."""
     os.environ["UCX_PROTO_INFO"] = "y"
-    os.environ.setdefault("UCX_LOG_FILE", os.path.join(workdir, "ucx.%p.log"))
+    os.environ["UCX_LOG_FILE"] = os.path.join(workdir, "ucx.%p.log")  # --ucx-log keeps a copy
     captured = os.path.join(workdir, "stderr.log")
     sys.stderr.flush()
     saved = os.dup(2)
@@ -317,6 +350,14 @@ def _stage(stage: str, fn, *args, **kwargs):
         raise DiagFailed(stage, f"{type(exc).__name__}: {exc}") from exc
 
 
+def _timed(stage: str, fn, *args, **kwargs) -> float:
+    """Seconds from posting to completion. (What ``read_blocks`` returns starts after ``nixl.transfer()``
+    returned, which on same-host transports such as cma or cuda_ipc already did the whole copy.)"""
+    t0 = time.perf_counter()
+    _stage(stage, fn, *args, **kwargs)
+    return time.perf_counter() - t0
+
+
 def _agent(name: str, args):
     from pdpool.kv_transfer.agent import KVAgent
 
@@ -373,12 +414,12 @@ def connect(args, report: Report) -> None:
     report.bytes_per_transfer, report.descriptors = n * block_bytes, n
     for _ in range(args.iterations):  # pull: our [0, n) <- their [0, n), reversed
         buf[:n].zero_()
-        secs = _stage("read", agent.read_blocks, peer, low[::-1], low, timeout=args.timeout)
+        secs = _timed("read", agent.read_blocks, peer, low[::-1], low, timeout=args.timeout)
         report.read_gbps.append(n * block_bytes / secs / 1e9)
     want = pattern(seed, n * block_bytes).view(n, block_bytes).flip(0)
     report.checksums["read"] = _stage("verify", check_blocks, buf[:n], want, "the blocks read from the peer")
     for _ in range(args.iterations):  # push: our [n, 2n) -> their [n, 2n), reversed
-        secs = _stage("write", agent.write_blocks, peer, high[::-1], high, timeout=args.timeout)
+        secs = _timed("write", agent.write_blocks, peer, high[::-1], high, timeout=args.timeout)
         report.write_gbps.append(n * block_bytes / secs / 1e9)
     buf[:n].zero_()
     _stage("read", agent.read_blocks, peer, high, low, timeout=args.timeout)  # read the written blocks back
@@ -408,7 +449,10 @@ def run_side(side: str, args) -> Report:
                 report.failed_stage, report.error = exc.stage, exc.error
             ucx_log, nixl_log = logs()
     if side == "connect":  # the side that posts the transfers; UCX chooses their protocols there
-        report.transports = parse_ucx_protocols(ucx_log)
+        report.transports = transfer_transports(parse_ucx_protocols(ucx_log),
+                                                "cuda" if report.device.startswith("cuda") else "host")
+    if args.ucx_log:
+        Path(args.ucx_log).write_text(ucx_log + nixl_log)
     if report.ok:
         report.findings = preflight(facts, pinned) + transport_findings(report.transports, facts)
     else:
@@ -432,8 +476,10 @@ def render(report: Report) -> str:
                          f"over {len(rates)} transfers")
     for what, digest in report.checksums.items():
         lines.append(f"  bytes {what}: match (sha256 {digest})")
-    for op, names in report.transports.items():
-        lines.append(f"  UCX transports for {op}: {', '.join(names)}")
+    if report.side == "connect" and report.bytes_per_transfer:
+        for op in ("read", "write"):
+            names = report.transports.get(op)
+            lines.append(f"  UCX transports for {op}: {', '.join(names) if names else 'not reported by UCX'}")
     if report.failed_stage:
         lines.append(f"  failed at {report.failed_stage}: {report.error.splitlines()[0]}")
     for f in report.findings:
@@ -566,6 +612,8 @@ def _add_transfer_flags(p: argparse.ArgumentParser) -> None:
                    "environment's).")
     p.add_argument("--timeout", type=float, default=300.0, help="Seconds to wait for the peer and for each transfer.")
     p.add_argument("--json", action="store_true", help=f"Print one '{RESULT_PREFIX.strip()} {{...}}' line.")
+    p.add_argument("--ucx-log", default=None, metavar="FILE", help="Also write UCX's and NIXL's log (with "
+                   "UCX_PROTO_INFO's protocol tables) to FILE, e.g. for a bug report.")
 
 
 def parser() -> argparse.ArgumentParser:

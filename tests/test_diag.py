@@ -19,7 +19,7 @@ import time
 import pytest
 
 from pdpool.diag import (RESULT_PREFIX, TOKEN_PREFIX, HostFacts, diagnose_failure, parse_ucx_protocols, pick_pair,
-                         preflight)
+                         preflight, transfer_transports)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -182,18 +182,31 @@ def test_rdma_left_unused_is_a_warning():
 
 
 def test_ucx_proto_info_tables_are_parsed():
-    log = "\n".join([
-        "[1.5] [h:1:0]   +------+",
-        "[1.5] [h:1:0]   | w#1 inter-node cfg#2 |",
-        "[1.5] [h:1:0]   | remote memory read by ucp_get* from host memory |",
-        "[1.5] [h:1:0]   |  Range  | Description | Config |",
-        "[1.5] [h:1:0]   |  0..8k  | zero-copy   | rc_mlx5/mlx5_0:1 |",
-        "[1.5] [h:1:0]   | 8k..inf | zero-copy   | 50% on rc_mlx5/mlx5_0:1 and 50% on rc_mlx5/mlx5_1:1 |",
-        "[1.6] [h:1:0]   | w#1 self cfg#0 |",
-        "[1.6] [h:1:0]   | remote memory write by ucp_put* from host memory to host |",
-        "[1.6] [h:1:0]   |  0..inf | short | self/memory |",
-    ])
-    assert parse_ucx_protocols(log) == {"read": ["rc_mlx5/mlx5_0:1", "rc_mlx5/mlx5_1:1"]}
+    """Two tables printed back to back (one timestamp), an RDMA one split over two ports, and a loopback."""
+    log = "\n".join(f"[1.5] [h:1:0]   {line}" for line in [
+        "+------+",
+        "| w#1 inter-node cfg#2 |",
+        "| remote memory read by ucp_get*(multi) into cuda/GPU0 from cuda/dev[1] |",
+        "+------+",
+        "|  Range  | Description | Config |",
+        "|  0..8k  | zero-copy   | rc_mlx5/mlx5_0:1 |",
+        "| 8k..inf | zero-copy   | 50% on rc_mlx5/mlx5_0:1 and 50% on rc_mlx5/mlx5_1:1 |",
+        "+------+",
+        "| w#1 inter-node cfg#2 |",
+        "| remote memory read by ucp_get* into host memory from host |",
+        "|  0..inf | software emulation | tcp/eth0 |",
+        "| w#1 intra-node cfg#3 |",
+        "| remote memory write by ucp_put* from host memory to cuda/dev[1] |",
+        "|  0..inf | software emulation | tcp/lo |",
+        "| w#1 self cfg#0 |",
+        "| remote memory write by ucp_put* from cuda/GPU0 to cuda |",
+        "|  0..inf | short | self/memory |",
+    ]) + "\nunrelated line\n"
+    tables = parse_ucx_protocols(log)
+    assert [t[2] for t in tables] == [["rc_mlx5/mlx5_0:1", "rc_mlx5/mlx5_1:1"], ["tcp/eth0"], ["tcp/lo"],
+                                      ["self/memory"]]
+    assert transfer_transports(tables, "cuda") == {"read": ["rc_mlx5/mlx5_0:1", "rc_mlx5/mlx5_1:1"]}
+    assert transfer_transports(tables, "host") == {"read": ["tcp/eth0"]}
 
 
 def pod(name: str, node: str, phase: str = "Running") -> dict:
