@@ -73,6 +73,10 @@ class Router:
         r = self.cfg.router
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=60),
                                              auto_decompress=False)
+        if self.reader is not None:
+            from pdpool.router.index_reader import AsyncIndexReader
+
+            self.index.async_reader = AsyncIndexReader(r.redis, r.redis_password, self.reader.keys)
         upstream = Upstream(self.session, connect_timeout=r.connect_timeout, request_timeout=r.request_timeout,
                             internal_token=r.internal_token)
         self.path = RequestPath(self.scheduler, upstream, self.pool, self.index, self.inflight, self.metrics,
@@ -105,6 +109,8 @@ class Router:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.session is not None:
             await self.session.close()
+        if self.index.async_reader is not None:
+            await self.index.async_reader.close()
         self._executor.shutdown(wait=False)
 
     # ---- handlers -------------------------------------------------------------------------------------
@@ -117,7 +123,8 @@ class Router:
         self.num_inflight += 1
         try:
             body = await protocol.read_json(request)
-            rr = parse(request.path, body, self.frontend, self.served_names, request_id_var.get())
+            rr = parse(request.path, body, self.frontend, self.served_names, request_id_var.get(),
+                       await request.read())  # the bytes read_json parsed (aiohttp keeps them)
             try:
                 return await self.path.serve(request, rr)
             except _PassThrough as exc:

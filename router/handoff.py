@@ -155,7 +155,7 @@ class RequestPath:
             if rr.stream and d.pdpool and not rr.parsed.include_usage:
                 changes["stream_options"] = {**(rr.body.get("stream_options") or {}), "include_usage": True}
                 hide_usage = True
-            body = rr.upstream_body(d.pdpool, **changes)
+            body = rr.upstream_body(d.pdpool, **changes) if changes else rr.upstream_bytes(d.pdpool)
             uncached = 0 if handle is not None else rr.num_prompt_tokens - plan.matched_blocks.get(
                 d.node_id, 0) * self.scheduler.block_size
             ticket = self.inflight.add(d.node_id, uncached)

@@ -24,35 +24,45 @@ from pdpool.kv_index import IndexUnavailableError
 
 logger = logging.getLogger("pdpool.router")
 
+# A prefix this router sent to a node counts as held there for this long, even before the node has computed
+# it and published it to Redis (one prefill, seconds on a loaded CPU): otherwise a group's next request, routed
+# meanwhile, sees no holder anywhere and goes to the least-loaded node, which computes the prefix again.
+RECENT_SECONDS = 5.0
+
 
 class ApproxIndex:
-    """block hash -> {node_id: incarnation}, LRU-bounded to ``capacity`` hashes."""
+    """block hash -> {node_id: (incarnation, time recorded)}, LRU-bounded to ``capacity`` hashes."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._lru: OrderedDict[bytes, dict[str, str | None]] = OrderedDict()
+        self._lru: OrderedDict[bytes, dict[str, tuple[str | None, float]]] = OrderedDict()
 
-    def record(self, hashes: Sequence[BlockHash], node_id: str, incarnation: str | None) -> None:
+    def record(self, hashes: Sequence[BlockHash], node_id: str, incarnation: str | None,
+               now: float | None = None) -> None:
         lru = self._lru
+        entry = (incarnation, time.monotonic() if now is None else now)
         for h in hashes:
             owners = lru.get(h)
             if owners is None:
-                lru[h] = {node_id: incarnation}
+                lru[h] = {node_id: entry}
                 if len(lru) > self.capacity:
                     lru.popitem(last=False)
             else:
-                owners[node_id] = incarnation
+                owners[node_id] = entry
                 lru.move_to_end(h)
 
-    def lookup(self, hashes: Sequence[BlockHash], incarnations: dict[str, str | None]) -> dict[str, int]:
-        """Leading blocks per node, counting only entries made under the node's current incarnation."""
+    def lookup(self, hashes: Sequence[BlockHash], incarnations: dict[str, str | None],
+               since: float | None = None) -> dict[str, int]:
+        """Leading blocks per node, counting only entries made under the node's current incarnation (and, with
+        ``since``, recorded at or after that time)."""
         matched = {n: 0 for n in incarnations}
         alive = set(incarnations)
         for i, h in enumerate(hashes):
             owners = self._lru.get(h)
             if not owners:
                 break
-            alive = {n for n in alive if n in owners and owners[n] == incarnations[n]}
+            alive = {n for n in alive if n in owners and owners[n][0] == incarnations[n]
+                     and (since is None or owners[n][1] >= since)}
             if not alive:
                 break
             for n in alive:
@@ -67,13 +77,15 @@ class PrefixIndex:
     """``lookup(hashes, endpoints) -> {node_id: matched leading blocks}`` in the current mode."""
 
     def __init__(self, reader, approx: ApproxIndex, run_sync, metrics=None, backoff_initial: float = 0.5,
-                 backoff_max: float = 5.0) -> None:
+                 backoff_max: float = 5.0, recent_seconds: float = RECENT_SECONDS) -> None:
         self.reader = reader              # IndexReader or None (no Redis: approximate only)
+        self.async_reader = None          # AsyncIndexReader, set once the event loop runs: lookups stay on it
         self.approx = approx
         self.run_sync = run_sync
         self.metrics = metrics
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
+        self.recent_seconds = recent_seconds
         self._failures = 0
         self._retry_at = 0.0
         self.distrusted: dict[str, str | None] = {}   # node_id -> incarnation it had when it failed
@@ -108,9 +120,15 @@ class PrefixIndex:
         matched = None
         if hashes and self.reader is not None and time.monotonic() >= self._retry_at:
             try:
-                found = await self.run_sync(self.reader.lookup, hashes)
+                if self.async_reader is not None:
+                    found = await self.async_reader.lookup(hashes)
+                else:
+                    found = await self.run_sync(self.reader.lookup, hashes)
                 matched = {n: found.get(n, 0) for n in incarnations}
                 self._on_success()
+                if self.recent_seconds > 0:  # routed here just now: not in Redis until the node has prefilled
+                    recent = self.approx.lookup(hashes, incarnations, since=time.monotonic() - self.recent_seconds)
+                    matched = {n: max(m, recent[n]) for n, m in matched.items()}
             except IndexUnavailableError as exc:
                 self._on_failure(exc)
         if matched is None:

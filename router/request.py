@@ -7,6 +7,7 @@ its own tokenization, so router and engine hash exactly the same tokens. A plain
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from pdpool import frontend as _frontend
@@ -26,6 +27,7 @@ class RoutedRequest:
     parsed: protocol.GenerationRequest
     prompt_token_ids: list[list[int]]
     request_id: str
+    raw: bytes = b""                  # the client's body as received (valid JSON: it parsed into ``body``)
     _hashes: dict = field(default_factory=dict)
 
     @property
@@ -47,6 +49,18 @@ class RoutedRequest:
                                                               self.parsed.cache_salt)
         return self._hashes[fingerprint]
 
+    def upstream_bytes(self, pdpool_node: bool | None) -> bytes:
+        """``upstream_body(pdpool_node)`` serialized, built from the client's own bytes when it can be: the body
+        as received, plus the token ids spliced in before its closing brace (the same object as re-encoding it,
+        without re-encoding a long prompt)."""
+        raw = self.raw.rstrip()
+        if not raw.endswith(b"}") or not self.body or "kv_transfer_params" in self.body:
+            return json.dumps(self.upstream_body(pdpool_node)).encode()
+        if not pdpool_node:
+            return self.raw
+        ids = json.dumps(self.prompt_token_ids, separators=(",", ":")).encode()
+        return b"".join((raw[:-1], b',"', TOKEN_IDS_FIELD.encode(), b'":', ids, b"}"))
+
     def upstream_body(self, pdpool_node: bool | None, **changes) -> dict:
         body = dict(self.body)
         body.pop("kv_transfer_params", None)  # the router owns the handoff
@@ -57,7 +71,8 @@ class RoutedRequest:
         return body
 
 
-def parse(path: str, body: dict, frontend: Frontend, served_names: list[str], request_id: str) -> RoutedRequest:
+def parse(path: str, body: dict, frontend: Frontend, served_names: list[str], request_id: str,
+          raw: bytes = b"") -> RoutedRequest:
     """Raises ``APIError`` (4xx) for what a node would refuse before generating; the context length is the
     nodes' to check (their 400 reaches the client as is)."""
     if TOKEN_IDS_FIELD in body:
@@ -74,4 +89,4 @@ def parse(path: str, body: dict, frontend: Frontend, served_names: list[str], re
             _frontend.check_token_ids(stop_ids, frontend.vocab_size, "stop_token_ids")
     except _REFUSED as exc:
         raise APIError(str(exc), param=exc.param) from None
-    return RoutedRequest(path, body, req, ids, request_id)
+    return RoutedRequest(path, body, req, ids, request_id, raw)

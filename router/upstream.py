@@ -56,11 +56,18 @@ class Upstream:
     def timeout(self, total: float | None = None) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=total or self.request_timeout, sock_connect=self.connect_timeout)
 
-    async def open(self, url: str, body: dict, request_id: str, timeout: float | None = None
+    async def open(self, url: str, body: dict | bytes, request_id: str, timeout: float | None = None
                    ) -> aiohttp.ClientResponse:
-        """POST and wait for the status line; the caller reads and closes the response."""
+        """POST (a dict, or JSON already serialized) and wait for the status line; the caller reads and closes
+        the response."""
+        headers = self.headers(request_id)
+        if isinstance(body, bytes):
+            headers["Content-Type"] = "application/json"
+            data, body = body, None
+        else:
+            data = None
         try:
-            return await self.session.post(url, json=body, headers=self.headers(request_id),
+            return await self.session.post(url, data=data, json=body, headers=headers,
                                            timeout=self.timeout(timeout))
         except asyncio.TimeoutError as exc:
             raise UpstreamError("timeout", f"{url}: no answer in time") from exc

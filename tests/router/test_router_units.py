@@ -16,7 +16,7 @@ from pdpool.router.filters import LoadMarginFilter
 from pdpool.router.inflight import InflightTracker
 from pdpool.router.pickers import MaxScorePicker, RoundRobinPicker
 from pdpool.router.plugins import Context
-from pdpool.router.prefix_index import ApproxIndex
+from pdpool.router.prefix_index import ApproxIndex, PrefixIndex
 from pdpool.router.scorers import KVUsageScorer, PrefixCacheScorer, QueueScorer
 from pdpool.router.sse import SSERelay
 
@@ -175,3 +175,31 @@ def test_cli_without_a_discovery_source_exits_2():
     r = subprocess.run([sys.executable, "-m", "pdpool.cli", "router", "--model", "demo"], capture_output=True,
                        text=True)
     assert r.returncode == 2 and "no discovery source" in r.stderr
+
+
+class _EmptyRedis:
+    """An IndexReader whose Redis holds nothing yet (the nodes have not published the prefix)."""
+
+    def lookup(self, hashes):
+        return {}
+
+
+def _precise_index(recent_seconds: float) -> PrefixIndex:
+    async def run_sync(fn, *args):
+        return fn(*args)
+
+    return PrefixIndex(_EmptyRedis(), ApproxIndex(100), run_sync, recent_seconds=recent_seconds)
+
+
+def test_a_prefix_just_routed_counts_before_the_node_publishes_it():
+    import asyncio
+    import time
+
+    index = _precise_index(recent_seconds=5.0)
+    hashes = [bytes([i]) * 16 for i in range(4)]
+    a, b = make_endpoint("a"), make_endpoint("b")
+    index.record(hashes[:3], a)
+    assert asyncio.run(index.lookup(hashes, [a, b])) == {"a": 3, "b": 0}
+    index.approx.record(hashes, "b", None, now=time.monotonic() - 6.0)  # routed too long ago: Redis decides
+    assert asyncio.run(index.lookup(hashes, [a, b])) == {"a": 3, "b": 0}
+    assert asyncio.run(_precise_index(recent_seconds=0).lookup(hashes, [a, b])) == {"a": 0, "b": 0}
