@@ -339,6 +339,8 @@ class Report:
     peer: str | None = None
     ucx_tls: str | None = None
     ucx_net_devices: str | None = None
+    memlock: str | None = None     # RLIMIT_MEMLOCK (ulimit -l): RDMA pins what it registers
+    rdma_ports: dict[str, str] = field(default_factory=dict)
 
 
 def _stage(stage: str, fn, *args, **kwargs):
@@ -436,7 +438,9 @@ def run_side(side: str, args) -> Report:
         facts.ucx_tls = args.ucx_tls
     if args.ucx_net_devices:
         facts.ucx_net_devices = args.ucx_net_devices
-    report = Report(side, facts.hostname, ucx_tls=facts.ucx_tls, ucx_net_devices=facts.ucx_net_devices)
+    report = Report(side, facts.hostname, ucx_tls=facts.ucx_tls, ucx_net_devices=facts.ucx_net_devices,
+                    memlock="unlimited" if facts.memlock_bytes is None else _fmt_bytes(facts.memlock_bytes),
+                    rdma_ports=facts.rdma_ports)
     n, block_bytes = _geometry(args)
     pinned = 2 * n * block_bytes
     with tempfile.TemporaryDirectory(prefix="pdpool-diag-") as workdir:
@@ -466,7 +470,9 @@ def render(report: Report) -> str:
     lines = [f"pdpool diag kv {report.side} on {report.host}"
              + (f" with {report.peer}" if report.peer else "") + f": {'OK' if report.ok else 'FAILED'}",
              f"  UCX_TLS={report.ucx_tls or '<all>'} UCX_NET_DEVICES={report.ucx_net_devices or '<all>'} "
-             f"device={report.device}"]
+             f"device={report.device}",
+             f"  RDMA ports: {', '.join(f'{p} ({s})' for p, s in report.rdma_ports.items()) or 'none'}; "
+             f"memlock: {report.memlock}"]
     if report.bytes_per_transfer:
         lines.append(f"  transfer: {_fmt_bytes(report.bytes_per_transfer)}"
                      + (f" in {report.descriptors} descriptors" if report.descriptors else ""))
