@@ -5,6 +5,8 @@ UCX_NET_DEVICES entry this host lacks fails at once and names it (the serve side
 side moves and checks the bytes both ways, reports bandwidth and UCX's transports, and the serve side checks
 what was written into it and exits; a connect to the exited side fails and says the peer did not answer.
 The diagnosis rules for RDMA hosts (no device, /dev/infiniband missing, memlock) are checked on host facts.
+``--pool`` finds the pool's pods with the real kubectl against the API emulator, whose exec answers 501: the
+transfer through ``kubectl exec`` itself needs a real cluster.
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ import sys
 import time
 
 import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # the tests/ folder: the API emulator and kubectl fixtures
+from k8s_fixtures import k8s, kubeconfig, kubectl  # noqa: E402,F401
+from k8s_tools import kubectl_path  # noqa: E402
 
 from pdpool.diag import (RESULT_PREFIX, TOKEN_PREFIX, HostFacts, diagnose_failure, parse_ucx_protocols, pick_pair,
                          preflight, transfer_transports)
@@ -220,3 +226,33 @@ def test_pod_pair_prefers_two_kubernetes_nodes():
     assert (p["metadata"]["name"], d["metadata"]["name"]) == ("p0", "d0")
     with pytest.raises(Exception, match="0 running decode pods"):
         pick_pair([pod("p0", "n1")], [pod("d0", "n1", "Pending")])
+
+
+def pod_manifest(name: str, pool: str, component: str, node: str) -> dict:
+    labels = {"app.kubernetes.io/instance": pool, "app.kubernetes.io/component": component,
+              "app.kubernetes.io/part-of": "pdpool"}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default", "labels": labels},
+            "spec": {"nodeName": node, "containers": [{"name": "node", "image": "ghcr.io/pdpool/pdpool:0.1.0"}]}}
+
+
+def test_pool_mode_picks_pods_on_two_nodes_with_kubectl(k8s, kubectl):
+    for name, pool, component, node, phase in [
+            ("demo-prefill-a", "demo", "prefill", "gpu-1", "Running"),
+            ("demo-prefill-b", "demo", "prefill", "gpu-2", "Running"),
+            ("demo-decode-a", "demo", "decode", "gpu-1", "Running"),
+            ("demo-decode-b", "demo", "decode", "gpu-3", "Pending"),
+            ("other-decode-a", "other", "decode", "gpu-4", "Running")]:
+        kubectl("apply", "-f", "-", input=json.dumps(pod_manifest(name, pool, component, node)))
+        k8s.set_status("v1", "pods", "default", name, {"phase": phase})
+    done = subprocess.run([sys.executable, "-m", "pdpool.cli", "diag", "kv", "--pool", "demo", "-n", "default",
+                           "--kubectl", str(kubectl_path()), "--timeout", "30", *SIZE], cwd="/tmp",
+                          capture_output=True, text=True, timeout=120, env={**os.environ, **kubectl.env})
+    assert "prefill pod demo-prefill-b (node gpu-2) -> decode pod demo-decode-a (node gpu-1)" in done.stdout, \
+        done.stdout + done.stderr
+    assert done.returncode == 1  # the emulator has no exec: the serve side never starts, and that is said
+    assert "the serve side did not start" in done.stdout
+
+    done = subprocess.run([sys.executable, "-m", "pdpool.cli", "diag", "kv", "--pool", "absent", "--kubectl",
+                           str(kubectl_path())], cwd="/tmp", capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **kubectl.env})
+    assert done.returncode == 1 and "0 running prefill and 0 running decode pods" in done.stderr
