@@ -114,3 +114,15 @@ def test_chart_output_installs_and_the_example_pool_reconciles(installed):
     config = kubectl.json("get", "configmap", "demo-config", "-n", ns)["data"]
     assert config["UCX_TLS"] == "tcp,self" and config["UCX_NET_DEVICES"] == "mlx5_0:1"
     assert installed["proc"].poll() is None, installed["log"].read_text()[-3000:]
+
+    # the cluster-wide operator's calls, as the rendered ClusterRole and leader Role allow them
+    from test_chart_rbac import OPERATOR_AGENTS, called, triples
+    docs = [d for d in yaml.safe_load_all(template(*VALUE_SETS["example-pool"], *VALUE_SETS["rdma"])) if d]
+    (cluster_role,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    (leader,) = [d for d in docs if d["kind"] == "Role"]
+    requests = [r for r in installed["k8s"].requests() if r["user_agent"].startswith(OPERATOR_AGENTS)]
+    leases = [r for r in requests if r["resource"] == "leases"]
+    assert {r["namespace"] for r in leases} == {NAMESPACE}
+    assert called(leases) <= triples(leader["rules"])
+    assert called([r for r in requests if r["resource"] != "leases"]) <= triples(cluster_role["rules"])
+    assert any(r["namespace"] is None and r["verb"] == "watch" for r in requests), "a cluster-wide watch"

@@ -71,6 +71,14 @@ class Handlers:
             target = routing.parse(request.path)
             if target is None:
                 raise not_implemented(f"{request.method} {request.path}")
+            # logged when it arrives, as an authorizer sees it (a watch may stay open until the client leaves)
+            self.ctx.store.record_request({
+                "time": started, "verb": rbac_verb(request.method, bool(target.name),
+                                                   request.query.get("watch") in ("true", "1")),
+                "group": target.group, "resource": target.plural, "subresource": target.subresource,
+                "namespace": target.namespace, "name": target.name,
+                "user_agent": request.headers.get("User-Agent", ""),
+            })
             rt = self.ctx.registry.get(target.group, target.version, target.plural)
             if rt is None or (target.namespace is not None and not rt.namespaced):
                 raise unknown_resource()
@@ -93,14 +101,6 @@ class Handlers:
             code = 500
             return status_response(ApiError(500, f"the emulator failed: {exc!r}"))
         finally:
-            if target is not None:
-                self.ctx.store.record_request({
-                    "time": started, "verb": rbac_verb(request.method, bool(target.name),
-                                                       request.query.get("watch") in ("true", "1")),
-                    "group": target.group, "resource": target.plural, "subresource": target.subresource,
-                    "namespace": target.namespace, "name": target.name, "status": code,
-                    "user_agent": request.headers.get("User-Agent", ""),
-                })
             if request.method in MUTATING:
                 self.ctx.store.record_write({
                     "time": started, "method": request.method, "path": request.path,

@@ -242,7 +242,8 @@ def test_a_missing_secret_is_reported_until_it_exists(cluster, operator, tmp_pat
     pool = wait_condition(cluster, "keyed", "Degraded", "True")
     assert condition(pool, "Degraded")["reason"] == "SecretMissing"
     assert "keyed-api-key (key api-key)" in condition(pool, "Degraded")["message"]
-    assert get(cluster, "deployment", "keyed-router"), "children are created anyway; their pods wait"
+    # children are created anyway (their pods wait); the status timer may report the Secret before they exist
+    wait_until(lambda: get(cluster, "deployment", "keyed-router"), what="children created anyway")
     # (`kubectl create secret` sends protobuf, which the emulator does not decode; apply sends JSON)
     secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "keyed-api-key"},
               "stringData": {"api-key": "s3cret"}}
