@@ -240,8 +240,11 @@ try:
     main(["operator", "--no-leader-election"])  # what the image's ENTRYPOINT runs; stops at the login
 except BaseException as exc:
     outcome = type(exc).__name__ + ": " + str(exc)
-# the operator's pure builders, as a reconcile runs them, on the CPU example pool
+# what runs after the login: the chart's --pool-defaults file checked against the CRD schema, then the pure
+# builders, as a reconcile runs them, on the CPU example pool
 import yaml
+from pdpool.operator.main import load_pool_defaults
+load_pool_defaults(sys.argv[2])
 from pdpool.operator.builders import render
 from pdpool.operator.spec import parse_pool
 body = yaml.safe_load(open(sys.argv[1]))
@@ -260,8 +263,10 @@ def operator_entry(tmp_path_factory):
     # no service account, no kubeconfig: the login is where it stops
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_") and k != "KUBECONFIG"}
     env["HOME"] = str(home)
-    result = subprocess.run([sys.executable, "-c", ENTRY, str(ROOT / "examples" / "cpu-demo.yaml")], cwd="/tmp",
-                            env=env, capture_output=True, text=True, timeout=120)
+    defaults = home / "pool-defaults.yaml"
+    defaults.write_text("kvTransfer:\n  ucxTls: rc,cuda_copy,tcp\n  ucxNetDevices: mlx5_0:1\n")
+    result = subprocess.run([sys.executable, "-c", ENTRY, str(ROOT / "examples" / "cpu-demo.yaml"), str(defaults)],
+                            cwd="/tmp", env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
