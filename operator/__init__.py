@@ -9,6 +9,7 @@ Import only as ``pdpool.operator``. Modules, one role each:
 - ``reconcile`` desired vs actual by spec hash: create, patch only what changed, never touch the rest
 - ``status``   pure: children → status (phase, conditions, replicas, endpoint)
 - ``kube``     a small async Kubernetes REST client over kopf's credentials
-- ``handlers`` thin kopf handlers; ``leader`` a Lease elector; ``main`` the ``pdpool operator`` command
+- ``handlers`` thin kopf handlers; ``leader`` a Lease elector; ``main`` the ``pdpool operator`` command;
+  ``health`` its /healthz, /readyz and /metrics
 - ``redis_keys`` the finalizer's SCAN-by-prefix deletion; ``drain`` the nodes' preStop hook (stdlib only)
 """

@@ -51,6 +51,7 @@ def test_chart_crd_file_is_the_generated_one():
 
 
 def test_rendered_crd_is_the_generated_one_kept_on_uninstall():
+    assert not (CHART / "crds").exists(), "Helm never upgrades crds/: the CRD is a template"
     rendered = one(render(), "CustomResourceDefinition")
     assert rendered["metadata"].pop("annotations") == {"helm.sh/resource-policy": "keep"}
     assert rendered == crd.build_crd()
