@@ -46,6 +46,7 @@ DONE = b"pdpool-diag-kv:done"
 RDMA_TLS = {"rc", "rc_v", "rc_x", "rc_verbs", "rc_mlx5", "ud", "ud_v", "ud_x", "ud_verbs", "ud_mlx5", "dc",
             "dc_x", "dc_mlx5", "ib"}
 _MIX = 0x2545F4914F6CDD1D
+CONNECT_TIMEOUT_S = 60.0
 
 
 # ---- what this host has -------------------------------------------------------------------------------------
@@ -411,7 +412,8 @@ def connect(args, report: Report) -> None:
     buf[n:].view(-1).copy_(pattern(seed + 1, n * block_bytes).to(buf.device))
     _stage("register", agent.register_kv_cache, buf)
     peer = _stage("connect", agent.add_peer, base64.b64decode(info["md"]))
-    _stage("connect", agent.warm_up, peer, args.timeout)
+    # a peer behind a firewall that drops packets only times out: do not make the user wait the full --timeout
+    _stage("connect", agent.warm_up, peer, min(args.timeout, CONNECT_TIMEOUT_S))
     low, high = list(range(n)), list(range(n, 2 * n))
     report.bytes_per_transfer, report.descriptors = n * block_bytes, n
     for _ in range(args.iterations):  # pull: our [0, n) <- their [0, n), reversed
@@ -608,7 +610,8 @@ def _report_from(d: dict) -> Report:
 # ---- command line -------------------------------------------------------------------------------------------
 
 def _add_transfer_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--size-mib", type=int, default=256, help="Bytes moved per transfer, in MiB (default 256).")
+    p.add_argument("--size-mib", type=int, default=256, help="Bytes moved per transfer, in MiB (default 256; the "
+                   "connect side takes the serve side's size and block size from its token).")
     p.add_argument("--block-kib", type=int, default=2048,
                    help="Block size in KiB: one NIXL descriptor each, as scattered KV blocks are (default 2048).")
     p.add_argument("--device", default="auto", help="Where the buffer lives: cpu, cuda, cuda:N, or auto "
