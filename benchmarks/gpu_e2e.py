@@ -159,9 +159,10 @@ class StepTimer:
     PARTS = (("scheduler", "schedule"), ("scheduler", "update_from_output"), ("runner", "pack"),
              ("runner", "launch"), ("runner", "upload"), ("runner", "run"), ("runner", "sample"),
              ("runner", "wait"), ("runner", "collect"), ("engine", "_fill_placeholders"),
-             ("engine", "_make_outputs"))
+             ("engine", "_make_outputs"), ("processor", "process"))
     # "launch" holds "upload" and "run" (forward + logits launch; and, where the sampler runs at launch, its
-    # launch too); "collect" holds "wait". Parts outside these nest in nothing.
+    # launch too); "collect" holds "wait". Parts outside these nest in nothing. "process" is the output
+    # processor (detokenization, stop strings), after step() on the same thread in LLM.generate.
     NESTED = {"upload": "launch", "run": "launch", "wait": "collect"}
 
     def __init__(self, llm, profile_steps: tuple[int, int] | None = None):
@@ -170,7 +171,8 @@ class StepTimer:
         self.profile_steps, self.prof = profile_steps, None
         eng = llm.engine
         self._undo = []
-        owners = dict(scheduler=eng.scheduler, runner=eng.runner, engine=eng)
+        owners = dict(scheduler=eng.scheduler, runner=eng.runner, engine=eng, processor=llm.output_processor)
+        self.calls: dict[str, list[float]] = {}  # per-call seconds of "launch" and "run": eager steps stand out
         for owner, name in self.PARTS:
             if hasattr(owners[owner], name):
                 self._wrap(owners[owner], name)
@@ -186,7 +188,10 @@ class StepTimer:
             try:
                 return fn(*a, **k)
             finally:
-                self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                self.totals[name] = self.totals.get(name, 0.0) + dt
+                if name in ("launch", "run"):
+                    self.calls.setdefault(name, []).append(dt)
         setattr(obj, name, timed)
         self._undo.append((obj, name))
 
@@ -195,6 +200,16 @@ class StepTimer:
             if name in vars(obj):
                 delattr(obj, name)
         self._undo = []
+
+    def call_stats(self) -> dict[str, dict[str, float]]:
+        """ms per call of "launch"/"run": median, p90, max, and the share of the total in calls over 5 ms."""
+        out = {}
+        for name, xs in self.calls.items():
+            xs = sorted(xs)
+            out[name] = dict(calls=len(xs), p50=round(1e3 * xs[len(xs) // 2], 3),
+                             p90=round(1e3 * xs[int(len(xs) * 0.9)], 3), max=round(1e3 * xs[-1], 3),
+                             over_5ms_s=round(sum(x for x in xs if x > 5e-3), 3))
+        return out
 
     def per_step_ms(self) -> dict[str, float]:
         return {k: round(1e3 * v / max(1, self.steps), 3) for k, v in self.totals.items() if k != "step"}
@@ -281,7 +296,7 @@ def run_pdpool(llm, reqs, device: str, *, overlap: bool, profile: bool = False, 
     result = dict(seconds=seconds, output_tokens=tokens, tokens_per_s=tokens / seconds, steps=timer.steps,
                   ms_per_step=1e3 * seconds / max(1, timer.steps),
                   parts_s={k: round(v, 3) for k, v in timer.totals.items()}, host_ms_per_step=timer.per_step_ms(),
-                  num_kv_blocks=runner.num_blocks,
+                  launch_calls=timer.call_stats(), num_kv_blocks=runner.num_blocks,
                   cuda_graphs=runner.graphs is not None, graph_replays=getattr(runner.graphs, "num_replays", None),
                   attention=runner.backend.name, preemptions=llm.engine.scheduler.num_preemptions,
                   fused_ops=runner.model.fused_ops, overlap_steps=llm.engine.overlap_steps)
@@ -408,7 +423,12 @@ def run_children(args, argv: list[str]) -> None:
     out = Path(args.out)
     labels = []
     for code in args.code.split(","):
+        code, _, env_set = code.partition("@")  # NAME[=PATH][@VAR=VALUE]: an environment variable for the child
         name, _, root = code.partition("=")
+        env = dict(os.environ)
+        if env_set:
+            var, _, value = env_set.partition("=")
+            env[var] = value
         for host in args.hosts.split(","):
             label = f"{name}-{host}"
             cmd = [sys.executable, str(Path(__file__).resolve()), *child_argv, "--child", label, "--out", str(out)]
@@ -416,8 +436,8 @@ def run_children(args, argv: list[str]) -> None:
                 cmd += ["--code-root", root]
             if host == "pinned":
                 cmd = ["taskset", "-c", args.pin_cpus, *cmd]
-            print(f"=== {label}: {' '.join(cmd)}", flush=True)
-            rc = subprocess.call(cmd)
+            print(f"=== {label}{' ' + env_set if env_set else ''}: {' '.join(cmd)}", flush=True)
+            rc = subprocess.call(cmd, env=env)
             print(f"=== {label}: exit {rc}", flush=True)
             labels.append(label)
     print("\n=== summary (each line one child process; same GPU, one after the other)")
@@ -461,7 +481,8 @@ def main() -> None:
                     help="comma list of unpinned,pinned: one child process each (pinned: taskset -c --pin-cpus)")
     ap.add_argument("--pin-cpus", default="0,1")
     ap.add_argument("--code", default="new",
-                    help="with --hosts: comma list of NAME or NAME=PATH (PATH first on sys.path: another checkout)")
+                    help="with --hosts: comma list of NAME[=PATH][@VAR=VALUE] (PATH first on sys.path: another "
+                         "checkout; VAR=VALUE set in the child's environment)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--code-root", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -508,7 +529,8 @@ def main() -> None:
                 res = r["pdpool"][v] = run_pdpool(llm, reqs, args.device, overlap=VARIANTS[v][1],
                                                   profile=v in ("base", variants[-1]))
                 res["fraction_of_roofline"] = res["tokens_per_s"] / roof["tokens_per_s"]
-                line = summary_line(label, name, v, res) + f" (roofline {roof['tokens_per_s']:.0f} tok/s)"
+                line = (summary_line(label, name, v, res) + f" (roofline {roof['tokens_per_s']:.0f} tok/s); "
+                        f"launch/run per call {res['launch_calls']}")
                 print(line, flush=True)
                 lines.append(line)
                 if "profile" in res:

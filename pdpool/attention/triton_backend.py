@@ -33,10 +33,17 @@ class StepPlan:
 def plan_step(meta: AttentionMetadata, num_kv_heads: int, device: torch.device) -> StepPlan:
     decode = [r for r, n in enumerate(meta.query_lens_cpu) if n == 1]
     prefill = [r for r, n in enumerate(meta.query_lens_cpu) if n > 1]
-    rows = lambda idx: torch.tensor(idx, dtype=torch.int32, device=device) if idx else None  # noqa: E731
+    rows = lambda idx: _to_device(idx, device) if idx else None  # noqa: E731
     return StepPlan(decode_rows=rows(decode), prefill_rows=rows(prefill),
                     max_prefill_len=max((meta.query_lens_cpu[r] for r in prefill), default=0),
                     num_splits=choose_num_splits(len(decode), num_kv_heads, _num_sms(device)))
+
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """[len] int32 without a stream sync: through pinned memory on CUDA (the step may be queued behind the
+    previous one, which a pageable copy would wait for)."""
+    t = torch.tensor(values, dtype=torch.int32)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 _SMS: dict[torch.device, int] = {}

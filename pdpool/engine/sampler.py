@@ -19,6 +19,8 @@ is a device-side assert on CUDA that no ``try`` can catch.
 
 from __future__ import annotations
 
+import os
+import random
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -131,6 +133,10 @@ class Sampler:
         self.eos_token_ids = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids or ())
         self.seed = seed
         self._shared: torch.Generator | None = None  # for unseeded requests, made on the logits' device
+        # On CUDA, a batch of greedy or plain-temperature rows without seeds takes one fused pass
+        # (``pdpool.kernels.sample``); PDPOOL_FUSED_SAMPLER=0 keeps the torch path.
+        self.fused = os.environ.get("PDPOOL_FUSED_SAMPLER", "1") != "0"
+        self._seeds = random.Random(seed)  # one Philox seed per fused call
 
     def sample(
         self,
@@ -152,6 +158,16 @@ class Sampler:
         device = logits.device
         rows_all = len(params)
         processed = self._mask_min_tokens(logits, params, output_token_ids, failed)
+        if self.fused and device.type == "cuda" and processed is logits and not failed and all(
+                _fusable(p) for p in params):
+            from pdpool.kernels.sample import gumbel_argmax
+
+            temperature = column([0.0 if p.is_greedy else p.temperature for p in params], torch.float32, device)
+            token_ids = gumbel_argmax(logits, temperature, self._seeds.getrandbits(31))
+            logprob_parts, top_n = None, None
+            if any(p.logprobs is not None for p in params):
+                logprob_parts, top_n = self._logprobs(logits, params, token_ids)
+            return PendingSample(token_ids, logprob_parts, top_n, failed)
         penalized = [i for i, p in enumerate(params) if p.has_penalties]
         if penalized:
             processed = processed.clone() if processed is logits else processed
@@ -245,6 +261,13 @@ class Sampler:
                     failed[rows[i]] = _reason(exc)
                     q[i] = 1.0
         return q.clamp_min_(torch.finfo(q.dtype).tiny)
+
+
+def _fusable(p: SamplingParams) -> bool:
+    """The fused pass does temperature or greedy only, and draws from its own stream: no seeded random row."""
+    if p.has_penalties or p.top_k > 0 or p.top_p < 1 or p.min_p > 0:
+        return False
+    return p.is_greedy or p.seed is None
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompt_token_ids: list[list[int]],
