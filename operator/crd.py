@@ -161,3 +161,29 @@ def apply_defaults(value: Any, node_schema: dict) -> Any:
         if name in out:
             out[name] = apply_defaults(out[name], sub)
     return out
+
+
+def strict_spec_schema(settable_by_default: bool = False) -> dict:
+    """The spec's schema as JSON Schema for Helm's values.schema.json: unknown fields rejected (the API server
+    would prune them silently). ``settable_by_default``: only the leaves an operator's --pool-defaults can set,
+    those without a CRD default (the API server writes those defaults into every pool, and they win)."""
+
+    def strict(node: dict) -> dict | None:
+        if settable_by_default and "default" in node and node.get("type") != "object":
+            return None
+        out = {k: copy.deepcopy(v) for k, v in node.items()
+               if not k.startswith("x-kubernetes-") and k not in ("properties", "items", "default")}
+        if "properties" in node:
+            props = {name: s for name, sub in node["properties"].items() if (s := strict(sub)) is not None}
+            out["properties"] = props
+            if not node.get("x-kubernetes-preserve-unknown-fields") and "additionalProperties" not in node:
+                out["additionalProperties"] = False
+        if "items" in node:
+            out["items"] = strict(node["items"]) or {}
+        if isinstance(node.get("additionalProperties"), dict):
+            out["additionalProperties"] = strict(node["additionalProperties"])
+        if "anyOf" in node:
+            out["anyOf"] = [strict(alt) for alt in node["anyOf"]]
+        return out
+
+    return strict(spec_schema())

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import kubernetes_validate
 import pytest
@@ -223,6 +224,37 @@ def test_values_schema_rejects_typos_and_wrong_types(values, message):
     out = helm("template", "r", str(CHART), *values, check=False)
     assert out.returncode != 0, f"{values} was accepted"
     assert message in out.stderr, out.stderr
+
+
+def test_values_schema_embeds_the_crd_spec_schema():
+    """poolDefaults and examplePool.spec are checked at `helm install` as the API server would (unknown fields
+    too, which it would prune silently); poolDefaults admits only fields without a CRD default."""
+    path = CHART / "values.schema.json"
+    values_schema = json.loads(path.read_text())
+    want = {"poolDefaults": {**crd.strict_spec_schema(settable_by_default=True), "description":
+                             "Partial InferencePool spec applied under every pool: fields without a CRD default."},
+            "examplePool.spec": {**crd.strict_spec_schema(), "description":
+                                 "Spec fields merged over the demo spec."}}
+    got = {"poolDefaults": values_schema["properties"]["poolDefaults"],
+           "examplePool.spec": values_schema["properties"]["examplePool"]["properties"]["spec"]}
+    if os.environ.get("PDPOOL_REGEN_CHART") == "1":
+        values_schema["properties"]["poolDefaults"] = want["poolDefaults"]
+        values_schema["properties"]["examplePool"]["properties"]["spec"] = want["examplePool.spec"]
+        path.write_text(json.dumps(values_schema, indent=2) + "\n")
+        got = want
+    assert got == want, "the CRD changed: PDPOOL_REGEN_CHART=1 pytest tests/helm/test_chart_render.py"
+
+
+@pytest.mark.parametrize("values, message", [
+    (["--set", "poolDefaults.kvTransfer.ucxTsl=rc"], "additional properties 'ucxTsl' not allowed"),
+    (["--set", "poolDefaults.kvTransfer.failurePolicy=fail"], "additional properties 'failurePolicy' not allowed"),
+    (["--set", "poolDefaults.placement.mode=sometimes"], "mode"),
+    (["--set", "examplePool.spec.engine.maxNumSeqs=0"], "maxNumSeqs"),
+    (["--set", "examplePool.spec.router.servce.type=NodePort"], "additional properties 'servce' not allowed"),
+])
+def test_pool_values_are_checked_against_the_crd(values, message):
+    out = helm("template", "r", str(CHART), *values, check=False)
+    assert out.returncode != 0 and message in out.stderr, out.stderr
 
 
 def test_every_value_is_documented_inline():
