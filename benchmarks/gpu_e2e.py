@@ -173,6 +173,7 @@ class StepTimer:
         self._undo = []
         owners = dict(scheduler=eng.scheduler, runner=eng.runner, engine=eng, processor=llm.output_processor)
         self.calls: dict[str, list[float]] = {}  # per-call seconds of "launch" and "run": eager steps stand out
+        self.stalls: list[tuple] = []  # (part, step, ms, allocator retries so far) of calls over 100 ms
         for owner, name in self.PARTS:
             if hasattr(owners[owner], name):
                 self._wrap(owners[owner], name)
@@ -192,6 +193,11 @@ class StepTimer:
                 self.totals[name] = self.totals.get(name, 0.0) + dt
                 if name in ("launch", "run"):
                     self.calls.setdefault(name, []).append(dt)
+                    if dt > 0.1:  # a stall: which step, and whether the allocator had to free and retry
+                        import torch
+                        retries = (torch.cuda.memory_stats().get("num_alloc_retries", 0)
+                                   if torch.cuda.is_available() else 0)
+                        self.stalls.append((name, self.steps, round(1e3 * dt, 1), retries))
         setattr(obj, name, timed)
         self._undo.append((obj, name))
 
@@ -283,7 +289,8 @@ def run_pdpool(llm, reqs, device: str, *, overlap: bool, profile: bool = False, 
     llm.engine.overlap_steps = overlap and device == "cuda"
     params = [SamplingParams(temperature=temperature, max_tokens=o, ignore_eos=True) for _, o in reqs]
     warm = [p for p, _ in reqs[:4]]
-    llm.generate(warm, [SamplingParams(max_tokens=8, ignore_eos=True)] * len(warm), use_tqdm=False)
+    llm.generate(warm, [SamplingParams(temperature=temperature, max_tokens=8, ignore_eos=True)] * len(warm),
+                 use_tqdm=False)
     timer = StepTimer(llm, (300, 320) if profile and device == "cuda" else None)
     if device == "cuda":
         torch.cuda.synchronize()
@@ -296,7 +303,7 @@ def run_pdpool(llm, reqs, device: str, *, overlap: bool, profile: bool = False, 
     result = dict(seconds=seconds, output_tokens=tokens, tokens_per_s=tokens / seconds, steps=timer.steps,
                   ms_per_step=1e3 * seconds / max(1, timer.steps),
                   parts_s={k: round(v, 3) for k, v in timer.totals.items()}, host_ms_per_step=timer.per_step_ms(),
-                  launch_calls=timer.call_stats(), num_kv_blocks=runner.num_blocks,
+                  launch_calls=timer.call_stats(), stalls=timer.stalls, num_kv_blocks=runner.num_blocks,
                   cuda_graphs=runner.graphs is not None, graph_replays=getattr(runner.graphs, "num_replays", None),
                   attention=runner.backend.name, preemptions=llm.engine.scheduler.num_preemptions,
                   fused_ops=runner.model.fused_ops, overlap_steps=llm.engine.overlap_steps)
@@ -530,7 +537,8 @@ def main() -> None:
                                                   profile=v in ("base", variants[-1]))
                 res["fraction_of_roofline"] = res["tokens_per_s"] / roof["tokens_per_s"]
                 line = (summary_line(label, name, v, res) + f" (roofline {roof['tokens_per_s']:.0f} tok/s); "
-                        f"launch/run per call {res['launch_calls']}")
+                        f"launch/run per call {res['launch_calls']}; stalls (part, step, ms, alloc retries) "
+                        f"{res['stalls']}")
                 print(line, flush=True)
                 lines.append(line)
                 if "profile" in res:

@@ -137,6 +137,12 @@ class ModelRunner:
                 log.warning("attention backend %s is not CUDA-graph safe; decode runs eagerly", self.backend.name)
         self.generators: dict[str, torch.Generator] = {}
         self.sampler = Sampler(eos_token_ids=info.eos_token_ids, seed=node_config.model.seed)
+        if self.device.type == "cuda":  # compile the sampler's kernels now, not in the first request's step
+            from pdpool.engine.sampling_params import SamplingParams
+
+            warm = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)]
+            self.sampler.sample(torch.randn(2, info.vocab_size, device=self.device), warm, [[0], [0]], [[], []],
+                                [None, None])
         log.info("model %s (%s, %s) on %s: %d KV blocks of %d tokens, %d bytes each, attention %s, decode %s",
                  path, info.architecture, dtype_name, self.device, self.num_blocks, self.block_size,
                  self.block_bytes, self.backend.name, "CUDA graphs" if self.graphs else "eager")
