@@ -28,13 +28,16 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 VENVS = Path("/tmp/router-bench-venvs")
 LOGS = Path("/tmp/router-overhead-logs")
+# Both peers export Prometheus metrics on port 29000 by default: two of them (or anything else there) and the
+# second panics at start ("failed to install Prometheus metrics exporter: Address already in use"), which is why
+# sglang-router never answered in an earlier run. Each gets a free port, and each is stopped after its turn.
 PEERS = {
     "vllm-router": ("vllm-router", lambda py, port, workers: [
         str(Path(py).parent / "vllm-router"), "--port", str(port), "--policy", "cache_aware",
-        "--worker-urls", *workers]),
+        "--prometheus-port", str(free_port()), "--worker-urls", *workers]),
     "sglang-router": ("sglang-router", lambda py, port, workers: [
         py, "-m", "sglang_router.launch_router", "--port", str(port), "--policy", "cache_aware",
-        "--worker-urls", *workers]),
+        "--prometheus-port", str(free_port()), "--worker-urls", *workers]),
 }
 
 
@@ -202,6 +205,8 @@ async def main_async(args) -> None:
         await wait_http(f"http://127.0.0.1:{port}/health/ready")
         results += await measure("pdpool", f"http://127.0.0.1:{port}/v1/completions", ours.pid, args.rates,
                                  args.seconds, make_bodies, direct)
+        os.killpg(ours.pid, signal.SIGTERM)  # idle, it would still poll Redis during the peers' turns
+        ours.wait(30)
         for name in args.peers:
             py = peer_python(name)
             port = free_port()
@@ -214,6 +219,8 @@ async def main_async(args) -> None:
                 continue
             results += await measure(name, f"http://127.0.0.1:{port}/v1/completions", p.pid, args.rates,
                                      args.seconds, make_bodies, direct)
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(30)
         print(json.dumps(results, indent=1))
     finally:
         for p in procs:

@@ -3,14 +3,17 @@ scheduler, round-robin and random pickers, all in one run. Reports the realized 
 counters), TTFT mean and p90 (streaming, first content event) and throughput.
 
     python benchmarks/router_quality.py [--groups 8 --per-group 12 --concurrency 8 --system-words 512
-                                         --question-words 32 --num-kv-blocks 128 --max-model-len 1024]
+                                         --question-words 32 --num-kv-blocks 160 --max-model-len 1024]
 
 Workload (the shape of inference-perf's ``shared_prefix``): ``groups`` system prompts of ``system-words`` words
 (one token each with the demo tokenizer: 512 tokens, 32 blocks of 16), each followed by ``per-group`` questions
 of ``question-words`` words, sent interleaved (group 0, 1, ..., 7, 0, 1, ...) by ``concurrency`` clients, 8
-output tokens each. Each node's KV cache (``num-kv-blocks``) holds about half of the groups' system prompts, so
-no node can keep every group: where a group's requests land decides whether its prefix is computed once or
-again and again. Each scheduler gets fresh system prompts, so no run profits from the cache of the one before.
+output tokens each, after an unmeasured warm-up of one request per group (as load generators warm up; every
+scheduler gets one, through its own routing). Each node's KV cache (``num-kv-blocks``, 160 blocks) holds 5 of
+the 8 groups' system prompts: enough for the ~3 groups a node serves under prefix affinity plus its running
+requests (about 3 x 32 + 8 x 3 = 120 blocks), not enough for every group, so where a group's requests land
+decides whether its prefix is computed once or again and again. Each scheduler gets fresh system prompts, so no
+run profits from the cache of the one before.
 """
 
 from __future__ import annotations
@@ -37,17 +40,20 @@ WORDS = "river mountain lantern harbor violet copper meadow falcon orchard glaci
 SCHEDULERS = {"default": [], "round-robin": ["--picker", "round-robin"], "random": ["--picker", "random"]}
 
 
-def workload(tag: str, groups: int, per_group: int, system_words: int, question_words: int) -> list[str]:
+def workload(tag: str, groups: int, per_group: int, system_words: int, question_words: int
+             ) -> tuple[list[str], list[str]]:
+    """(warm-up prompts: one per group, measured prompts: ``per_group`` per group, interleaved)."""
     rng = random.Random(tag)
     systems = [f"[{tag} {g}] " + " ".join(rng.choices(WORDS, k=system_words)) for g in range(groups)]
+    warm = [f"{system}\nWarm-up: {' '.join(rng.choices(WORDS, k=question_words))}?" for system in systems]
     reqs = [f"{systems[g]}\nQ{i}: {' '.join(rng.choices(WORDS, k=question_words))}?"
             for i in range(per_group) for g in range(groups)]  # interleaved groups
-    return reqs
+    return warm, reqs
 
 
 def achievable_hit_ratio(prompts: list[str], groups: int, block_size: int = 16) -> tuple[float, float]:
-    """(mean prompt tokens, the hit ratio of a perfect router with unbounded caches): every request but each
-    group's first reuses the full blocks its group shares."""
+    """(mean prompt tokens, the hit ratio of a perfect router with unbounded caches): after the warm-up, every
+    request reuses the full blocks its group shares."""
     from pdpool.frontend import Frontend
 
     tok = Frontend.from_model("demo").tokenizer
@@ -56,7 +62,7 @@ def achievable_hit_ratio(prompts: list[str], groups: int, block_size: int = 16) 
     for g in range(groups):
         members = ids[g::groups]
         common = min(len(os.path.commonprefix([members[0], m])) for m in members[1:]) if len(members) > 1 else 0
-        hits += (len(members) - 1) * (common // block_size) * block_size
+        hits += len(members) * (common // block_size) * block_size  # after the warm-up, every request
     total = sum(len(i) for i in ids)
     return total / len(ids), hits / total
 
@@ -79,7 +85,7 @@ def main() -> None:
     ap.add_argument("--per-group", type=int, default=12)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--num-kv-blocks", type=int, default=128)
+    ap.add_argument("--num-kv-blocks", type=int, default=160)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--system-words", type=int, default=512)
     ap.add_argument("--question-words", type=int, default=32)
@@ -107,9 +113,11 @@ def main() -> None:
                          dict(os.environ), log_dir / f"router-{name}.log")
                 routers.append(r)
                 r.wait_ready(120)
-                before = [n.metrics() for n in nodes]
-                prompts = workload(name, args.groups, args.per_group, args.system_words, args.question_words)
+                warm, prompts = workload(name, args.groups, args.per_group, args.system_words, args.question_words)
                 mean_tokens, achievable = achievable_hit_ratio(prompts, args.groups)
+                with concurrent.futures.ThreadPoolExecutor(args.concurrency) as ex:  # not measured
+                    list(ex.map(lambda p: ttft(r.url, p, args.max_tokens), warm))
+                before = [n.metrics() for n in nodes]
                 t0 = time.perf_counter()
                 with concurrent.futures.ThreadPoolExecutor(args.concurrency) as ex:
                     ttfts = list(ex.map(lambda p: ttft(r.url, p, args.max_tokens), prompts))
@@ -120,6 +128,7 @@ def main() -> None:
                 queried = sum(a["pdpool_prefix_cache_queried_tokens_total"]
                               - b["pdpool_prefix_cache_queried_tokens_total"] for a, b in zip(after, before))
                 ts = sorted(ttfts)
+                (log_dir / f"ttft-{name}.json").write_text(json.dumps(ttfts))  # in request order, for a look
                 results.append({"scheduler": name, "hit_ratio": round(hit / max(1, queried), 3),
                                 "achievable_hit_ratio": round(achievable, 3), "prompt_tokens": round(mean_tokens),
                                 "ttft_mean_s": round(statistics.mean(ts), 3),

@@ -11,9 +11,12 @@ logger = logging.getLogger("pdpool.router")
 
 @register("load-margin-filter")
 class LoadMarginFilter(Plugin):
-    """Prefix affinity yields to load (the lesson of llm-d's prefix-affinity filter): when the node holding the
-    longest prefix has more than ``marginTokens`` more queued prefill tokens than the least-loaded node, every
-    node that far above the least-loaded one is dropped, and the prefix stops pinning the burst to it."""
+    """Prefix affinity yields to load (the lesson of llm-d's prefix-affinity filter): a node's cost for this
+    request is its queued prefill tokens plus the request's own uncached tokens there (Dynamo's cost model
+    likewise adds the uncached prefill blocks). When the node holding the longest prefix costs more than
+    ``marginTokens`` over the cheapest node, every node that far above the cheapest one is dropped, and the
+    prefix stops pinning the burst to it. Counting the request's own tokens keeps a hit from being sent where it
+    would prefill its whole prompt again for a smaller queue."""
 
     def __init__(self, marginTokens: int = 2048) -> None:
         super().__init__(marginTokens=marginTokens)
@@ -22,7 +25,8 @@ class LoadMarginFilter(Plugin):
     def filter(self, ctx: Context, endpoints: list) -> list:
         if len(endpoints) < 2:
             return endpoints
-        load = {e.node_id: ctx.inflight.queued_prefill_tokens(e) for e in endpoints}
+        load = {e.node_id: ctx.inflight.queued_prefill_tokens(e) + ctx.uncached_tokens(e.node_id)
+                for e in endpoints}
         least = min(load.values())
         best = max(endpoints, key=lambda e: ctx.matched_blocks.get(e.node_id, 0))
         if ctx.matched_blocks.get(best.node_id, 0) == 0 or load[best.node_id] - least <= self.margin:

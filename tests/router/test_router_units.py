@@ -68,7 +68,10 @@ def test_affinity_yields_to_load_beyond_the_margin():
     assert f.filter(ctx, [hot, cold]) == [hot, cold]
     for _ in range(11):
         tracker.add("hot", 100)  # 1100 queued prefill tokens on the best-prefix node
-    assert f.filter(ctx, [hot, cold]) == [cold]
+    # 1100 + 32 uncached here against 160 uncached on the cold node: moving would cost the prompt again
+    assert f.filter(ctx, [hot, cold]) == [hot, cold]
+    tracker.add("hot", 100)
+    assert f.filter(ctx, [hot, cold]) == [cold]  # 1232 - 160 > 1000
     assert ctx.events == ["affinity_yield"]
 
 
