@@ -184,7 +184,7 @@ class Up:
               "temperature=0).choices[0].text)")
         self.say(f"pool {self.pool.name} is ready in {seconds:.0f}s: {base}")
         self.say(f"  curl -s {base}/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
-        self.say(f'  python -c "{py}"')
+        self.say(f'  python -c "{py}"   # pip install openai')
         self.say("  pdpool status        # nodes, load and the router's decisions; Ctrl-C stops the pool")
 
     # ---- stop ---------------------------------------------------------------------------------------------
