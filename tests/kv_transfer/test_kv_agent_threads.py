@@ -7,6 +7,8 @@ transfer of 12 one-block descriptors is posted in chunks by the pool's threads; 
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -47,3 +49,22 @@ def test_poll_interval_grows_with_the_wait_and_is_capped():
     assert _poll_interval(0.0, _POLL_S) == 0.0                      # spin at first
     assert _poll_interval(0.0032, _POLL_S) == pytest.approx(1e-4)   # 1/32 of the time waited
     assert _poll_interval(10.0, _POLL_S) == _POLL_S
+
+
+def test_an_idle_agent_does_not_spin():
+    """NIXL's Python API sets its progress thread's idle delay to 0, and the thread then polls UCX without pause
+    (an idle agent took 99% of a core; every pool node has one). KVAgent builds it with a delay: measured in a
+    child process, whose CPU time is its own alone, an idle agent with a registered cache takes a few percent."""
+    code = (
+        "import time, torch\n"
+        "from pdpool.kv_transfer.agent import KVAgent\n"
+        "agent = KVAgent('idle#t', ucx_tls='tcp,self')\n"
+        "agent.register_kv_cache(torch.zeros(4, 1, 2, 16, 1, 8))\n"
+        "cpu, wall = time.process_time(), time.monotonic()\n"
+        "time.sleep(2.0)\n"
+        "print((time.process_time() - cpu) / (time.monotonic() - wall))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    busy = float(out.stdout.strip().splitlines()[-1])
+    assert busy < 0.3, f"an idle agent used {busy:.0%} of a core"
