@@ -49,18 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"pdpool router: error: cannot read the tokenizer of --model {r.model}: {exc}", file=sys.stderr)
         return 2
-    _run(_serve(create_app(Router(cfg, profile, frontend)), r.host, r.port))
+    # uvloop was tried: no measurable win on the router's latency or CPU (docs/performance.md), so plain asyncio.
+    asyncio.run(_serve(create_app(Router(cfg, profile, frontend)), r.host, r.port))
     return 0
-
-
-def _run(coro) -> None:
-    """On uvloop when it is installed (a measured win for the router's per-request CPU; docs/performance.md)."""
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(coro)
-    else:
-        uvloop.run(coro)
 
 
 async def _serve(app: web.Application, host: str, port: int) -> None:
