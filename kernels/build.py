@@ -10,7 +10,8 @@ Two builders starting at once take turns; the second finds the kernel built and 
     <build dir>/                  (one per machine: -march=native code must not run on another CPU)
       pdpool.flock                LOCK_EX while building (holds the builder's pid), LOCK_SH while loading
       lock                        torch's baton: present during a build, otherwise stale
-      pdpool_paged_decode_cpu.so  the module; loaded by path, without torch's baton or ninja
+      pdpool_paged_decode_cpu.so  the module (decode attention, KV store, fused elementwise ops; csrc/); loaded by
+                                  path, without torch's baton or ninja
       pdpool-build.json           written after a build succeeded (its key: source, flags, torch, Python); removed
                                   before a build starts, so a half-built module is never loaded
 
@@ -43,7 +44,10 @@ from typing import Iterator
 log = logging.getLogger("pdpool.kernels.build")  # also when run as __main__
 
 NAME = "pdpool_paged_decode_cpu"
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+CSRC = Path(__file__).parent / "csrc"
+# One module: the bindings, paged decode attention (and the KV store), the decoder layer's fused elementwise ops.
+SOURCES = [CSRC / "module_cpu.cpp", CSRC / "paged_decode_cpu.cpp", CSRC / "fused_ops_cpu.cpp"]
+HEADERS = [CSRC / "cpu_vec.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 FLOCK, BATON, STAMP = "pdpool.flock", "lock", "pdpool-build.json"
@@ -79,7 +83,8 @@ def build_key() -> str:
     import torch
 
     parts = [NAME, *CFLAGS, *LDFLAGS, torch.__version__, sys.implementation.cache_tag, platform.machine()]
-    return hashlib.sha256(SOURCE.read_bytes() + "\0".join(parts).encode()).hexdigest()
+    code = b"".join(path.read_bytes() for path in [*SOURCES, *HEADERS])
+    return hashlib.sha256(code + "\0".join(parts).encode()).hexdigest()
 
 
 def is_built(where: Path, key: str | None = None) -> bool:
@@ -106,12 +111,12 @@ def build(where: Path | None = None, *, timeout: float | None = None, force: boo
             log.info("the CPU decode kernel is already built: %s", library_path(where))
             return library_path(where)
         (where / STAMP).unlink(missing_ok=True)
-        log.info("building the CPU decode kernel (%s, %s; about a minute) in %s", SOURCE.name, " ".join(CFLAGS),
-                 where)
+        log.info("building the CPU kernels (%s, %s; a few minutes) in %s", ", ".join(p.name for p in SOURCES),
+                 " ".join(CFLAGS), where)
         start = time.monotonic()
         with _progress(start, "compiling the CPU decode kernel"):
             _compile(where, verbose)
-        (where / STAMP).write_text(json.dumps({"key": key, "source": str(SOURCE), "cflags": CFLAGS}))
+        (where / STAMP).write_text(json.dumps({"key": key, "sources": [str(p) for p in SOURCES], "cflags": CFLAGS}))
         log.info("built the CPU decode kernel in %.0f s: %s", time.monotonic() - start, library_path(where))
     return library_path(where)
 
@@ -227,8 +232,9 @@ def _compile(where: Path, verbose: bool) -> None:
 
     _put_ninja_on_path()
     try:
-        load_extension(name=NAME, sources=[str(SOURCE)], build_directory=str(where), extra_cflags=list(CFLAGS),
-                       extra_ldflags=list(LDFLAGS), verbose=verbose)  # copies: torch appends to them
+        load_extension(name=NAME, sources=[str(p) for p in SOURCES], build_directory=str(where),
+                       extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),  # copies: torch appends to them
+                       verbose=verbose)
     except Exception as e:  # no compiler, no ninja, a compile error (torch's message carries the compiler's output)
         raise KernelBuildError(f"{type(e).__name__}: {str(e).strip()}") from e
 

@@ -1,9 +1,11 @@
-"""The native CPU paged decode kernel (``csrc/paged_decode_cpu.cpp``): ``paged_decode`` checks the layout and calls it.
+"""The native CPU paged decode kernel (``csrc/paged_decode_cpu.cpp``): ``paged_decode`` checks the layout and calls it;
+``store_kv`` writes a step's K and V rows into the paged cache. ``load()`` also serves ``cpu_ops`` (the same module).
 
 The torch attention backend gathers every decode row's blocks into one padded batch (a copy of the whole context per
 layer, padded to the longest row), then SDPA reads it again. This kernel reads K and V in place through the block
-table, once, for each row's own length: on the offline benchmark (docs/performance.md) that was most of the CPU decode
-time. The ``cpu`` attention backend (``pdpool.attention.cpu_backend``) sends its decode rows here.
+table, once, for each row's own length, in one pass per block with an online softmax: on the offline benchmark
+(docs/performance.md) that was most of the CPU decode time. The ``cpu`` attention backend
+(``pdpool.attention.cpu_backend``) sends its decode rows here.
 
 It is compiled for the host CPU (``-march=native``) ahead of serving by ``pdpool build-kernels`` (``make install``
 runs it), or at the first use where that did not happen; see ``build.py``. ``available()`` says whether it loaded.
@@ -81,3 +83,28 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if error:
         raise ValueError(f"paged_decode (cpu): {error}")
 
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k_cache[slot // block_size, slot % block_size] = k[t] (and v) for every slot >= 0 (-1: padding, skipped).
+
+    k, v: [T, Hkv, D] (rows may be strided); caches: [num_blocks, block_size, Hkv, D] strided views, last dim
+    contiguous; slot_mapping: [T] int64 (each slot must be inside the cache: checked by the kernel)."""
+    for name, t in dict(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping).items():
+        if t.device.type != "cpu":
+            raise ValueError(f"{name} is on {t.device}; the CPU KV store takes CPU tensors")
+    if k.dim() != 3 or v.shape != k.shape or k_cache.dim() != 4 or v_cache.shape != k_cache.shape \
+            or k.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(f"k/v [T, Hkv, D], caches [num_blocks, block_size, Hkv, D]; got k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}, caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    if any(t.stride(-1) != 1 for t in (k, v, k_cache, v_cache)):
+        raise ValueError("k, v and the caches need a contiguous last dim")
+    if len({k.dtype, v.dtype, k_cache.dtype, v_cache.dtype}) != 1:
+        raise ValueError(f"one dtype for k, v and caches; got {k.dtype}, {v.dtype}, {k_cache.dtype}")
+    if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous() or slot_mapping.shape != k.shape[:1]:
+        raise ValueError(f"slot_mapping must be contiguous int64 [{k.shape[0]}]; got {slot_mapping.dtype} "
+                         f"{tuple(slot_mapping.shape)}")
+    error = load().store_kv(k, v, k_cache, v_cache, slot_mapping)
+    if error:
+        raise ValueError(f"store_kv (cpu): {error}")

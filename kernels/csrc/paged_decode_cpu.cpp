@@ -1,77 +1,139 @@
 // Paged decode attention on the CPU: one query token per request attends over its context, read in place from
-// the paged KV cache through the block table (no gather copy). One task per request; the GROUP = Hq / Hkv query
-// heads that share a KV head are computed together, so each K and V row is read once.
+// the paged KV cache through the block table (no gather copy), in ONE pass with an online softmax:
 //
-//   pass 1: s[g, t] = scale * <q_g, k_t>  for t < len      (K read once)
-//   pass 2: out_g = sum_t softmax(s[g])_t * v_t             (V read once)
+//   for each block b of the request (its K and V rows: [block_size, Hkv, D] each, next to each other in the node's
+//   layout), for each KV head h and the G query heads that share it:
+//     s[g, t]  = scale * <q_g, k_t>                                  (K rows of the block, in L1 from here on)
+//     m'       = max(m, max_t s[g, t]);   c = exp(m - m')
+//     p[g, t]  = exp(s[g, t] - m')                                   (vectorized exp)
+//     l        = c * l + sum_t p[g, t];    acc_g = c * acc_g + sum_t p[g, t] v_t
+//   out_g = acc_g / l
 //
-// Arithmetic in fp32 whatever the cache dtype. Built by kernels/build.py (pdpool build-kernels).
+// Each K and V byte is read once, with no score array over the context. Rows are handed to threads one at a time,
+// longest first (lengths differ, a static split leaves a thread idle). Arithmetic is fp32 whatever the cache dtype.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <string>
-#include <type_traits>
 #include <vector>
+#include <cstring>
 
+#include "cpu_vec.h"
+
+namespace pdpool_cpu {
 namespace {
 
-// Eight floats in one register (AVX) or two (SSE): GCC/Clang vector extensions, so the same source compiles to
-// the host's widest float unit under -march=native.
-typedef float v8 __attribute__((vector_size(32)));
-
-inline v8 load8(const float* p) {
-  v8 x;
-  __builtin_memcpy(&x, p, sizeof(x));
-  return x;
-}
-
-inline void store8(float* p, v8 x) { __builtin_memcpy(p, &x, sizeof(x)); }
-
-inline float sum8(v8 x) { return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7])); }
-
-// One K or V row as fp32: the row itself for fp32 caches, a converted copy in ``buf`` otherwise.
-template <typename scalar_t>
-inline const float* as_float(const scalar_t* row, int64_t d, float* buf) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    return row;
-  } else {
-    for (int64_t i = 0; i < d; ++i) buf[i] = static_cast<float>(row[i]);
-    return buf;
-  }
-}
-
-// A softmax weight as it multiplies V: rounded to the cache dtype first for bf16/fp16 (the normalizer keeps the
-// fp32 values), as torch's CPU flash attention does, so reduced-precision decode rounds as SDPA does.
-template <typename scalar_t>
-inline float weight(float p) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    return p;
-  } else {
-    return static_cast<float>(static_cast<scalar_t>(p));
-  }
-}
-
-constexpr int64_t kMaxGroup = 16;
 constexpr int64_t kMaxBlock = 256;
-constexpr int64_t kAhead = 4;  // blocks prefetched ahead of use
+constexpr int64_t kAhead = 2;  // blocks prefetched ahead of use: block tables jump, the hardware cannot guess
 
-// Ask for a block's region ahead of its use: block tables jump, so the hardware prefetcher cannot see it coming.
-inline void prefetch_block(const void* p, int64_t bytes) {
+inline void prefetch(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
 }
 
-// GROUP > 0: the GQA group size at compile time, so the per-head accumulators below live in registers (a runtime
-// trip count keeps them on the stack, and every FMA then waits on a store-to-load round trip). GROUP 0: any size.
-template <typename scalar_t, int64_t GROUP>
+// Query heads that share one KV head, handled together so that each K and V row is read once for all of them.
+// SG is a compile-time group (a larger or odd group runs as several of these), so that the accumulators below
+// stay in registers: TB tokens at a time for the scores, CB chunks of 8 floats at a time for V.
+template <int SG>
+struct Group {
+  static constexpr int TB = SG <= 3 ? 4 : (SG <= 6 ? 2 : 1);
+  static constexpr int CB = SG <= 1 ? 8 : (SG <= 3 ? 4 : (SG <= 6 ? 2 : 1));
+
+  // s[g * kMaxBlock + t] = <q_g, k_t> for t < m; q: [SG, D] (scaled), k[t]: a row of D floats.
+  static void scores(const float* q, const float* const* k, int64_t m, int64_t chunks, float* s) {
+    const int64_t d = chunks * 8;
+    for (int64_t t0 = 0; t0 < m; t0 += TB) {
+      const float* kr[TB];
+      for (int i = 0; i < TB; ++i) kr[i] = k[std::min<int64_t>(t0 + i, m - 1)];  // past m: any valid row, dropped
+      v8 acc[TB][SG];
+      for (int i = 0; i < TB; ++i)
+        for (int g = 0; g < SG; ++g) acc[i][g] = v8{};
+      for (int64_t c = 0; c < chunks; ++c) {
+        for (int i = 0; i < TB; ++i) {
+          const v8 kc = load8(kr[i] + 8 * c);
+          for (int g = 0; g < SG; ++g) acc[i][g] += load8(q + g * d + 8 * c) * kc;
+        }
+      }
+      for (int g = 0; g < SG; ++g) {
+        float out[TB];
+        if constexpr (TB == 4) {
+          const v8 h = hsum4(acc[0][g], acc[1][g], acc[2][g], acc[3][g]);
+          for (int i = 0; i < 4; ++i) out[i] = h[i];
+        } else {
+          for (int i = 0; i < TB; ++i) out[i] = sum8(acc[i][g]);
+        }
+        for (int i = 0; i < TB && t0 + i < m; ++i) s[g * kMaxBlock + t0 + i] = out[i];
+      }
+    }
+  }
+
+  // acc[g, 8c0 : 8(c0+NC)] += sum_t p[g, t] v_t[8c0 : 8(c0+NC)]
+  template <int NC>
+  static void weighted_sum(float* acc, const float* p, const float* const* v, int64_t m, int64_t c0, int64_t d) {
+    v8 a[SG][NC];
+    for (int g = 0; g < SG; ++g)
+      for (int c = 0; c < NC; ++c) a[g][c] = load8(acc + g * d + 8 * (c0 + c));
+    for (int64_t t = 0; t < m; ++t) {
+      for (int c = 0; c < NC; ++c) {
+        const v8 vc = load8(v[t] + 8 * (c0 + c));
+        for (int g = 0; g < SG; ++g) a[g][c] += p[g * kMaxBlock + t] * vc;
+      }
+    }
+    for (int g = 0; g < SG; ++g)
+      for (int c = 0; c < NC; ++c) store8(acc + g * d + 8 * (c0 + c), a[g][c]);
+  }
+
+  // One block (m <= kMaxBlock tokens) into the running state of SG query heads: mx, l: [SG]; acc: [SG, D].
+  template <typename scalar_t>
+  static void block(const float* q, const float* const* k, const float* const* v, int64_t m, int64_t chunks,
+                    float* mx, float* l, float* acc, float* s) {
+    const int64_t d = chunks * 8;
+    scores(q, k, m, chunks, s);
+    const int64_t padded = (m + 7) / 8 * 8;
+    for (int g = 0; g < SG; ++g) {
+      float* sg = s + g * kMaxBlock;
+      for (int64_t t = m; t < padded; ++t) sg[t] = -std::numeric_limits<float>::infinity();
+      v8 bm = load8(sg);
+      for (int64_t t = 8; t < padded; t += 8) bm = vmax(bm, load8(sg + t));
+      const float m_new = std::max(mx[g], max8(bm));
+      const float correction = std::exp(mx[g] - m_new);  // 0 for the first block (mx = -inf)
+      v8 sum = v8{};
+      for (int64_t t = 0; t < padded; t += 8) {
+        const v8 pt = exp8(load8(sg + t) - m_new);
+        sum += pt;
+        store8(sg + t, pt);
+      }
+      if constexpr (!std::is_same_v<scalar_t, float>) {
+        // the weight as it multiplies V, rounded to the cache dtype as torch's flash attention does (l keeps fp32)
+        for (int64_t t = 0; t < m; ++t) sg[t] = round_to<scalar_t>(sg[t]);
+      }
+      l[g] = l[g] * correction + sum8(sum);
+      mx[g] = m_new;
+      if (correction != 1.f) {
+        float* ag = acc + g * d;
+        for (int64_t c = 0; c < chunks; ++c) store8(ag + 8 * c, load8(ag + 8 * c) * correction);
+      }
+    }
+    int64_t c0 = 0;
+    for (; c0 + CB <= chunks; c0 += CB) weighted_sum<CB>(acc, s, v, m, c0, d);
+    if constexpr (CB > 2) {
+      for (; c0 + 2 <= chunks; c0 += 2) weighted_sum<2>(acc, s, v, m, c0, d);
+    }
+    for (; c0 < chunks; ++c0) weighted_sum<1>(acc, s, v, m, c0, d);
+  }
+};
+
+template <typename scalar_t, int SG>
 void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, at::Tensor& out,
                  const at::Tensor& tokens, const at::Tensor& tables, const at::Tensor& lens, double scale) {
   const int64_t rows = tokens.size(0), width = tables.size(1);
   const int64_t hq = q.size(1), hkv = k_cache.size(2), d = q.size(2), block_size = k_cache.size(1);
-  const int64_t group = GROUP > 0 ? GROUP : hq / hkv, chunks = d / 8;
+  const int64_t group = hq / hkv, chunks = d / 8;
   const scalar_t* qp = q.data_ptr<scalar_t>();
   const scalar_t* kp = k_cache.data_ptr<scalar_t>();
   const scalar_t* vp = v_cache.data_ptr<scalar_t>();
@@ -83,82 +145,79 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), ks2 = k_cache.stride(2);
   const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2);
   const float fscale = static_cast<float>(scale);
-  // a block's K (or V) rows for one layer: [block_size, Hkv, D], contiguous in the node's layout
-  const int64_t block_bytes = block_size * ks1 * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t k_bytes = ((block_size - 1) * ks1 + (hkv - 1) * ks2 + d) * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t v_bytes = ((block_size - 1) * vs1 + (hkv - 1) * vs2 + d) * static_cast<int64_t>(sizeof(scalar_t));
 
-  // One task per request: a token's K (or V) row holds every KV head side by side ([Hkv, D], contiguous), and a
-  // block's rows follow each other, so the task streams each block as one contiguous region.
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(hq * d), acc(hq * d), scores, row(d), rows_f(block_size * d);
-    std::vector<float> mx(hq), denom(hq);
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t n = len[r];
+  std::vector<int64_t> order(rows);  // longest first, handed out one at a time
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return len[a] > len[b]; });
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows));
+
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    std::vector<float> qf(hq * d), acc(hq * d), mx(hq), l(hq);
+    std::vector<float> s(SG * kMaxBlock), kbuf, vbuf;
+    if constexpr (!std::is_same_v<scalar_t, float>) {
+      kbuf.resize(block_size * hkv * d);
+      vbuf.resize(block_size * hkv * d);
+    }
+    std::vector<const float*> krows(hkv * block_size), vrows(hkv * block_size);  // [Hkv][block_size]
+    for (int64_t i; (i = next.fetch_add(1)) < rows;) {
+      const int64_t r = order[i], n = len[r];
       const int64_t* blocks = tab + r * width;
       for (int64_t j = 0; j < hq; ++j) {
         const scalar_t* src = qp + tok[r] * qs0 + j * qs1;
-        for (int64_t i = 0; i < d; ++i) qf[j * d + i] = static_cast<float>(src[i]) * fscale;
+        for (int64_t e = 0; e < d; ++e) qf[j * d + e] = static_cast<float>(src[e]) * fscale;
         mx[j] = -std::numeric_limits<float>::infinity();
+        l[j] = 0.f;
       }
-      scores.resize(hq * n);
-      // pass 1: scores; each K row read once for its whole GQA group
-      for (int64_t t = 0; t < n; ++t) {
-        const scalar_t* base = kp + blocks[t / block_size] * ks0 + (t % block_size) * ks1;
-        if (t % block_size == 0 && t + kAhead * block_size < n) {
-          prefetch_block(kp + blocks[t / block_size + kAhead] * ks0, block_bytes);
-        }
-        for (int64_t h = 0; h < hkv; ++h) {
-          const float* k = as_float(base + h * ks2, d, row.data());
-          const float* qh = qf.data() + h * group * d;
-          v8 dot[kMaxGroup];
-          for (int64_t g = 0; g < group; ++g) dot[g] = v8{};
-          for (int64_t c = 0; c < chunks; ++c) {
-            const v8 kc = load8(k + 8 * c);
-            for (int64_t g = 0; g < group; ++g) dot[g] += load8(qh + g * d + 8 * c) * kc;
-          }
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t j = h * group + g;
-            const float sc = sum8(dot[g]);
-            scores[j * n + t] = sc;
-            mx[j] = std::max(mx[j], sc);
-          }
-        }
-      }
-      for (int64_t j = 0; j < hq; ++j) {
-        float sum = 0.f;
-        float* sj = scores.data() + j * n;
-        for (int64_t t = 0; t < n; ++t) {
-          sj[t] = std::exp(sj[t] - mx[j]);
-          sum += sj[t];
-        }
-        denom[j] = sum;
-      }
-      // pass 2: the weighted sum of V, a block at a time (its rows stay in L1), accumulating in registers
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t0 = 0; t0 < n; t0 += block_size) {
-        const scalar_t* blk = vp + blocks[t0 / block_size] * vs0;
-        if (t0 + kAhead * block_size < n) prefetch_block(vp + blocks[t0 / block_size + kAhead] * vs0, block_bytes);
-        const int64_t m = std::min(block_size, n - t0);
-        for (int64_t h = 0; h < hkv; ++h) {
-          const float* v[kMaxBlock];
-          for (int64_t t = 0; t < m; ++t) v[t] = as_float(blk + t * vs1 + h * vs2, d, rows_f.data() + t * d);
-          for (int64_t c = 0; c < chunks; ++c) {
-            v8 a[kMaxGroup];
-            for (int64_t g = 0; g < group; ++g) a[g] = load8(acc.data() + (h * group + g) * d + 8 * c);
-            for (int64_t t = 0; t < m; ++t) {
-              const v8 vc = load8(v[t] + 8 * c);
-              for (int64_t g = 0; g < group; ++g) a[g] += weight<scalar_t>(scores[(h * group + g) * n + t0 + t]) * vc;
+      const int64_t num_blocks = (n + block_size - 1) / block_size;
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        if (b + kAhead < num_blocks) {
+          prefetch(kp + blocks[b + kAhead] * ks0, k_bytes);
+          prefetch(vp + blocks[b + kAhead] * vs0, v_bytes);
+        }
+        const int64_t m = std::min(block_size, n - b * block_size);
+        const scalar_t* kb = kp + blocks[b] * ks0;
+        const scalar_t* vb = vp + blocks[b] * vs0;
+        for (int64_t t = 0; t < m; ++t) {
+          for (int64_t h = 0; h < hkv; ++h) {
+            if constexpr (std::is_same_v<scalar_t, float>) {
+              krows[h * block_size + t] = kb + t * ks1 + h * ks2;
+              vrows[h * block_size + t] = vb + t * vs1 + h * vs2;
+            } else {
+              float* kd = kbuf.data() + (t * hkv + h) * d;
+              float* vd = vbuf.data() + (t * hkv + h) * d;
+              krows[h * block_size + t] = as_float(kb + t * ks1 + h * ks2, d, kd);
+              vrows[h * block_size + t] = as_float(vb + t * vs1 + h * vs2, d, vd);
             }
-            for (int64_t g = 0; g < group; ++g) store8(acc.data() + (h * group + g) * d + 8 * c, a[g]);
+          }
+        }
+        for (int64_t h = 0; h < hkv; ++h) {
+          for (int64_t g0 = 0; g0 < group; g0 += SG) {
+            const int64_t j = h * group + g0;  // first query head of this subgroup
+            Group<SG>::template block<scalar_t>(qf.data() + j * d, krows.data() + h * block_size,
+                                                vrows.data() + h * block_size, m, chunks, mx.data() + j,
+                                                l.data() + j, acc.data() + j * d, s.data());
           }
         }
       }
       for (int64_t j = 0; j < hq; ++j) {
         scalar_t* dst = op + tok[r] * os0 + j * os1;
-        const float inv = 1.f / denom[j];
-        for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<scalar_t>(acc[j * d + i] * inv);
+        const float inv = 1.f / l[j];
+        for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<scalar_t>(acc[j * d + e] * inv);
       }
     }
   });
+}
+
+// The compile-time subgroup for a GQA group: the group itself up to 8, else its largest divisor up to 8.
+int64_t subgroup(int64_t group) {
+  for (int64_t sg = std::min<int64_t>(group, 8); sg > 1; --sg) {
+    if (group % sg == 0) return sg;
+  }
+  return 1;
 }
 
 }  // namespace
@@ -177,15 +236,23 @@ std::string paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const a
              "] (the block table's width)";
     }
   }
-  const int64_t group = q.size(1) / k_cache.size(2);
-  if (q.size(2) % 8 != 0 || group > kMaxGroup || k_cache.size(1) > kMaxBlock) {
-    return "unsupported shape: head dim must be a multiple of 8, GQA group <= " + std::to_string(kMaxGroup) +
-           ", block size <= " + std::to_string(kMaxBlock);
+  const int64_t* tab = tables.data_ptr<int64_t>();
+  const int64_t num_blocks = k_cache.size(0);
+  for (int64_t r = 0; r < lens.size(0); ++r) {
+    for (int64_t b = 0; b < (len[r] + k_cache.size(1) - 1) / k_cache.size(1); ++b) {
+      const int64_t id = tab[r * tables.size(1) + b];
+      if (id < 0 || id >= num_blocks) {
+        return "block id " + std::to_string(id) + " outside [0, " + std::to_string(num_blocks) + ")";
+      }
+    }
+  }
+  if (q.size(2) % 8 != 0 || k_cache.size(1) > kMaxBlock) {
+    return "unsupported shape: head dim must be a multiple of 8, block size <= " + std::to_string(kMaxBlock);
   }
   const auto dtype = q.scalar_type();
   auto run = [&](auto zero) {
     using scalar_t = decltype(zero);
-    switch (group) {
+    switch (subgroup(q.size(1) / k_cache.size(2))) {
       case 1: return decode_impl<scalar_t, 1>(q, k_cache, v_cache, out, tokens, tables, lens, scale);
       case 2: return decode_impl<scalar_t, 2>(q, k_cache, v_cache, out, tokens, tables, lens, scale);
       case 3: return decode_impl<scalar_t, 3>(q, k_cache, v_cache, out, tokens, tables, lens, scale);
@@ -193,8 +260,7 @@ std::string paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const a
       case 5: return decode_impl<scalar_t, 5>(q, k_cache, v_cache, out, tokens, tables, lens, scale);
       case 6: return decode_impl<scalar_t, 6>(q, k_cache, v_cache, out, tokens, tables, lens, scale);
       case 7: return decode_impl<scalar_t, 7>(q, k_cache, v_cache, out, tokens, tables, lens, scale);
-      case 8: return decode_impl<scalar_t, 8>(q, k_cache, v_cache, out, tokens, tables, lens, scale);
-      default: return decode_impl<scalar_t, 0>(q, k_cache, v_cache, out, tokens, tables, lens, scale);
+      default: return decode_impl<scalar_t, 8>(q, k_cache, v_cache, out, tokens, tables, lens, scale);
     }
   };
   if (dtype == at::kFloat) {
@@ -209,6 +275,39 @@ std::string paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const a
   return "";
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention, in place into out (CPU); returns an error or \"\"");
+// k_cache[slot / block_size, slot % block_size] = k (and v): the step's new K and V rows into the paged cache,
+// one row copy each (torch's index_put_ on the strided cache views went through advanced indexing, per element).
+// k, v: [T, Hkv, D] (strided rows); slots: [T] int64, -1 = padding (skipped); caches as for paged_decode.
+std::string store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                     const at::Tensor& slots) {
+  const int64_t t_rows = k.size(0), hkv = k.size(1), d = k.size(2), block_size = k_cache.size(1);
+  const int64_t limit = k_cache.size(0) * block_size;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < t_rows; ++t) {
+    if (sp[t] < -1 || sp[t] >= limit) {
+      return "slot " + std::to_string(sp[t]) + " outside [-1, " + std::to_string(limit) + ")";
+    }
+  }
+  const int64_t bytes = d * static_cast<int64_t>(k.element_size());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t es = k.element_size();
+  at::parallel_for(0, t_rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = sp[t];
+      if (slot < 0) continue;
+      const int64_t b = slot / block_size, o = slot % block_size;
+      for (int64_t h = 0; h < hkv; ++h) {
+        std::memcpy(kc + (b * k_cache.stride(0) + o * k_cache.stride(1) + h * k_cache.stride(2)) * es,
+                    kp + (t * k.stride(0) + h * k.stride(1)) * es, bytes);
+        std::memcpy(vc + (b * v_cache.stride(0) + o * v_cache.stride(1) + h * v_cache.stride(2)) * es,
+                    vp + (t * v.stride(0) + h * v.stride(1)) * es, bytes);
+      }
+    }
+  });
+  return "";
 }
+
+}  // namespace pdpool_cpu

@@ -7,8 +7,10 @@ shard offsets the loader needs in ``packed_shards``.
 
 On CUDA the elementwise ops run as the Triton kernels of ``pdpool.kernels`` (``fused_ops``): RMSNorm with the
 residual add, rotary on q and k in place, SiLU-and-mul; about 10 launches a layer instead of about 40, which at
-decode batch sizes (and inside CUDA graphs) is most of the non-GEMM, non-attention time. ``PDPOOL_FUSED_OPS=0``
-keeps the torch ops (A/B measurements). The hidden state and the residual travel apart, as in vLLM::
+decode batch sizes (and inside CUDA graphs) is most of the non-GEMM, non-attention time. On the CPU the same ops
+run in the native extension (``pdpool.kernels.cpu_ops``; where it is not built, the torch ops), one pass over the
+rows each instead of a temporary between torch kernels. ``PDPOOL_FUSED_OPS=0`` keeps the torch ops (A/B
+measurements). The hidden state and the residual travel apart, as in vLLM::
 
     residual = x; h = norm(x)                       (first layer)
     h, residual = norm(h + residual), h + residual  (every later norm: one fused kernel)
@@ -27,7 +29,21 @@ from pdpool.attention import AttentionBackend, get_context
 
 
 def fused_ops_default(device: torch.device) -> bool:
-    return device.type == "cuda" and os.environ.get("PDPOOL_FUSED_OPS", "1") != "0"
+    if os.environ.get("PDPOOL_FUSED_OPS", "1") == "0":
+        return False
+    if device.type == "cpu":
+        from pdpool.kernels import cpu_decode
+
+        return cpu_decode.available()
+    return device.type == "cuda"
+
+
+def _fused_rms_norm(x, weight, eps, residual=None):
+    if x.device.type == "cpu":
+        from pdpool.kernels.cpu_ops import rms_norm
+    else:
+        from pdpool.kernels.rmsnorm import rms_norm
+    return rms_norm(x, weight, eps, residual)
 
 
 class RMSNorm(nn.Module):
@@ -39,9 +55,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, fused: bool = False):
         """x: [..., H] -> norm(x); with ``residual``: (norm(x + residual), x + residual)."""
         if fused:
-            from pdpool.kernels.rmsnorm import rms_norm
-
-            return rms_norm(x, self.weight, self.eps, residual)
+            return _fused_rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             return self.forward(x), x
@@ -119,11 +133,16 @@ class Attention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)  # k, v: [T, Hkv, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if rope.fused:
-            from pdpool.kernels.rotary import apply_rotary
-
             if self.qk_norm:
                 q, k = self.q_norm(q, fused=True), self.k_norm(k, fused=True)  # contiguous copies
-            q, k = apply_rotary(q, k, rope.positions, rope.inv_freq, q_out=q, k_out=k)  # in place
+            if rope.cos_sin is not None:  # CPU: the native op, angles computed once per forward
+                from pdpool.kernels.cpu_ops import apply_rotary
+
+                q, k = apply_rotary(q, k, *rope.cos_sin)  # in place
+            else:
+                from pdpool.kernels.rotary import apply_rotary
+
+                q, k = apply_rotary(q, k, rope.positions, rope.inv_freq, q_out=q, k_out=k)  # in place
         else:
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
@@ -148,8 +167,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
         if fused:
-            from pdpool.kernels.activation import silu_and_mul
-
+            if gate_up.device.type == "cpu":
+                from pdpool.kernels.cpu_ops import silu_and_mul
+            else:
+                from pdpool.kernels.activation import silu_and_mul
             return self.down_proj(silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate) * up)
@@ -175,11 +196,17 @@ class DecoderLayer(nn.Module):
 
 
 class Rope:
-    """Per-forward rotary inputs: positions and inverse frequencies for the fused kernel, or cos/sin [T, 1, D]
-    (in the model dtype, as HF computes them) for the torch ops. ``fused`` is the forward's choice for every op."""
+    """Per-forward rotary inputs: positions and inverse frequencies for the fused kernel (on the CPU, its cos/sin
+    [T, D/2] fp32, once for every layer), or cos/sin [T, 1, D] (in the model dtype, as HF computes them) for the
+    torch ops. ``fused`` is the forward's choice for every op."""
 
     def __init__(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, fused: bool):
         self.fused, self.positions, self.inv_freq = fused, positions, inv_freq
+        self.cos_sin = None
+        if fused and positions.device.type == "cpu":
+            from pdpool.kernels.cpu_ops import rotary_cos_sin
+
+            self.cos_sin = rotary_cos_sin(positions, inv_freq)
         if not fused:
             freqs = positions.float()[:, None] * inv_freq.float()[None, :]  # [T, D/2] fp32, as HF computes
             emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]

@@ -73,3 +73,21 @@ def test_auto_picks_the_native_backend_on_cpu():
     assert cpu_decode.available()
     assert pick_backend("auto", torch.device("cpu")).name == "cpu"
     assert pick_backend("torch", torch.device("cpu")).name == "torch"
+
+
+def test_kernel_refuses_a_block_id_outside_the_cache():
+    meta, q, k_cache, v_cache = step([1, 1], [20, 5], 4, 2, 32, torch.float32)
+    tables = meta.block_tables.long().clone()
+    tables[1, 0] = k_cache.shape[0]
+    with pytest.raises(ValueError, match="block id .* outside"):
+        cpu_decode.paged_decode(q, k_cache, v_cache, torch.empty_like(q), torch.tensor([0, 1]), tables,
+                                torch.tensor([20, 5]), 0.1)
+
+
+@pytest.mark.parametrize("hq,hkv", [(16, 1), (14, 2), (10, 2)])
+def test_groups_beyond_eight_run_as_subgroups(hq, hkv):
+    seq_lens = [3, 40, 129]
+    meta, q, k_cache, v_cache = step([1] * len(seq_lens), seq_lens, hq, hkv, 64, torch.float32)
+    out = get_backend("cpu").forward(q, k_cache, v_cache, meta, 0.125)
+    ref = paged_attention_ref(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125)
+    assert rel_err(out, ref) < 1e-5

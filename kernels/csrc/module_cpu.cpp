@@ -1,0 +1,25 @@
+// The CPU extension's Python module: paged decode attention (paged_decode_cpu.cpp) and the decoder layer's fused
+// elementwise ops (fused_ops_cpu.cpp). Built by kernels/build.py (pdpool build-kernels); called through the checked
+// wrappers in kernels/cpu_decode.py and kernels/cpu_ops.py. Each returns an error message, or "" on success.
+#include <torch/extension.h>
+
+#include <string>
+
+namespace pdpool_cpu {
+std::string paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, at::Tensor& out,
+                         const at::Tensor& tokens, const at::Tensor& tables, const at::Tensor& lens, double scale);
+std::string store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                     const at::Tensor& slots);
+std::string rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
+                     at::Tensor& out, c10::optional<at::Tensor> residual_out, double eps);
+std::string rotary(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
+std::string silu_and_mul(const at::Tensor& x, at::Tensor& out);
+}  // namespace pdpool_cpu
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &pdpool_cpu::paged_decode, "paged decode attention, in place into out");
+  m.def("store_kv", &pdpool_cpu::store_kv, "the step's K and V rows into the paged cache by slot");
+  m.def("rms_norm", &pdpool_cpu::rms_norm, "RMSNorm, with the residual add when given, into out (and residual_out)");
+  m.def("rotary", &pdpool_cpu::rotary, "rotary embedding of q and k in place, from cos/sin [T, D/2] fp32");
+  m.def("silu_and_mul", &pdpool_cpu::silu_and_mul, "silu(gate) * up into out");
+}
