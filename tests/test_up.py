@@ -25,7 +25,7 @@ import yaml
 
 from pdpool.kv_index.keys import PoolKeys
 from pdpool.node_process import free_port, parse_metrics
-from pdpool.up.pool import DEFAULT_POOL, PoolFileError, load_pool
+from pdpool.up.pool import DEFAULT_POOL, PoolFileError, load_pool, router_spec
 from redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(300)
@@ -157,6 +157,16 @@ def test_default_example_is_one_prefill_one_decode_on_cpu():
             assert flag in line, (flag, line)
     assert "pdpool router" in lines["router-0"] and "--port 8123" in lines["router-0"]
     assert "internal" not in out.stdout.lower()  # secrets travel in the environment, never in argv
+
+
+def test_kubernetes_discovery_in_the_file_still_finds_local_nodes_by_heartbeat(tmp_path):
+    body = copy.deepcopy(DEFAULT_POOL)
+    body["spec"].setdefault("router", {})["discovery"] = "kubernetes"
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(body))
+    pool, ignored = load_pool(tmp_path / "p.yaml")
+    assert "router.discovery" in ignored
+    spec = router_spec(pool, "127.0.0.1", 8123, "redis://127.0.0.1:1")
+    assert "--kubernetes" not in spec.argv and "--redis" in spec.argv
 
 
 def test_missing_redis_server_says_how_to_install_it(tmp_path):

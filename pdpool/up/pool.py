@@ -165,7 +165,9 @@ def node_spec(pool: Pool, role: str, index: int, port: int, redis_url: str, extr
 
 def router_spec(pool: Pool, host: str, port: int, redis_url: str) -> ProcessSpec:
     cfg = router_config(pool)
-    cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, redis=redis_url, host=host, port=port))
+    # router.discovery is Kubernetes-only (listed as ignored): a local router finds the nodes by their heartbeats.
+    cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, redis=redis_url, host=host, port=port,
+                                                              kubernetes=False))
     return ProcessSpec("router-0", "router", port, ["router", *config.to_argv(cfg, config.RouterCommandConfig)],
                        host=connect_host(host))
 
