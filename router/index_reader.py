@@ -11,7 +11,7 @@ import redis
 import redis.asyncio as aioredis
 
 from pdpool.kv_index import IndexUnavailableError, PoolKeys
-from pdpool.kv_index.redis_index import _LOOKUP_LUA
+from pdpool.kv_index.redis_index import LOOKUP_LUA
 
 
 class AsyncIndexReader:
@@ -19,7 +19,7 @@ class AsyncIndexReader:
         self.client = aioredis.Redis.from_url(url, password=password, socket_timeout=timeout,
                                               socket_connect_timeout=timeout, health_check_interval=0)
         self.keys = keys
-        self._lookup = self.client.register_script(_LOOKUP_LUA)   # EVALSHA, falls back to EVAL once
+        self._lookup = self.client.register_script(LOOKUP_LUA)   # EVALSHA, falls back to EVAL once
 
     async def lookup(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
         """``{node_id: leading blocks of block_hashes it holds}`` for every live node."""

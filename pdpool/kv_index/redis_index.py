@@ -304,7 +304,7 @@ class NodeIndex:
 
 
 # KEYS[1] = nodes set; ARGV[1] = key prefix; ARGV[2..] = block hashes in prompt order.
-_LOOKUP_LUA = """
+LOOKUP_LUA = """
 local prefix = ARGV[1]
 local last = #ARGV
 local out = {}
@@ -350,7 +350,7 @@ class IndexReader:
     def __init__(self, client: redis.Redis, keys: PoolKeys) -> None:
         self.client = client
         self.keys = keys
-        self._lookup = client.register_script(_LOOKUP_LUA)   # EVALSHA, falls back to EVAL once
+        self._lookup = client.register_script(LOOKUP_LUA)   # EVALSHA, falls back to EVAL once
         self._live = client.register_script(_LIVE_LUA)
 
     def lookup(self, block_hashes: Sequence[bytes | str]) -> dict[str, int]:
