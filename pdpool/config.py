@@ -48,7 +48,8 @@ class ModelConfig:
                      crd="model.name")
     served_model_name: str | None = opt(None, "Name the API serves the model as (default: --model).",
                                         crd="model.servedModelName")
-    dtype: str = opt("auto", "Weight and activation dtype; auto is float32 on CPU, bfloat16 on CUDA.",
+    dtype: str = opt("auto", "Weight and activation dtype; auto is bfloat16 on CUDA and on CPUs with native bf16 "
+                              "(AVX512_BF16, AMX), float32 on other CPUs.",
                      choices=DTYPES, crd="engine.dtype")
     load_format: str = opt("auto", "auto reads safetensors; dummy fills real shapes with random weights.",
                            choices=("auto", "dummy"))

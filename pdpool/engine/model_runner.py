@@ -27,6 +27,7 @@ from pdpool.config import NodeConfig
 from pdpool.engine.cuda_graphs import DecodeGraphs, graph_safe
 from pdpool.engine.sampler import PendingSample, Sampler, make_generator
 from pdpool.frontend import ModelFiles
+from pdpool.kernels.cpu_features import default_cpu_dtype
 from pdpool.models.demo import resolve_model
 from pdpool.models.loader import load_hf_config, load_model
 
@@ -107,7 +108,11 @@ class ModelRunner:
             torch.set_num_threads(dev.num_threads)
         dtype_name = node_config.model.dtype
         if dtype_name == "auto":
-            dtype_name = "bfloat16" if self.device.type == "cuda" else "float32"
+            if self.device.type == "cuda":
+                dtype_name = "bfloat16"
+            else:  # bf16 only where the cores multiply it natively; elsewhere torch emulates it, slower than fp32
+                dtype_name, reason = default_cpu_dtype()
+                log.info("dtype auto on the CPU: %s (%s)", dtype_name, reason)
         self.dtype = DTYPES[dtype_name]
         self.dtype_name = dtype_name
         path = resolve_model(node_config.model.model)
