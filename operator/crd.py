@@ -187,3 +187,41 @@ def strict_spec_schema(settable_by_default: bool = False) -> dict:
         return out
 
     return strict(spec_schema())
+
+
+def _json_type_ok(value, t: str) -> bool:
+    if t == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if t == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, {"string": str, "boolean": bool, "object": dict, "array": list}[t])
+
+
+def schema_errors(value, node: dict, path: str) -> list[str]:
+    """What the API server would refuse (types, enums, bounds, required and unknown fields)."""
+    if "anyOf" in node and not any(not schema_errors(value, alt, path) for alt in node["anyOf"]):
+        return [f"{path}: {value!r} matches none of {[alt.get('type') for alt in node['anyOf']]}"]
+    t = node.get("type")
+    if t and not _json_type_ok(value, t):
+        return [f"{path}: expected {t}, got {value!r}"]
+    errors = []
+    if "enum" in node and value not in node["enum"]:
+        errors.append(f"{path}: {value!r} is not one of {node['enum']}")
+    if "minimum" in node and value < node["minimum"]:
+        errors.append(f"{path}: {value} is below the minimum {node['minimum']}")
+    if "maximum" in node and value > node["maximum"]:
+        errors.append(f"{path}: {value} is above the maximum {node['maximum']}")
+    if t == "object":
+        props, extra = node.get("properties"), node.get("additionalProperties")
+        errors += [f"{path}.{name}: required" for name in node.get("required", []) if name not in value]
+        for name, sub in value.items():
+            if props and name in props:
+                errors += schema_errors(sub, props[name], f"{path}.{name}")
+            elif isinstance(extra, dict):
+                errors += schema_errors(sub, extra, f"{path}.{name}")
+            elif props is not None and not node.get("x-kubernetes-preserve-unknown-fields"):
+                errors.append(f"{path}.{name}: unknown field")
+    if t == "array" and "items" in node:
+        for i, item in enumerate(value):
+            errors += schema_errors(item, node["items"], f"{path}[{i}]")
+    return errors

@@ -101,12 +101,10 @@ def defaulted_paths(defaults: dict, node: dict, path: str) -> list[str]:
 def load_pool_defaults(path: str | None) -> dict:
     if not path:
         return {}
-    from pdpool.up.pool import schema_errors  # the CRD-schema checker pdpool up uses (no torch)
-
     with open(path) as f:
         defaults = yaml.safe_load(f) or {}
     root = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    errors = schema_errors(defaults, root, "poolDefaults") + defaulted_paths(defaults, root, "poolDefaults")
+    errors = crd.schema_errors(defaults, root, "poolDefaults") + defaulted_paths(defaults, root, "poolDefaults")
     if errors:
         raise SystemExit(f"pdpool operator: --pool-defaults {path}: " + "; ".join(errors))
     return defaults

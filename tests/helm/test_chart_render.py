@@ -14,7 +14,7 @@ from chart import CHART, NAMESPACE, ROOT, VALUE_SETS, helm, one, render, templat
 from operator_examples import _selects
 from pdpool.operator import crd
 from pdpool.operator.main import defaulted_paths
-from pdpool.up.pool import schema_errors
+from pdpool.operator.crd import schema_errors
 
 BUILT_IN_API_GROUPS = ("v1", "apps/v1", "policy/v1", "rbac.authorization.k8s.io/v1", "networking.k8s.io/v1",
                        "apiextensions.k8s.io/v1")
