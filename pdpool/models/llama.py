@@ -234,6 +234,7 @@ class LlamaForCausalLM(nn.Module):
         head_dim = self.model.layers[0].self_attn.head_dim
         self.register_buffer("inv_freq", inv_frequencies(config, head_dim), persistent=False)  # [D/2] fp32
         self.fused_ops: bool | None = None  # None: on CUDA unless PDPOOL_FUSED_OPS=0 (see the module docstring)
+        self.logits_linear = None  # CPU fp32: the logits weight packed for oneDNN (pdpool.models.cpu_linear)
 
     def bind_kv_cache(self, kv_cache: torch.Tensor, backend: AttentionBackend) -> None:
         """kv_cache: [num_blocks, num_layers, 2, block_size, Hkv, D]; each layer keeps its strided K and V views."""
@@ -253,5 +254,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [R, H] -> logits [R, V] float32
+        if self.logits_linear is not None:
+            return self.logits_linear(hidden).float()
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden, weight).float()

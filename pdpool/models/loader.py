@@ -54,6 +54,10 @@ def load_model(path: str | Path, hf_config=None, *, dtype: torch.dtype = torch.f
         load_safetensors(model, Path(path))
     else:
         raise ValueError(f"load_format {load_format!r}: expected 'auto' or 'dummy'")
+    if torch.device(device).type == "cpu":
+        from pdpool.models.cpu_linear import pack_cpu_linears
+
+        pack_cpu_linears(model)  # oneDNN-packed weights at decode sizes; no-op where the build lacks the ops
     return model.eval()
 
 

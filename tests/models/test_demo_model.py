@@ -48,7 +48,9 @@ def test_our_float32_logits_match_hf_on_the_demo_model(demo_model_dir, hf_refere
             reset_context()
         with torch.no_grad():
             ref = hf_reference.model(torch.tensor([ids])).logits[0].float()
-        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+        # 2e-4: on the CPU our fp32 GEMMs at decode sizes run on oneDNN-packed weights (pdpool.models.cpu_linear),
+        # which sum in another order than HF's F.linear; measured: 18 of 245760 logits off by up to 1.3e-4
+        torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
 
 
 def test_concurrent_conversions_convert_once(tmp_path, monkeypatch):
