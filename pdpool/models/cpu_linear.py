@@ -69,8 +69,17 @@ class PackedWeight:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed(), bias, "none", [], "")
 
 
-def _packed_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return module.packed_weight(x)
+class PackedLinear(nn.Module):
+    """Stands in for an fp32 CPU ``nn.Linear``: the same ``weight`` and ``bias`` parameters (same state-dict
+    keys), run through their packed copy."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.packed_weight = PackedWeight(self.weight, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.packed_weight(x)
 
 
 def eligible(weight: torch.Tensor) -> bool:
@@ -83,12 +92,13 @@ def pack_cpu_linears(model: nn.Module) -> int:
     if not packed_linear_available():
         return 0
     count = 0
-    for module in model.modules():
-        if isinstance(module, nn.Linear) and eligible(module.weight):
-            module.packed_weight = PackedWeight(module.weight, module.bias)
-            module.packed_weight.packed()
-            module.forward = functools.partial(_packed_forward, module)
-            count += 1
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and eligible(child.weight):
+                packed = PackedLinear(child)
+                packed.packed_weight.packed()
+                setattr(parent, name, packed)
+                count += 1
     if hasattr(model, "logits_linear"):
         tied = getattr(model, "tie_word_embeddings", False)
         weight = model.model.embed_tokens.weight if tied else model.lm_head.weight
