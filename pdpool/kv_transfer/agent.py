@@ -387,8 +387,9 @@ class KVAgent:
         if not self._peers[peer].warm:
             self.warm_up(peer, timeout)
         nbytes = sum(d[1] for d in local_descs)
+        posted = time.perf_counter()  # the clock starts before the post: transfer() may move small payloads inline
         handle = self._post(op, peer, local_descs, remote_descs, notif, remote.mem_type)
-        return PendingTransfer(self, handle, op, peer, nbytes, len(local_descs))
+        return PendingTransfer(self, handle, op, peer, nbytes, len(local_descs), started=posted)
 
     def _post(self, op: str, peer: str, local_descs, remote_descs, notif: bytes, remote_mem: str):
         nixl = self._nixl
