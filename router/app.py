@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -54,7 +55,8 @@ class Router:
             from pdpool.kv_index import IndexReader, PoolKeys, connect
 
             self.reader = IndexReader(connect(r.redis, r.redis_password, timeout=0.25), PoolKeys(r.namespace, r.pool))
-        self.index = PrefixIndex(self.reader, ApproxIndex(r.approx_index_entries), self.run_sync, self.metrics)
+        self.index = PrefixIndex(self.reader, ApproxIndex(r.approx_index_entries), self.run_sync, self.metrics,
+                                 recent_seconds=r.recent_seconds)
         self.pool.listeners.append(self.index.on_change)
         self.scheduler = Scheduler(self.pool, self.index, self.inflight, profile, model_id=cfg.served_model_name,
                                    dtype=r.dtype, block_size=r.block_size, disagg_min_tokens=r.disagg_min_tokens)
@@ -138,7 +140,7 @@ class Router:
         return web.json_response({"object": "list", "data": [card]})
 
     async def health_live(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "alive"})
+        return web.json_response({"status": "alive", "pid": os.getpid()})  # with --workers: which one answered
 
     async def health_ready(self, request: web.Request) -> web.Response:
         nodes = {e.node_id: e.role for e in self.pool.decode_candidates()}

@@ -19,12 +19,13 @@ class AsyncIndexReader:
         self.client = aioredis.Redis.from_url(url, password=password, socket_timeout=timeout,
                                               socket_connect_timeout=timeout, health_check_interval=0)
         self.keys = keys
+        self._prefix = keys.prefix.encode()
         self._lookup = self.client.register_script(LOOKUP_LUA)   # EVALSHA, falls back to EVAL once
 
     async def lookup(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
         """``{node_id: leading blocks of block_hashes it holds}`` for every live node."""
         try:
-            flat = await self._lookup(keys=[self.keys.nodes], args=[self.keys.prefix.encode(), *block_hashes])
+            flat = await self._lookup(keys=[self.keys.nodes], args=[self._prefix, b"".join(block_hashes)])
         except (redis.RedisError, OSError, asyncio.TimeoutError) as exc:
             raise IndexUnavailableError(f"block lookup failed: {exc}") from exc
         return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}

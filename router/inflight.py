@@ -30,6 +30,8 @@ class Ticket:
             self.prefill_done()
             self._done = True
             self.tracker.requests[self.node_id] -= 1
+            if self.tracker.gauge is not None:
+                self.tracker.gauge.labels(self.node_id).dec()
 
 
 class InflightTracker:
@@ -38,9 +40,12 @@ class InflightTracker:
         self.pending_tokens: dict[str, int] = defaultdict(int)
         self.avg_prompt_tokens = 0.0     # of uncached prompt work, to price a heartbeat's waiting requests
         self._ema = ema
+        self.gauge = None                # pdpool_router_inflight_requests{node}, set by RouterMetrics
 
     def add(self, node_id: str, uncached_tokens: int) -> Ticket:
         self.requests[node_id] += 1
+        if self.gauge is not None:
+            self.gauge.labels(node_id).inc()
         self.pending_tokens[node_id] += uncached_tokens
         self.avg_prompt_tokens += self._ema * (uncached_tokens - self.avg_prompt_tokens)
         return Ticket(self, node_id, uncached_tokens)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 
 from aiohttp import web
@@ -13,11 +14,6 @@ from pdpool.router import settings
 from pdpool.utils import wait_for_stop_signal
 
 logger = logging.getLogger("pdpool.router")
-
-# Token ids of recent prompt chunks (about 256 characters each; pdpool.frontend.TokenChunkCache): shared system
-# prompts and documents are tokenized once. 8192 chunks hold about 2M characters, a few tens of MB.
-TOKEN_CACHE_CHUNKS = 8192
-
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -41,11 +37,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pdpool router: error: --kubernetes: {exc}", file=sys.stderr)
             return 2
     log.configure()
+    if r.workers > 1:
+        return _main_workers(cfg, profile)
     from pdpool.frontend import Frontend  # tokenizers + jinja2; never torch
     from pdpool.router.app import Router, create_app
 
     try:
-        frontend = Frontend.from_model(r.model, token_cache_chunks=TOKEN_CACHE_CHUNKS)
+        frontend = Frontend.from_model(r.model, token_cache_chunks=r.token_cache_chunks)
     except (OSError, ValueError) as exc:
         print(f"pdpool router: error: cannot read the tokenizer of --model {r.model}: {exc}", file=sys.stderr)
         return 2
@@ -54,12 +52,56 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-async def _serve(app: web.Application, host: str, port: int) -> None:
+def _main_workers(cfg, profile) -> int:
+    """``--workers N``: check what can fail at start once, here, then fork the workers (router/workers.py)."""
+    import shutil
+    import tempfile
+
+    from pdpool.router import workers
+
+    r = cfg.router
+    try:
+        workers.check_port_free(r.host, r.port)
+    except OSError as exc:
+        print(f"pdpool router: error: cannot listen on {r.host}:{r.port}: {exc}", file=sys.stderr)
+        return 2
+    # Before any import of prometheus_client, in this process and so in every worker (router/metrics.py).
+    metrics_dir = tempfile.mkdtemp(prefix="pdpool-router-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    from prometheus_client import multiprocess
+
+    from pdpool.frontend import Frontend
+
+    try:  # the tokenizer is read once here for a clear error; each worker reads its own after the fork
+        Frontend.from_model(r.model)
+    except (OSError, ValueError) as exc:
+        print(f"pdpool router: error: cannot read the tokenizer of --model {r.model}: {exc}", file=sys.stderr)
+        return 2
+
+    def run_worker(index: int) -> int:
+        from pdpool.router.app import Router, create_app
+
+        frontend = Frontend.from_model(r.model, token_cache_chunks=r.token_cache_chunks)
+        asyncio.run(_serve(create_app(Router(cfg, profile, frontend)), r.host, r.port, reuse_port=True,
+                           worker=index))
+        return 0
+
+    logger.info("pdpool router: %d workers on http://%s:%d", r.workers, r.host, r.port)
+    try:
+        return workers.supervise(r.workers, run_worker, on_exit=lambda pid: multiprocess.mark_process_dead(
+            pid, metrics_dir))
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+async def _serve(app: web.Application, host: str, port: int, reuse_port: bool = False,
+                 worker: int | None = None) -> None:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=1024)
+    site = web.TCPSite(runner, host, port, backlog=1024, reuse_port=reuse_port or None)
     await site.start()
-    logger.info("pdpool router listening on http://%s:%d", host, port)
+    name = "pdpool router" if worker is None else f"pdpool router worker {worker} (pid {os.getpid()})"
+    logger.info("%s listening on http://%s:%d", name, host, port)
     try:
         await wait_for_stop_signal()
     finally:

@@ -1,6 +1,15 @@
-"""The router's Prometheus metrics (its own registry)."""
+"""The router's Prometheus metrics (its own registry).
+
+With ``--workers N`` > 1 every worker writes its values to files in ``PROMETHEUS_MULTIPROC_DIR`` (prometheus_client's
+multiprocess mode, set by the supervisor before any worker imports prometheus_client), and whichever worker
+answers a scrape reads them all: counters and histograms are summed over the workers (those that exited
+included), the in-flight gauge over the live ones, ``pdpool_router_index_mode`` is 1 for a mode some live worker
+is in. ``pdpool_router_nodes`` is the answering worker's own view (every worker discovers the same nodes).
+"""
 
 from __future__ import annotations
+
+import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -25,7 +34,7 @@ class RouterMetrics:
         self.upstream_errors = Counter("pdpool_router_upstream_errors", "Failed legs by node and kind (connect, "
                                        "timeout, http_5xx, http_429, stream_broken).", ["node", "kind"], registry=r)
         self.index_mode = Gauge("pdpool_router_index_mode", "1 for the prefix index's current mode.", ["mode"],
-                                registry=r)
+                                registry=r, multiprocess_mode="livemax")
         self.index_degradations = Counter("pdpool_router_index_degradations", "Switches from the precise (Redis) "
                                           "to the approximate (router-local) prefix index.", registry=r)
         self.prompt_tokens = Counter("pdpool_router_prompt_tokens", "Prompt tokens sent, by leg role.", ["role"],
@@ -40,11 +49,21 @@ class RouterMetrics:
                                        "to load (load-margin-filter).", registry=r)
         self.lease_releases = Counter("pdpool_router_lease_releases", "Prefill leases the router released at once "
                                       "(client gone, or the decode leg failed).", registry=r)
+        self.inflight = Gauge("pdpool_router_inflight_requests", "Legs in flight per node.", ["node"], registry=r,
+                              multiprocess_mode="livesum")
         for role in ("prefill", "decode"):
             for c in (self.prompt_tokens, self.predicted_hit_tokens, self.realized_hit_tokens):
                 c.labels(role)
+        if inflight is not None:
+            inflight.gauge = self.inflight
+        self.multiprocess = "PROMETHEUS_MULTIPROC_DIR" in os.environ
+        if self.multiprocess:  # a scrape reads every worker's files, plus this worker's view of the nodes
+            from prometheus_client import multiprocess
+
+            self.registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self.registry)
         if pool is not None:
-            r.register(_PoolCollector(pool, inflight))
+            self.registry.register(_PoolCollector(pool))
 
     def set_index_mode(self, mode: str) -> None:
         for m in INDEX_MODES:
@@ -55,11 +74,10 @@ class RouterMetrics:
 
 
 class _PoolCollector:
-    """Nodes and in-flight requests, read at scrape time."""
+    """Nodes, read at scrape time."""
 
-    def __init__(self, pool, inflight) -> None:
+    def __init__(self, pool) -> None:
         self.pool = pool
-        self.inflight = inflight
 
     def collect(self):
         nodes = GaugeMetricFamily("pdpool_router_nodes", "Known nodes by role and whether they are usable.",
@@ -71,8 +89,3 @@ class _PoolCollector:
         for (role, usable), n in sorted(counts.items()):
             nodes.add_metric([role, usable], n)
         yield nodes
-        inflight = GaugeMetricFamily("pdpool_router_inflight_requests", "Legs in flight per node.", labels=["node"])
-        if self.inflight is not None:
-            for node, n in sorted(self.inflight.requests.items()):
-                inflight.add_metric([node], n)
-        yield inflight

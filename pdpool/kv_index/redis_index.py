@@ -17,7 +17,8 @@ registered) and healed the same way.
   node's keys, SREM from ``nodes``.
 
 Router side (``IndexReader``): ``lookup(block_hashes) -> {node_id: leading blocks held}`` over live nodes and
-``live_nodes()``, each **one round trip** (a Lua script). Lookup cost, run atomically inside Redis:
+``live_nodes()``, each **one round trip** (a Lua script; the lookup's block hashes travel concatenated, as one
+argument). Lookup cost, run atomically inside Redis:
 ``O(nodes + sum over live nodes of the blocks checked)``, where a node's check stops at the first chunk
 holding a miss (chunks of 32, 64, ... 1024 hashes, one SMISMEMBER each), so it is about the node's matched
 prefix, not the prompt length. The script builds key names from the hash-tagged prefix; all are in the
@@ -303,18 +304,35 @@ class NodeIndex:
         self._queue_heartbeat(pipe)
 
 
-# KEYS[1] = nodes set; ARGV[1] = key prefix; ARGV[2..] = block hashes in prompt order.
+# KEYS[1] = nodes set; ARGV[1] = key prefix; ARGV[2] = the block hashes in prompt order, concatenated (one
+# argument: packing one 16-byte argument per block cost the router 0.1-0.2 ms of CPU per request). Every node's
+# check walks the same chunks (32, 64, ... 1024 hashes), so each chunk is cut from the string once.
 LOOKUP_LUA = """
 local prefix = ARGV[1]
-local last = #ARGV
+local packed = ARGV[2] or ''
+local size = %(size)d
+if #packed %% size ~= 0 then
+  return redis.error_reply('block hashes must be ' .. size .. ' bytes each')
+end
+local last = #packed / size
+local cut = {}
+local function chunk(i, j)
+  local t = cut[i]
+  if t == nil then
+    t = {}
+    for k = i, j do t[#t + 1] = string.sub(packed, (k - 1) * size + 1, k * size) end
+    cut[i] = t
+  end
+  return t
+end
 local out = {}
 for _, node in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   if redis.call('EXISTS', prefix .. 'hb:' .. node) == 1 then
     local key = prefix .. 'blocks:' .. node
-    local held, i, step, full = 0, 2, 32, true
+    local held, i, step, full = 0, 1, 32, true
     while full and i <= last do
       local j = math.min(i + step - 1, last)
-      local m = redis.call('SMISMEMBER', key, unpack(ARGV, i, j))
+      local m = redis.call('SMISMEMBER', key, unpack(chunk(i, j)))
       for k = 1, #m do
         if m[k] == 1 then held = held + 1 else full = false; break end
       end
@@ -328,7 +346,12 @@ for _, node in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   end
 end
 return out
-"""
+""" % {"size": HASH_BYTES}
+
+
+def lookup_args(prefix: str, block_hashes: Sequence[bytes | str]) -> list[bytes]:
+    """``LOOKUP_LUA``'s ARGV: the key prefix, then every block hash (raw bytes or hex) in one string."""
+    return [prefix.encode(), b"".join(_raw(h) for h in block_hashes)]
 
 # KEYS[1] = nodes set; ARGV[1] = key prefix. Returns [node, heartbeat JSON, ...] for live nodes.
 _LIVE_LUA = """
@@ -355,9 +378,8 @@ class IndexReader:
 
     def lookup(self, block_hashes: Sequence[bytes | str]) -> dict[str, int]:
         """``{node_id: number of leading blocks of block_hashes it holds}`` for every live node."""
-        args = [self.keys.prefix.encode(), *(_raw(h) for h in block_hashes)]
         try:
-            flat = self._lookup(keys=[self.keys.nodes], args=args)
+            flat = self._lookup(keys=[self.keys.nodes], args=lookup_args(self.keys.prefix, block_hashes))
         except _REDIS_ERRORS as exc:
             raise IndexUnavailableError(f"block lookup failed: {exc}") from exc
         return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}

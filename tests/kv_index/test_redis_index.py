@@ -6,9 +6,12 @@ from __future__ import annotations
 import asyncio
 import time
 
+from hypothesis import HealthCheck, given, settings, strategies as st
+
 from pdpool.block_hash import ModelFingerprint, hash_prompt_blocks, root_hash
 from pdpool.kv_index import (HeartbeatThread, IndexReader, NodeIndex, NodeInfo, NodeLoad, PoolKeys, connect,
                              delete_pool_keys)
+from pdpool.kv_index.redis_index import LOOKUP_LUA
 
 ROOT = root_hash(ModelFingerprint("demo", "float32", 4))
 HASHES = hash_prompt_blocks(list(range(40)), 4, ROOT)  # 10 chained block hashes
@@ -70,6 +73,41 @@ def test_long_prompt_lookup_crosses_chunks(redis_server):
     a.publish(stored=hashes[:2500])
     assert a.flush()
     assert make_reader(redis_server).lookup(hashes) == {"a": 2500}
+
+
+_POOLS = iter(range(10**9))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(held=st.lists(st.sets(st.integers(0, 79)), min_size=1, max_size=4), num_blocks=st.integers(0, 80))
+def test_lookup_is_each_nodes_leading_run_of_held_blocks(redis_server, held, num_blocks):
+    """The script cuts the one concatenated argument into chunks shared by every node: whatever each node holds,
+    its answer is the length of its leading run, as a plain Python walk over the hashes says."""
+    hashes = hash_prompt_blocks(list(range(80 * 4)), 4, ROOT)[:num_blocks]
+    pool = f"prop{next(_POOLS)}"
+    for i, blocks in enumerate(held):
+        index, info = make_node(redis_server, f"n{i}", pool=pool)
+        assert index.heartbeat(info)
+        index.publish(stored=[hashes[b] for b in blocks if b < num_blocks])
+        assert index.flush()
+    expected = {}
+    for i, blocks in enumerate(held):
+        run = 0
+        while run < num_blocks and run in blocks:
+            run += 1
+        expected[f"n{i}"] = run
+    assert make_reader(redis_server, pool=pool).lookup(hashes) == expected
+
+
+def test_lookup_refuses_a_hash_of_the_wrong_length(redis_server):
+    import pytest
+    import redis
+
+    client = connect(redis_server.url, redis_server.password)
+    with pytest.raises(redis.ResponseError, match="16 bytes each"):
+        client.eval(LOOKUP_LUA, 1, PoolKeys("ns", "p1").nodes, PoolKeys("ns", "p1").prefix, b"x" * 17)
+    with pytest.raises(ValueError):
+        make_reader(redis_server).lookup([b"short"])
 
 
 def test_dead_node_is_excluded_then_pruned(redis_server):

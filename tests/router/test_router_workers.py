@@ -1,0 +1,129 @@
+"""``pdpool router --workers N``: N processes serve one port (SO_REUSEPORT), a scrape of any of them sees the
+totals of all, SIGTERM stops them all, a worker that dies is replaced, and a taken port is a clear error.
+
+The upstream is the overhead benchmark's fast OpenAI server (``benchmarks/router_stub_upstream.py``, a real
+aiohttp process): what is under test is the router's process model, not the nodes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pdpool.node_process import free_port, parse_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+N = 2
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks/router_stub_upstream.py"), "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline and proc.poll() is None, "the upstream did not start"
+        time.sleep(0.1)
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+def pids_answering(url: str, want: int, tries: int = 400) -> set[int]:
+    """Pids behind ``url``, one new connection per request, until ``want`` differ (the kernel hashes each
+    connection to one worker's socket)."""
+    seen: set[int] = set()
+    for _ in range(tries):
+        with httpx.Client() as c:
+            seen.add(c.get(url + "/health/live", timeout=5).json()["pid"])
+        if len(seen) >= want:
+            break
+    return seen
+
+
+def scrape(url: str) -> dict[str, float]:
+    with httpx.Client() as c:
+        return parse_metrics(c.get(url + "/metrics", timeout=5).text)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def complete(url: str, n: int) -> None:
+    for i in range(n):
+        with httpx.Client() as c:   # a new connection each time: the requests spread over the workers
+            r = c.post(url + "/v1/completions", json={"model": "demo", "prompt": f"hello {i}", "max_tokens": 1},
+                       timeout=30)
+        assert r.status_code == 200, r.text
+
+
+def test_workers_share_a_port_and_the_metrics_and_stop_together(upstream, start_router):
+    router = start_router(["--both", upstream, "--workers", str(N)], name="workers")
+    workers = pids_answering(router.url, N)
+    assert len(workers) == N and router.proc.pid not in workers
+
+    complete(router.url, 30)
+    for _ in range(6):  # whichever worker answers the scrape reports every worker's requests
+        m = scrape(router.url)
+        assert m['pdpool_router_requests_total{decision="decode_only"}'] == 30
+        assert m["pdpool_router_decision_seconds_count"] == 30
+        assert m['pdpool_router_nodes{role="both",usable="true"}'] == 1
+        assert m['pdpool_router_index_mode{mode="approximate"}'] == 1
+
+    # A worker that dies is replaced; the counts it had made stay in the totals.
+    victim = next(iter(workers))
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while True:
+        now = pids_answering(router.url, N, tries=50)
+        if len(now) == N and victim not in now:
+            break
+        assert time.monotonic() < deadline, f"worker {victim} was not replaced: {now}"
+        time.sleep(0.2)
+    complete(router.url, 10)
+    assert scrape(router.url)['pdpool_router_requests_total{decision="decode_only"}'] == 40
+
+    # SIGTERM to the supervisor stops every worker, then the supervisor, cleanly.
+    router.proc.send_signal(signal.SIGTERM)
+    assert router.proc.wait(30) == 0
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in now):
+        assert time.monotonic() < deadline, "a worker outlived its supervisor"
+        time.sleep(0.1)
+
+
+def test_a_taken_port_is_a_clear_error(upstream, start_router):
+    first = start_router(["--both", upstream, "--workers", str(N)], name="port-owner")
+    second = subprocess.run([sys.executable, "-m", "pdpool.cli", "router", "--model", "demo", "--host", "127.0.0.1",
+                             "--port", str(first.port), "--both", upstream, "--workers", str(N)],
+                            capture_output=True, text=True, timeout=60)
+    assert second.returncode == 2 and "cannot listen on" in second.stderr, second.stderr
+    assert len(pids_answering(first.url, N)) == N  # the first router still owns its port, whole
+
+
+def test_workers_die_with_a_killed_supervisor(upstream, start_router):
+    router = start_router(["--both", upstream, "--workers", str(N)], name="orphans")
+    workers = pids_answering(router.url, N)
+    router.kill()  # SIGKILL: no chance to pass anything on; PR_SET_PDEATHSIG does
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in workers):
+        assert time.monotonic() < deadline, "workers outlived a SIGKILLed supervisor"
+        time.sleep(0.1)
