@@ -1,32 +1,69 @@
-"""Paged decode through the Triton backend's own entry point, as the engine calls it (write_kv, then forward).
+"""Paged decode kernel: this checkout's against an older one (``--old``), on the engine's shapes, in one process.
 
-Batch 64 x context 4096 and batch 1 x 32k; 32 q / 8 kv heads, D 128, bf16, block 16, shuffled block tables.
-Checks the output against the fp32 reference, then reports GB/s (KV read + Q + O) against the device-to-device
-copy bandwidth measured in the same run. Run: ``python benchmarks/bench_decode_kernel.py`` on a CUDA machine."""
+Cases (bf16, D 128, block 16, shuffled block tables, random K/V):
+
+    b64x4096          64 rows x 4096 tokens, 32 q / 8 kv heads (the kernel section's large case)
+    b1x32k            1 row x 32768 tokens, 32 / 8
+    qwen-step300      the e2e workload's decode batch at step 300 (gpu_e2e.workload: prompt + 300 tokens of each
+                      request still running, about 190 rows of 400-1300 tokens), 16 / 8 (Qwen3-0.6B)
+    llama-step300     the same rows, 32 / 8 (Llama-3.1-8B)
+    b1x512-32layers   single stream: 1 row x 512 tokens, one launch per layer of a 32-layer KV tensor in one graph
+                      (67 MB of K/V per replay, more than the 50 MB L2), so per-launch gaps count as in the engine
+
+Each code runs as its backend calls it: split count ``choose_num_splits(rows, 8, SMs)``, its own
+``MIN_SPLIT_TOKENS``, its workspace made once; the new code with its rows longest first (``new``) and in batch
+order (``new-unsorted``). Every output is checked against the fp32 reference (rel. error < 1.5e-2), ``new`` and
+``new-unsorted`` must be bit-identical, and so must a graph replay and an eager launch. Times are medians of
+``triton.testing.do_bench`` over CUDA-graph replays (kernel time without host launch overhead); GB/s counts the
+K/V of every context token once, plus Q and O, against the device-to-device copy measured in the same run.
+
+    python3 benchmarks/bench_decode_kernel.py [--old .bench_base/kernels/decode_attention.py] [--cases ...]
+    TRITON_INTERPRET=1 python3 benchmarks/bench_decode_kernel.py --device cpu --old ...  # CPU smoke test: small
+        contexts, fp32, the checks only (no graphs, no timing that means anything)
+"""
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import os
 import sys
+import time
+from pathlib import Path
 
-import torch
-import triton
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from pdpool.attention import AttentionMetadata, get_backend
-from pdpool.kernels import decode_attention
-from pdpool.kernels.decode_attention import paged_decode
-from pdpool.kernels.paged_ref import paged_attention_ref
+import torch  # noqa: E402
+import triton  # noqa: E402
 
-HQ, HKV, D = 32, 8, 128
+from pdpool.attention import AttentionMetadata  # noqa: E402
+from pdpool.attention.triton_backend import longest_first  # noqa: E402
+from pdpool.kernels import decode_attention  # noqa: E402
+from pdpool.kernels.paged_ref import paged_attention_ref  # noqa: E402
+
+D = 128
 BLOCK = 16
+TOLERANCE = 1.5e-2
+
+
+DEVICE = "cuda"
+DTYPE = torch.bfloat16
 
 
 def bench_ms(fn) -> float:
+    if DEVICE != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - t0)
     return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
 def copy_bandwidth() -> float:
+    if DEVICE != "cuda":
+        return 50e9
     """Device-to-device copy of 2 GiB, bytes read + written per second."""
     src = torch.randn(2**30 // 2, device="cuda", dtype=torch.bfloat16).repeat(2)  # 2 GiB
     dst = torch.empty_like(src)
@@ -34,107 +71,149 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
-def matmul_tflops(n: int = 8192) -> float:
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    ms = bench_ms(lambda: a @ b)
-    return 2 * n**3 / (ms * 1e-3) / 1e12
+def step300_contexts() -> list[int]:
+    """Context lengths of the e2e workload's requests still decoding at step 300."""
+    from gpu_e2e import workload
+
+    return [len(p) + 300 for p, o in workload() if o > 300]
 
 
-def paged_cache(query_lens, seq_lens, hkv, d, dtype, layers=2, layer=1):
-    """A node KV tensor with random contents and shuffled block tables; the prefix of every request (the context
-    before its new tokens) already in layer ``layer``. Returns meta, k_cache, v_cache."""
+CASES = {  # name: (context lengths, Hq, Hkv, layers launched per replay)
+    "b64x4096": (lambda: [4096] * 64, 32, 8, 1),
+    "b1x32k": (lambda: [32768], 32, 8, 1),
+    "qwen-step300": (step300_contexts, 16, 8, 1),
+    "llama-step300": (step300_contexts, 32, 8, 1),
+    "b1x512-32layers": (lambda: [512], 32, 8, 32),
+}
+
+
+def paged_layers(seq_lens, hkv, layers):
+    """A node KV tensor [blocks, layers, 2, BLOCK, Hkv, D] of random K/V and shuffled block tables; returns meta and
+    the per-layer (k_cache, v_cache) views."""
     need = [-(-L // BLOCK) for L in seq_lens]
     num_blocks = sum(need) + 8
-    kv = torch.randn(num_blocks, layers, 2, BLOCK, hkv, d, device="cuda", dtype=dtype)
+    kv = torch.randn(num_blocks, layers, 2, BLOCK, hkv, D, device=DEVICE, dtype=DTYPE)
     perm = torch.randperm(num_blocks).tolist()
     block_ids, at = [], 0
     for n in need:
         block_ids.append(perm[at:at + n])
         at += n
-    meta = AttentionMetadata.build(query_lens, seq_lens, block_ids, BLOCK, device="cuda")
-    return meta, kv[:, layer, 0], kv[:, layer, 1]
+    meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, block_ids, BLOCK, device=DEVICE)
+    return meta, [(kv[:, layer, 0], kv[:, layer, 1]) for layer in range(layers)]
 
 
-def gpu_name() -> str:
-    return torch.cuda.get_device_name()
+def load_old(path: str):
+    spec = importlib.util.spec_from_file_location("decode_attention_old", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def save(name: str, results: dict) -> None:
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, f"{name}.json"), "w") as f:
-            json.dump(results, f, indent=1)
+def launcher(module, q, caches, outs, meta, rows, num_splits):
+    """All layers' launches as the backend makes them: one workspace, the module's own minimum split length."""
+    Rd, Hq = rows.numel(), q.shape[1]
+    hkv = caches[0][0].shape[2]
+    try:
+        ws = module.decode_workspace(Rd, Hq, hkv, D, num_splits, q.device)
+    except TypeError:  # before the folded reduce: (rows, heads, head_dim, splits, device)
+        ws = module.decode_workspace(Rd, Hq, D, num_splits, q.device)
+
+    def run():
+        for (k, v), out in zip(caches, outs):
+            module.paged_decode(q, k, v, out, meta.query_start_loc, meta.seq_lens, meta.block_tables, rows,
+                                D ** -0.5, num_splits, ws, module.MIN_SPLIT_TOKENS)
+    return run
 
 
-TOLERANCE = 1.5e-2
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
-def tuning_table(kernel) -> list[tuple[str, float]]:
-    """The autotuner's last measurements (ms per config, best first), for the notes in docs/performance.md."""
-    timings = getattr(kernel, "configs_timings", None) or {}
-    flat = {str(c): (t[0] if isinstance(t, (list, tuple)) else t) for c, t in timings.items()}
-    return sorted(flat.items(), key=lambda kv: kv[1])
-
-
-def case(batch: int, context: int, copy_bw: float, sweep: bool) -> dict:
-    dtype = torch.bfloat16
-    meta, k_cache, v_cache = paged_cache([1] * batch, [context] * batch, HKV, D, dtype)
-    backend = get_backend("triton")
-    q = torch.randn(batch, HQ, D, device="cuda", dtype=dtype)
-    k_new = torch.randn(batch, HKV, D, device="cuda", dtype=dtype)
-    backend.write_kv(k_new, k_new.clone(), k_cache, v_cache, meta.slot_mapping)
-    scale = D ** -0.5
-    out = backend.forward(q, k_cache, v_cache, meta, scale)
-    ref = paged_attention_ref(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
-    err = ((out.float() - ref).norm() / ref.norm()).item()
-    assert err < TOLERANCE and not out.isnan().any(), f"decode {batch}x{context}: rel err {err}"
-    ms = bench_ms(lambda: backend.forward(q, k_cache, v_cache, meta, scale))
-    isz = dtype.itemsize
-    nbytes = batch * context * HKV * D * 2 * isz + 2 * q.numel() * isz
-    gbs = nbytes / (ms * 1e-3) / 1e9
-    plan = meta.plan["triton"]
-    graph = torch.cuda.CUDAGraph()  # kernel time without host launch overhead (the engine runs eagerly today)
+def captured(run):
+    """``run`` captured in a CUDA graph (its replay), or ``run`` itself off the GPU."""
+    if DEVICE != "cuda":
+        return run
+    graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        backend.forward(q, k_cache, v_cache, meta, scale)
+        run()
     torch.cuda.current_stream().wait_stream(side)
     with torch.cuda.graph(graph):
-        backend.forward(q, k_cache, v_cache, meta, scale)
-    graph_ms = bench_ms(graph.replay)
-    row = dict(batch=batch, context=context, ms=ms, GBps=gbs, graph_ms=graph_ms,
-               graph_GBps=nbytes / (graph_ms * 1e-3) / 1e9, frac_copy=gbs * 1e9 / copy_bw, rel_err=err,
-               num_splits=plan.num_splits, config=str(decode_attention._decode_split_kernel.best_config),
-               tuning=tuning_table(decode_attention._decode_split_kernel))
-    if sweep:  # the split heuristic against its neighbours, same kernel config
-        rows = plan.decode_rows
-        o = torch.empty_like(q)
-        for s in (1, 2, 4, 8, 16, 32, 64):
-            t = bench_ms(lambda: paged_decode(q, k_cache, v_cache, o, meta.query_start_loc, meta.seq_lens,
-                                              meta.block_tables, rows, scale, s))
-            row[f"splits_{s}_GBps"] = nbytes / (t * 1e-3) / 1e9
+        run()
+    return graph.replay
+
+
+def run_case(name: str, codes: dict, copy_bw: float, sms: int) -> dict:
+    lens_fn, hq, hkv, layers = CASES[name]
+    torch.manual_seed(0)
+    seq_lens = lens_fn()
+    if DEVICE != "cuda":  # the interpreter: a few short rows, two layers
+        seq_lens, layers = [max(1, n // 64) for n in seq_lens[:6]], min(layers, 2)
+    meta, caches = paged_layers(seq_lens, hkv, layers)
+    q = torch.randn(len(seq_lens), hq, D, device=DEVICE, dtype=DTYPE)
+    num_splits = decode_attention.choose_num_splits(len(seq_lens), hkv, sms)
+    ref = paged_attention_ref(q, *caches[-1], meta.query_start_loc, meta.seq_lens, meta.block_tables, D ** -0.5)
+    nbytes = layers * (sum(seq_lens) * hkv * D * 2 * 2 + 2 * q.numel() * 2)
+    batch_order = list(range(len(seq_lens)))
+    row = dict(case=name, rows=len(seq_lens), mean_context=sum(seq_lens) / len(seq_lens), hq=hq, hkv=hkv,
+               layers=layers, num_splits=num_splits, MB=nbytes / 1e6, codes={})
+    results = {}
+    for code, (module, order) in codes.items():
+        rows = torch.tensor(longest_first(batch_order, seq_lens) if order == "longest" else batch_order,
+                            dtype=torch.int32, device=DEVICE)
+        outs = [torch.full_like(q, float("nan")) for _ in caches]
+        run = launcher(module, q, caches, outs, meta, rows, num_splits)
+        run()  # compiles (and tunes, unless PDPOOL_KERNEL_AUTOTUNE=0)
+        sync()
+        eager = outs[-1].clone()
+        err = ((eager.float() - ref).norm() / ref.norm()).item()
+        assert err < TOLERANCE and not eager.isnan().any(), f"{name} {code}: rel err {err}"
+        replay = captured(run)
+        for out in outs:
+            out.fill_(float("nan"))
+        replay()
+        sync()
+        assert torch.equal(outs[-1], eager), f"{name} {code}: graph replay differs from the eager launch"
+        ms = bench_ms(replay)
+        results[code] = outs[-1].clone()
+        row["codes"][code] = dict(us=ms * 1e3, us_per_layer=ms * 1e3 / layers, GBps=nbytes / (ms * 1e-3) / 1e9,
+                                  frac_copy=nbytes / (ms * 1e-3) / copy_bw, rel_err=err)
+        del replay
+    if "new" in results and "new-unsorted" in results:
+        assert torch.equal(results["new"], results["new-unsorted"]), f"{name}: row order changed a result"
     return row
 
 
 def main() -> int:
-    torch.manual_seed(0)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--old", default=None, help="an older kernels/decode_attention.py, timed beside this one")
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    global DEVICE, DTYPE
+    if args.device != "cuda":
+        DEVICE, DTYPE = args.device, torch.float32
     copy_bw = copy_bandwidth()
-    print(f"GPU {gpu_name()}; device-to-device copy {copy_bw / 1e9:.0f} GB/s (read + write)")
-    results = {"gpu": gpu_name(), "copy_GBps": copy_bw / 1e9, "cases": []}
-    shapes = ((64, 4096), (1, 32768))
-    for batch, context in shapes:  # each tunes its own key (one split / several) on its own shape first
-        results["cases"].append(case(batch, context, copy_bw, sweep=False))
-    for (batch, context), row in zip(shapes, results["cases"]):
-        row.update({k: v for k, v in case(batch, context, copy_bw, sweep=True).items() if k.startswith("splits_")})
-        print(f"decode {batch:3d} x {context:6d}: {row['ms'] * 1e3:8.1f} us  {row['GBps']:7.0f} GB/s  "
-              f"{100 * row['frac_copy']:5.1f}% of copy  (graph replay {row['graph_ms'] * 1e3:.1f} us "
-              f"{100 * row['graph_GBps'] * 1e9 / copy_bw:.1f}%)  splits {row['num_splits']}  err {row['rel_err']:.1e}  "
-              f"{row['config']}")
-        print("   tuning (ms): " + "; ".join(f"{c.split(', num_ctas')[0]} {t:.4f}" for c, t in row["tuning"]))
-        print("   split sweep GB/s: " + "  ".join(f"{k[7:-5]}:{v:.0f}" for k, v in row.items()
-                                                 if k.startswith("splits_")))
-    save("bench_decode", results)
+    sms = decode_attention.num_multiprocessors(torch.device(DEVICE)) if DEVICE == "cuda" else 64  # CPU: splits
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
+    print(f"GPU {name}, {sms} SMs; device-to-device copy {copy_bw / 1e9:.0f} GB/s (read + write); autotune "
+          f"{os.environ.get('PDPOOL_KERNEL_AUTOTUNE', '1')}", flush=True)
+    codes = {"new": (decode_attention, "longest"), "new-unsorted": (decode_attention, "batch")}
+    if args.old:
+        codes["old"] = (load_old(args.old), "batch")
+    results = {"gpu": name, "copy_GBps": copy_bw / 1e9, "cases": []}
+    for case in args.cases.split(","):
+        row = run_case(case, codes, copy_bw, sms)
+        results["cases"].append(row)
+        line = "  ".join(f"{c} {v['us']:8.1f} us ({v['us_per_layer']:6.1f}/layer) {100 * v['frac_copy']:5.1f}%"
+                         for c, v in row["codes"].items())
+        print(f"{case:16s} rows {row['rows']:3d} ctx {row['mean_context']:7.0f} splits {row['num_splits']:3d} "
+              f"{row['MB']:8.1f} MB | {line}", flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "bench_decode.json").write_text(json.dumps(results, indent=1))
     return 0
 
 

@@ -1,19 +1,22 @@
-"""Paged decode (one query token per request) with split-KV (flash-decoding) and GQA head packing.
+"""Paged decode (one query token per request) with split-KV (flash-decoding) and GQA head packing, in one launch.
 
-Stage 1, grid (decode rows, Hkv, num_splits): one program takes all GROUP = Hq / Hkv query heads of one KV head,
-so each K/V tile is read once for the whole group, and attends over its split of the context::
+Grid (Hkv, decode rows, num_splits): one program takes all GROUP = Hq / Hkv query heads of one KV head, so each
+K/V tile is read once for the whole group, and attends over its split of the context::
 
-    context of request r:  | split 0 | split 1 | ... | split S-1 |   (trailing splits may be empty)
-    split_len = max(cdiv(cdiv(seq_len, S), BLOCK_N) * BLOCK_N, min_split_len)
-    -> part_o [rows, Hq, S, D] fp32 (normalized per split), part_lse [rows, Hq, S] fp32 (log2 domain)
+    context of request r:  | split 0 | split 1 | ... | split used-1 | (empty splits up to S-1)
+    split_len = max(cdiv(cdiv(seq_len, S), BLOCK_N) * BLOCK_N, min_split_len);  used = cdiv(seq_len, split_len)
 
-Stage 2, grid (decode rows, Hq): combine the S partial results by their log-sum-exp into out[token, head].
-With S = 1 stage 1 writes out[token, head] itself and stage 2 is skipped.
+A row whose context fits one split (used == 1) writes out[token, head] at once. Otherwise every non-empty split
+writes its partial result, part_o [rows, Hq, S, D] fp32 (normalized) and part_lse [rows, Hq, S] fp32 (log2
+domain), then counts itself in counts[row, kv head]; the split that arrives last combines the ``used`` partials
+by their log-sum-exp, in split order, into out[token, head] and sets the count back to 0 for the next launch.
+Empty splits exit at once. Which program combines changes nothing in the result: it reads every partial back
+from memory, in the same order.
 
 S comes from the number of decode rows alone (``choose_num_splits``), never from the context lengths: a row's
 result then depends only on its own context, so a CUDA graph captured for a batch bucket and the eager step it
-replaces reduce in the same order (bit-identical). Short contexts still take few splits: ``min_split_len``
-leaves the trailing splits empty, and an empty split costs one early exit and a zero weight in the reduce.
+replaces reduce in the same order (bit-identical). The order of ``rows`` only moves work between programs:
+the backend lists the longest contexts first, so the shortest programs end the launch (less idle tail).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import triton.language as tl
 from pdpool.kernels._launch import check_attention_args, configs, dot_precision
 
 LOG2E = 1.4426950408889634
-MIN_SPLIT_TOKENS = 256
+MIN_SPLIT_TOKENS = 64
 
 
 @triton.autotune(configs=configs([  # tuned apart for one split (large batches) and several (small batches)
@@ -41,19 +44,24 @@ MIN_SPLIT_TOKENS = 256
     triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=8),
 ], interpreter=triton.Config({"BLOCK_N": 16})), key=["HEAD_DIM", "GROUP", "BLOCK_SIZE", "SINGLE"])
 @triton.jit
-def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, rows_ptr,
-                         part_o_ptr, part_lse_ptr, out_ptr, scale_log2, num_splits, min_split_len,
-                         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
-                         SINGLE: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    i = tl.program_id(0)
-    h = tl.program_id(1)
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, rows_ptr,
+                   part_o_ptr, part_lse_ptr, counts_ptr, out_ptr, scale_log2, num_splits, min_split_len,
+                   stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
+                   SINGLE: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+                   GROUP_R: tl.constexpr, SPLITS_P2: tl.constexpr, CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    h = tl.program_id(0)
+    i = tl.program_id(1)
     s = tl.program_id(2)
+    num_kv_heads = tl.num_programs(0)
     r = tl.load(rows_ptr + i)
     tok = tl.load(query_start_ptr + r).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + r)
     split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, min_split_len)
+    used = tl.cdiv(seq_len, split_len)
     start = s * split_len
+    if start >= seq_len:  # an empty split (never split 0)
+        return
     end = tl.minimum(start + split_len, seq_len)
 
     g = tl.arange(0, GROUP_P2)
@@ -65,7 +73,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
     acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
     table = block_tables_ptr + r.to(tl.int64) * stride_bt
     head = h * stride_ch
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in range(start, end, BLOCK_N):  # every tile holds at least one context token
         offs_n = n0 + tl.arange(0, BLOCK_N)
         valid = offs_n < end
         blk = tl.load(table + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
@@ -81,42 +89,48 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
+    o = acc / l_i[:, None]
     hq = h * GROUP + g
-    if SINGLE:  # one split: the result is final, no reduce pass
-        o = acc / l_i[:, None]
+    if SINGLE:
         tl.store(out_ptr + tok * stride_ot + hq[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=(g < GROUP)[:, None])
         return
-    nonempty = l_i > 0
-    o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-    row = (i.to(tl.int64) * GROUP * tl.num_programs(1) + hq) * num_splits + s  # part_lse[i, hq, s]
-    tl.store(part_lse_ptr + row, lse, mask=g < GROUP)
+    if used == 1:  # the whole context in this split: the result is final, nothing to combine
+        tl.store(out_ptr + tok * stride_ot + hq[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=(g < GROUP)[:, None])
+        return
+    base = (i.to(tl.int64) * num_kv_heads + h) * GROUP  # first of this program's rows in part_lse [rows, Hq, S]
+    row = (base + g) * num_splits + s
+    tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=g < GROUP)
     tl.store(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=(g < GROUP)[:, None])
-
-
-@triton.jit
-def _decode_reduce_kernel(part_o_ptr, part_lse_ptr, out_ptr, query_start_ptr, rows_ptr, num_splits,
-                          stride_ot, stride_oh, HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr,
-                          CHUNK: tl.constexpr):
-    i = tl.program_id(0)
-    hq = tl.program_id(1)
-    r = tl.load(rows_ptr + i)
-    tok = tl.load(query_start_ptr + r).to(tl.int64)
-    s = tl.arange(0, SPLITS_P2)
-    d = tl.arange(0, HEAD_DIM)
-    row = (i.to(tl.int64) * tl.num_programs(1) + hq) * num_splits
-    lse = tl.load(part_lse_ptr + row + s, mask=s < num_splits, other=float("-inf"))  # [SPLITS_P2]
-    lse_max = tl.max(lse, 0)
-    denom = tl.sum(tl.exp2(lse - lse_max), 0)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
-    for s0 in range(0, num_splits, CHUNK):  # CHUNK splits at a time keeps the [CHUNK, D] tile in registers
-        c = s0 + tl.arange(0, CHUNK)
-        w = tl.exp2(tl.load(part_lse_ptr + row + c, mask=c < num_splits, other=float("-inf")) - lse_max)
-        o = tl.load(part_o_ptr + (row + c)[:, None] * HEAD_DIM + d[None, :], mask=(c < num_splits)[:, None],
-                    other=0.0)
-        acc += tl.sum(w[:, None] * o, 0)
-    tl.store(out_ptr + tok * stride_ot + hq * stride_oh + d, (acc / denom).to(out_ptr.dtype.element_ty))
+    # Every thread's partial stores come before the count (the barrier), and the count releases them to the
+    # device scope; the last arriver's acquire makes all of them visible to its loads, which skip L1 (.cg).
+    tl.debug_barrier()
+    count = counts_ptr + i.to(tl.int64) * num_kv_heads + h
+    arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
+    if arrived == used - 1:
+        gr = tl.arange(0, GROUP_R)
+        sp = tl.arange(0, SPLITS_P2)
+        first = (base + gr) * num_splits  # [GROUP_R]
+        live = gr < GROUP
+        lse = tl.load(part_lse_ptr + first[:, None] + sp[None, :], mask=live[:, None] & (sp < used)[None, :],
+                      other=float("-inf"), cache_modifier=".cg")  # [GROUP_R, SPLITS_P2]
+        lse_max = tl.where(live, tl.max(lse, 1), 0.0)
+        denom = tl.sum(tl.exp2(lse - lse_max[:, None]), 1)
+        total = tl.zeros([GROUP_R, HEAD_DIM], tl.float32)
+        for c0 in range(0, used, CHUNK):  # CHUNK splits at a time keeps the [GROUP_R, CHUNK, D] tile in registers
+            c = c0 + tl.arange(0, CHUNK)
+            ok = live[:, None] & (c < used)[None, :]  # [GROUP_R, CHUNK]
+            at = first[:, None] + c[None, :]
+            w = tl.exp2(tl.load(part_lse_ptr + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                        - lse_max[:, None])
+            part = tl.load(part_o_ptr + at[:, :, None] * HEAD_DIM + d[None, None, :], mask=ok[:, :, None],
+                           other=0.0, cache_modifier=".cg")  # [GROUP_R, CHUNK, D]
+            total += tl.sum(w[:, :, None] * part, 1)
+        res = total / tl.where(live, denom, 1.0)[:, None]
+        tl.store(out_ptr + tok * stride_ot + (h * GROUP + gr)[:, None] * stride_oh + d[None, :],
+                 res.to(out_ptr.dtype.element_ty), mask=live[:, None])
+        tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")  # ready for the next launch (next layer, replay)
 
 
 def choose_num_splits(num_rows: int, num_kv_heads: int, num_sms: int) -> int:
@@ -138,10 +152,14 @@ def num_multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def decode_workspace(num_rows: int, num_heads: int, head_dim: int, num_splits: int, device) -> tuple:
+def decode_workspace(num_rows: int, num_heads: int, num_kv_heads: int, head_dim: int, num_splits: int,
+                     device) -> tuple:
+    """(part_o, part_lse, counts): the split partials and the arrival counts (zero between launches; each launch
+    leaves them zero), reusable by every layer of a step and by graph replays."""
     part_o = torch.empty(num_rows, num_heads, num_splits, head_dim, dtype=torch.float32, device=device)
     part_lse = torch.empty(num_rows, num_heads, num_splits, dtype=torch.float32, device=device)
-    return part_o, part_lse
+    counts = torch.zeros(num_rows, num_kv_heads, dtype=torch.int32, device=device)
+    return part_o, part_lse, counts
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
@@ -151,26 +169,28 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """out[query_start_loc[r]] = attention of that one query token over request r's context, for r in ``rows``.
 
     q, out: [T, Hq, D]; caches: [num_blocks, block_size, Hkv, D] strided views; rows: [Rd] int32 request indices
-    (each with query_len 1); workspace: ``decode_workspace(Rd, Hq, D, num_splits)``, reusable across layers;
-    min_split_len: no split shorter than this many tokens (later splits stay empty)."""
+    (each with query_len 1, seq_len >= 1, each at most once); workspace: ``decode_workspace(Rd, Hq, Hkv, D,
+    num_splits)``, reusable across layers; min_split_len: no split shorter than this many tokens (later splits
+    stay empty)."""
     Hq, D, block_size, Hkv = check_attention_args(q, out, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
                                                   rows)
     Rd = rows.numel()
     if Rd == 0:
         return
-    part_o, part_lse = workspace if workspace is not None else decode_workspace(Rd, Hq, D, num_splits, q.device)
+    if workspace is None:
+        workspace = decode_workspace(Rd, Hq, Hkv, D, num_splits, q.device)
+    part_o, part_lse, counts = workspace
     assert part_o.shape == (Rd, Hq, num_splits, D) and part_o.is_contiguous() and part_o.dtype == torch.float32
     assert part_lse.shape == (Rd, Hq, num_splits) and part_lse.is_contiguous()
+    assert counts.shape == (Rd, Hkv) and counts.is_contiguous() and counts.dtype == torch.int32
+    assert Rd <= 65535, "rows are the grid's second dimension"
     group = Hq // Hkv
-    _decode_split_kernel[(Rd, Hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, rows, part_o, part_lse, out,
+    group_r = triton.next_power_of_2(group)
+    _decode_kernel[(Hkv, Rd, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, rows, part_o, part_lse, counts, out,
         scale * LOG2E, num_splits, min_split_len,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        SINGLE=num_splits == 1, BLOCK_SIZE=block_size, GROUP=group,
-        GROUP_P2=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, PRECISION=dot_precision(q.dtype))
-    if num_splits == 1:
-        return
-    _decode_reduce_kernel[(Rd, Hq)](
-        part_o, part_lse, out, query_start_loc, rows, num_splits, out.stride(0), out.stride(1),
-        HEAD_DIM=D, SPLITS_P2=max(2, triton.next_power_of_2(num_splits)), CHUNK=16, num_warps=4)
+        SINGLE=num_splits == 1, BLOCK_SIZE=block_size, GROUP=group, GROUP_P2=max(16, triton.next_power_of_2(group)),
+        GROUP_R=group_r, SPLITS_P2=max(2, triton.next_power_of_2(num_splits)), CHUNK=max(2, 32 // group_r),
+        HEAD_DIM=D, PRECISION=dot_precision(q.dtype))

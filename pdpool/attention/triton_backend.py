@@ -5,6 +5,10 @@ extend, chunks) to the paged prefill kernel; a mixed step launches both into one
 per step on the host lists (no device sync) and kept in ``meta.plan["triton"]`` for the other layers. The decode
 split count depends on the number of decode rows only (not on context lengths), so a decode CUDA graph planned
 for a batch bucket computes exactly what the eager step computes.
+
+Decode rows are listed longest context first (``longest_first``), so the launch ends on its shortest programs
+instead of idling most multiprocessors behind a long one that started late. The order moves work between
+programs, never a value. A decode CUDA graph takes the order of each replay's batch (``prepare_replay``).
 """
 
 from __future__ import annotations
@@ -30,8 +34,16 @@ class StepPlan:
     workspace: tuple | None = None  # decode partials, shared by the layers of the step
 
 
+ORDER_MIN_ROWS = 16  # smaller graph buckets keep their planned order: all their programs run in one wave
+
+
+def longest_first(rows: list[int], seq_lens: list[int]) -> list[int]:
+    """``rows`` ordered by context length, longest first (ties in row order)."""
+    return sorted(rows, key=lambda r: -seq_lens[r])
+
+
 def plan_step(meta: AttentionMetadata, num_kv_heads: int, device: torch.device) -> StepPlan:
-    decode = [r for r, n in enumerate(meta.query_lens_cpu) if n == 1]
+    decode = longest_first([r for r, n in enumerate(meta.query_lens_cpu) if n == 1], meta.seq_lens_cpu)
     prefill = [r for r, n in enumerate(meta.query_lens_cpu) if n > 1]
     rows = lambda idx: _to_device(idx, device) if idx else None  # noqa: E731
     return StepPlan(decode_rows=rows(decode), prefill_rows=rows(prefill),
@@ -58,6 +70,17 @@ def _num_sms(device: torch.device) -> int:
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
+    def prepare_replay(self, graph_meta: AttentionMetadata, seq_lens_cpu: list[int]) -> None:
+        """Before a decode graph replays for a batch of ``len(seq_lens_cpu)`` requests: its planned decode rows
+        (every row of the bucket, padding included) in the batch's longest-first order. One pinned copy, queued."""
+        plan = graph_meta.plan.get("triton")
+        if plan is None or plan.decode_rows is None or plan.decode_rows.numel() < ORDER_MIN_ROWS:
+            return
+        bucket = plan.decode_rows.numel()
+        order = longest_first(list(range(len(seq_lens_cpu))), seq_lens_cpu) + list(range(len(seq_lens_cpu), bucket))
+        host = torch.tensor(order, dtype=torch.int32)
+        plan.decode_rows.copy_(host.pin_memory() if plan.decode_rows.is_cuda else host, non_blocking=True)
+
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping):
         store_kvcache(k, v, k_cache, v_cache, slot_mapping)
 
@@ -69,8 +92,8 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if plan.decode_rows is not None:
             if plan.workspace is None:
-                plan.workspace = decode_workspace(plan.decode_rows.numel(), q.shape[1], q.shape[2],
-                                                  plan.num_splits, q.device)
+                plan.workspace = decode_workspace(plan.decode_rows.numel(), q.shape[1], k_cache.shape[2],
+                                                  q.shape[2], plan.num_splits, q.device)
             paged_decode(q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                          plan.decode_rows, scale, plan.num_splits, plan.workspace, MIN_SPLIT_TOKENS)
         if plan.prefill_rows is not None:

@@ -14,7 +14,8 @@ slices of the static buffers; the backend plans on it once, during the eager war
 (``meta.plan``), so the captured region has no host work: no syncs, no host-to-device copies, no data-dependent
 shapes. The plan depends on the row count only (the triton backend's split-KV count follows the batch bucket, not
 the context lengths), so one graph serves any length up to ``max_model_len`` and its attention reduces in the
-eager step's order. A batch that fills its bucket replays bit for bit what the eager step computes; a padded one
+eager step's order. Before each replay the backend may refresh what its plan holds on the device from the step's
+host lists (``prepare_replay``: the triton backend's longest-first row order), never a shape or a split count. A batch that fills its bucket replays bit for bit what the eager step computes; a padded one
 may still differ in the last bits where cuBLAS picks another GEMM kernel for the padded row count.
 
 Only backends that declare ``decode_graph_safe`` (default: the triton backend) are captured; the torch backend
@@ -45,8 +46,10 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int, block_size: int,
-                 device: torch.device):
+                 device: torch.device, backend: AttentionBackend | None = None):
         self.model = model
+        # the backend's per-replay hook (the triton backend orders its decode rows by the batch's lengths)
+        self.prepare_replay = getattr(backend, "prepare_replay", None)
         self.buckets = bucket_sizes(max_num_seqs)
         self.max_batch = self.buckets[-1]
         self.block_size = block_size
@@ -110,6 +113,8 @@ class DecodeGraphs:
         if b > n:
             self.slot_mapping[n:b].fill_(-1)
             self.seq_lens[n:b].fill_(1)
+        if self.prepare_replay is not None:
+            self.prepare_replay(self.metas[b], meta.seq_lens_cpu)
         self.graphs[b].replay()
         self.num_replays += 1
         return self.outputs[b][:n]

@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_builders import (DEVICE, DTYPES, HEADS, ON_GPU, TOLERANCE, paged_step, poisoned_like,  # noqa: I001
+from kernel_builders import (BLOCK, DEVICE, DTYPES, HEADS, ON_GPU, TOLERANCE, paged_step, poisoned_like,  # noqa: I001
                              queries, rel_err)
-from pdpool.attention import get_backend
+from pdpool.attention import AttentionMetadata, get_backend
+from pdpool.attention.triton_backend import plan_step
 from pdpool.engine.cuda_graphs import bucket_sizes
-from pdpool.kernels.decode_attention import choose_num_splits, paged_decode
+from pdpool.kernels.decode_attention import choose_num_splits, decode_workspace, paged_decode
 from pdpool.kernels.paged_ref import paged_attention_ref
 from pdpool.kernels.prefill_attention import paged_prefill
 
@@ -146,3 +147,43 @@ def test_backend_mixed_step_writes_then_attends(hq, hkv, d, dtype):
     ref = step_ref(q, k_cache, v_cache, meta, d ** -0.5)
     assert rel_err(out[:T], ref[:T]) < TOLERANCE[dtype]
     assert torch.equal(out[:T], out2[:T])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_folded_reduce_reuses_its_workspace_and_ignores_row_order(dtype):
+    """One launch combines the splits (the last split of a (row, KV head) to arrive reduces): the arrival counts
+    are zero again after every launch, so one workspace serves every layer of a step and every graph replay;
+    and a row's output is bit-identical whatever the order of ``rows`` (the backend lists them longest first)."""
+    hq, hkv, d = HEADS[0]
+    lens = [1, 16, 17, 90, 31, 64, 2] if not ON_GPU else [1, 16, 17, 1000, 4096, 31, 300, 65]
+    meta, k_cache, v_cache, _ = paged_step([1] * len(lens), lens, hkv, d, dtype)
+    q = queries(meta, hq, d, dtype)
+    splits = 8
+    workspace = decode_workspace(len(lens), hq, hkv, d, splits, DEVICE)
+    ref = step_ref(q, k_cache, v_cache, meta, d ** -0.5)
+    outs = []
+    orders = [list(range(len(lens))), torch.randperm(len(lens)).tolist(), list(reversed(range(len(lens))))]
+    for order in orders * (20 if ON_GPU else 1):  # on the GPU, repeated: a missing fence would show as a race
+        out = poisoned_like(q)
+        rows = torch.tensor(order, dtype=torch.int32, device=DEVICE)
+        paged_decode(q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables, rows,
+                     d ** -0.5, splits, workspace, min_split_len=16)
+        assert int(workspace[2].abs().sum()) == 0, "arrival counts left non-zero"
+        assert rel_err(out, ref) < TOLERANCE[dtype]
+        outs.append(out)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_backend_orders_decode_rows_longest_first():
+    """The eager plan and a graph replay's plan list decode rows longest context first, padding rows last."""
+    meta = AttentionMetadata.build([1, 5, 1, 1], [40, 5, 300, 41], [[0, 1, 2], [3], list(range(4, 23)),
+                                                                   [23, 24, 25]], BLOCK, device=DEVICE)
+    plan = plan_step(meta, 2, DEVICE)
+    assert plan.decode_rows.tolist() == [2, 3, 0] and plan.prefill_rows.tolist() == [1]
+    backend = get_backend("triton")
+    for bucket, want in ((16, [1, 2, 0] + list(range(3, 16))), (8, list(range(8)))):  # small buckets keep theirs
+        graph_meta = AttentionMetadata.build([1] * bucket, [1] * bucket, [[0]] * bucket, BLOCK, device=DEVICE)
+        cache = torch.zeros(1, BLOCK, 2, 16, device=DEVICE)
+        backend.forward(queries(graph_meta, 4, 16, torch.float32), cache, cache.clone(), graph_meta, 0.25)  # plans
+        backend.prepare_replay(graph_meta, [7, 90, 12])  # a batch of 3 in the bucket
+        assert graph_meta.plan["triton"].decode_rows.tolist() == want
