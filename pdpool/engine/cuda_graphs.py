@@ -46,8 +46,9 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int, block_size: int,
-                 device: torch.device, backend: AttentionBackend | None = None):
+                 device: torch.device, backend: AttentionBackend | None = None, num_blocks: int | None = None):
         self.model = model
+        self.num_blocks = num_blocks  # of the KV cache: the warm-ups read distinct blocks of it
         # the backend's per-replay hook (the triton backend orders its decode rows by the batch's lengths)
         self.prepare_replay = getattr(backend, "prepare_replay", None)
         self.buckets = bucket_sizes(max_num_seqs)
@@ -78,6 +79,11 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         t0 = time.perf_counter()
+        if self.num_blocks:  # the warm-ups, where the kernels autotune, attend over full contexts of distinct
+            B, W = self.block_tables.shape  # blocks as decode steps do, not over one token
+            ids = torch.arange(B * W, device=self.block_tables.device) % self.num_blocks
+            self.block_tables.copy_(ids.view(B, W))
+            self.seq_lens.fill_(self.max_model_len)
         for b in reversed(self.buckets):  # largest first: the smaller graphs reuse its memory pool
             meta = self.metas[b] = self._meta(b)
             set_context(meta)
@@ -92,6 +98,7 @@ class DecodeGraphs:
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[b] = graph
+        self.seq_lens.fill_(1)
         torch.cuda.synchronize()
         log.info("captured %d decode CUDA graphs (batch %s) in %.1f s", len(self.graphs), self.buckets,
                  time.perf_counter() - t0)

@@ -136,7 +136,7 @@ class ModelRunner:
             if graph_safe(self.backend):
                 longest = min(self.max_model_len, self.num_blocks * self.block_size)
                 self.graphs = DecodeGraphs(self.model, node_config.scheduler.max_num_seqs, longest,
-                                           self.block_size, self.device, self.backend)
+                                           self.block_size, self.device, self.backend, self.num_blocks)
                 self.graphs.capture()
             else:
                 log.warning("attention backend %s is not CUDA-graph safe; decode runs eagerly", self.backend.name)
