@@ -162,7 +162,7 @@ class TokenChunkCache:
         self.chunk_chars = max(1, chunk_chars)
         raw = tokenizer._tok
         self._encode_batch = getattr(raw, "encode_batch_fast", raw.encode_batch)
-        self._lru: OrderedDict[str, list[int]] = OrderedDict()
+        self._lru: OrderedDict[str, list] = OrderedDict()   # chunk text -> [ids, their JSON or None]
         self.enabled = self.cacheable(tokenizer)
         self.special_prefix = self._special_prefix() if self.enabled else None
         self.hit_chunks = 0
@@ -205,29 +205,61 @@ class TokenChunkCache:
         return [text[a:b] for a, b in zip(cuts, cuts[1:])]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        entries = self._entries(text, add_special_tokens)
+        if entries is None:
+            return self.tokenizer.encode(text, add_special_tokens)
+        ids = list(self.special_prefix) if add_special_tokens else []
+        for entry in entries:
+            ids.extend(entry[0])
+        return ids
+
+    def encode_with_json(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], bytes]:
+        """The ids and ``json.dumps(ids, separators=(",", ":"))``, encoded: the router forwards the ids as JSON,
+        and a cached chunk's JSON is written once, not once per request that shares it."""
+        entries = self._entries(text, add_special_tokens)
+        if entries is None:
+            ids = self.tokenizer.encode(text, add_special_tokens)
+            return ids, json.dumps(ids, separators=(",", ":")).encode()
+        ids = list(self.special_prefix) if add_special_tokens else []
+        parts = [json.dumps(ids, separators=(",", ":")).encode()[1:-1]] if ids else []
+        for entry in entries:
+            ids.extend(entry[0])
+            if entry[1] is None:
+                entry[1] = json.dumps(entry[0], separators=(",", ":")).encode()[1:-1]
+            if entry[1]:
+                parts.append(entry[1])
+        return ids, b"[" + b",".join(parts) + b"]"
+
+    def _entries(self, text: str, add_special_tokens: bool) -> list[list] | None:
+        """The LRU entries ``[ids, JSON of the ids or None]`` of the text's chunks, in order; None when the text is
+        to be encoded whole."""
         if not self.enabled or len(text) < 2 * self.chunk_chars or (add_special_tokens and
                                                                     self.special_prefix is None):
-            return self.tokenizer.encode(text, add_special_tokens)
+            return None
         pieces = self.chunks(text)
         lru = self._lru
         found = [lru.get(p) for p in pieces]
-        missing = list(dict.fromkeys(p for p, ids in zip(pieces, found) if ids is None))
+        missing = list(dict.fromkeys(p for p, entry in zip(pieces, found) if entry is None))
         fresh = {}
         if missing:
             fresh = {p: e.ids for p, e in zip(missing, self._encode_batch(missing, add_special_tokens=False))}
             self.missed_chunks += len(missing)
-        ids = list(self.special_prefix) if add_special_tokens else []
-        for piece, piece_ids in zip(pieces, found):
-            if piece_ids is None:
-                piece_ids = fresh[piece]
-                lru[piece] = piece_ids
-                if len(lru) > self.capacity:
-                    lru.popitem(last=False)
+        entries = []
+        for piece, entry in zip(pieces, found):
+            if entry is None:
+                entry = lru.get(piece)   # an earlier copy of this chunk in the same text
+                if entry is None:
+                    entry = lru[piece] = [fresh[piece], None]
+                    if len(lru) > self.capacity:
+                        lru.popitem(last=False)
             else:
                 self.hit_chunks += 1
-                lru.move_to_end(piece)
-            ids.extend(piece_ids)
-        return ids
+                try:
+                    lru.move_to_end(piece)
+                except KeyError:   # evicted by this text's own new chunks (a text longer than the cache)
+                    pass
+            entries.append(entry)
+        return entries
 
 
 def _chat_template(path: Path, config: dict) -> str | None:
@@ -305,6 +337,16 @@ class Frontend:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt)
         except Exception as exc:  # noqa: BLE001 - a template error is the client's message list
             raise InvalidRequestError(f"cannot apply the chat template: {exc}", param="messages") from None
+
+    def encode_prompt_json(self, prompt: str | Sequence[int], add_special_tokens: bool = True
+                           ) -> tuple[list[int], bytes | None]:
+        """``encode_prompt`` plus the ids' JSON where the token cache makes it cheaply (else None)."""
+        if isinstance(prompt, str) and self.token_cache is not None:
+            ids, ids_json = self.token_cache.encode_with_json(prompt, add_special_tokens)
+            if not ids:
+                raise InvalidRequestError("the prompt is empty")
+            return ids, ids_json
+        return self.encode_prompt(prompt, add_special_tokens), None
 
     def encode_prompt(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt (text, or ids checked against the vocabulary); raises ``InvalidRequestError``."""

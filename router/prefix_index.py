@@ -54,19 +54,25 @@ class ApproxIndex:
     def lookup(self, hashes: Sequence[BlockHash], incarnations: dict[str, str | None],
                since: float | None = None) -> dict[str, int]:
         """Leading blocks per node, counting only entries made under the node's current incarnation (and, with
-        ``since``, recorded at or after that time)."""
+        ``since``, recorded at or after that time).
+
+        Scans from the last block back: hashes are chained, so a block recorded for a node (one ``record`` call
+        per routed prompt) means its whole prefix was sent there at that time, and the first valid entry from the
+        end is the node's match. A request's fresh tail costs one dict miss per block, and the shared prefix
+        one hit, instead of a walk over every block of it."""
         matched = {n: 0 for n in incarnations}
-        alive = set(incarnations)
-        for i, h in enumerate(hashes):
-            owners = self._lru.get(h)
+        pending = len(matched)
+        lru = self._lru
+        for i in range(len(hashes) - 1, -1, -1):
+            owners = lru.get(hashes[i])
             if not owners:
+                continue
+            for n, (incarnation, recorded) in owners.items():
+                if matched.get(n) == 0 and incarnation == incarnations[n] and (since is None or recorded >= since):
+                    matched[n] = i + 1
+                    pending -= 1
+            if not pending:
                 break
-            alive = {n for n in alive if n in owners and owners[n][0] == incarnations[n]
-                     and (since is None or owners[n][1] >= since)}
-            if not alive:
-                break
-            for n in alive:
-                matched[n] = i + 1
         return matched
 
     def __len__(self) -> int:

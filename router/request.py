@@ -28,6 +28,7 @@ class RoutedRequest:
     prompt_token_ids: list[list[int]]
     request_id: str
     raw: bytes = b""                  # the client's body as received (valid JSON: it parsed into ``body``)
+    ids_json: list = field(default_factory=list)  # per prompt, the JSON of its ids where the front end made it
     _hashes: dict = field(default_factory=dict)
 
     @property
@@ -58,7 +59,10 @@ class RoutedRequest:
             return json.dumps(self.upstream_body(pdpool_node)).encode()
         if not pdpool_node:
             return self.raw
-        ids = json.dumps(self.prompt_token_ids, separators=(",", ":")).encode()
+        if self.ids_json and all(j is not None for j in self.ids_json):
+            ids = b"[" + b",".join(self.ids_json) + b"]"
+        else:
+            ids = json.dumps(self.prompt_token_ids, separators=(",", ":")).encode()
         return b"".join((raw[:-1], b',"', TOKEN_IDS_FIELD.encode(), b'":', ids, b"}"))
 
     def upstream_body(self, pdpool_node: bool | None, **changes) -> dict:
@@ -83,10 +87,10 @@ def parse(path: str, body: dict, frontend: Frontend, served_names: list[str], re
         req = protocol.parse_completion(body, served_names)
     add_special = req.kind != "chat"
     try:
-        ids = [frontend.encode_prompt(p, add_special) for p in req.prompts]
+        encoded = [frontend.encode_prompt_json(p, add_special) for p in req.prompts]
         stop_ids = getattr(req.params, "stop_token_ids", None)
         if stop_ids:
             _frontend.check_token_ids(stop_ids, frontend.vocab_size, "stop_token_ids")
     except _REFUSED as exc:
         raise APIError(str(exc), param=exc.param) from None
-    return RoutedRequest(path, body, req, ids, request_id, raw)
+    return RoutedRequest(path, body, req, [ids for ids, _ in encoded], request_id, raw, [j for _, j in encoded])

@@ -30,6 +30,9 @@ def test_spliced_body_is_the_reencoded_body(body, indent, trailing, ids, ensure_
     for pdpool_node in (True, False):
         assert json.loads(rr.upstream_bytes(pdpool_node)) == rr.upstream_body(pdpool_node)
     assert rr.upstream_bytes(False) == raw  # a plain OpenAI node gets the client's bytes as is
+    with_json = make_request(body, raw, ids)   # the ids' JSON from the front end's token cache: the same bytes
+    with_json.ids_json = [json.dumps(i, separators=(",", ":")).encode() for i in ids]
+    assert with_json.upstream_bytes(True) == rr.upstream_bytes(True)
 
 
 def test_client_kv_transfer_params_are_dropped_in_both_paths():

@@ -84,6 +84,48 @@ def test_approx_index_counts_leading_blocks_of_the_current_incarnation():
     assert idx.lookup(hashes, {"a": "inc2"}) == {"a": 0}  # restarted: old entries ignored
 
 
+def _walk_forward(idx: ApproxIndex, hashes, incarnations, since=None) -> dict[str, int]:
+    """The definition the backward scan must agree with: a node's run of valid entries from block 0."""
+    matched = {}
+    for n, inc in incarnations.items():
+        run = 0
+        while run < len(hashes):
+            entry = idx._lru.get(hashes[run], {}).get(n)
+            if entry is None or entry[0] != inc or (since is not None and entry[1] < since):
+                break
+            run += 1
+        matched[n] = run
+    return matched
+
+
+PATHS = [[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 8, 9, 10], [0, 11, 12], [13, 14, 15, 16]]  # a prompt tree
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 8), st.sampled_from("abc"), st.booleans()),
+                max_size=25),
+       st.integers(0, 3), st.integers(0, 30))
+def test_approx_index_backward_scan_is_the_forward_walk(records, path, since):
+    """Prompts are chained hashes, recorded whole (a prefix of a path in a tree of prompts), under node
+    incarnations that only move forward: the backward scan finds each node's leading run."""
+    chained = {}
+    def hashes_of(nodes):
+        out, parent = [], b""
+        for b in nodes:
+            parent = chained.setdefault((parent, b), bytes([len(chained)]) * 16)
+            out.append(parent)
+        return out
+
+    idx = ApproxIndex(capacity=10_000)
+    incarnations = {"a": 0, "b": 0, "c": 0}
+    for t, (p, length, node, restart) in enumerate(records):
+        if restart:
+            incarnations[node] += 1
+        idx.record(hashes_of(PATHS[p][:length]), node, incarnations[node], now=float(t))
+    hashes = hashes_of(PATHS[path])
+    for window in (None, float(since)):
+        assert idx.lookup(hashes, incarnations, since=window) == _walk_forward(idx, hashes, incarnations, window)
+
+
 def test_approx_index_is_bounded():
     idx = ApproxIndex(capacity=10)
     idx.record([bytes([i]) * 16 for i in range(50)], "a", None)

@@ -3,6 +3,8 @@ hash the ids the router forwards): property tests against the demo model's real 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -35,6 +37,16 @@ def test_chunked_equals_whole_text_tokenization(tiny_chunks, text, add_special):
     expected = tiny_chunks.tokenizer.encode(text, add_special)
     assert tiny_chunks.encode(text, add_special) == expected
     assert tiny_chunks.encode(text, add_special) == expected  # again, now from the cache
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=texts, add_special=st.booleans())
+def test_the_ids_json_is_json_dumps_of_the_ids(tiny_chunks, text, add_special):
+    """The router forwards these bytes as the token ids: cached chunks' JSON, joined, must be the ids' JSON."""
+    expected = tiny_chunks.tokenizer.encode(text, add_special)
+    for _ in range(2):  # cold, then from the cache
+        ids, ids_json = tiny_chunks.encode_with_json(text, add_special)
+        assert ids == expected and ids_json == json.dumps(expected, separators=(",", ":")).encode()
 
 
 @settings(max_examples=200, deadline=None)
