@@ -188,6 +188,7 @@ def main() -> None:
     known = {"Qwen3-0.6B": json.loads((CONFIGS / "Qwen3-0.6B" / "config.json").read_text()),
              "llama3-small": SMALL_LLAMA}
     cases = [(name, known[name]) for name in args.cases.split(",")]
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="pdpool-correct-") as tmp:
         for name, cfg in cases:

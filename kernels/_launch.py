@@ -8,6 +8,13 @@ import torch
 import triton
 
 
+# The paged kernels' metadata arguments that change from one eager step to the next: the step's offsets into its
+# one upload buffer (pointer alignment) and the block-table width (``stride_bt``, passed to do_not_specialize
+# apart). Triton compiles a variant for each value's divisibility by 16 (and == 1), 0.6-0.9 s each inside a
+# serving step (seen as stalls at steps 2 and 4 of the e2e run); their gathers and scalar loads gain nothing.
+STEP_POINTERS = ["block_tables_ptr", "seq_lens_ptr", "query_start_ptr", "rows_ptr"]
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 

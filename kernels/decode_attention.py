@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdpool.kernels._launch import check_attention_args, configs, dot_precision
+from pdpool.kernels._launch import STEP_POINTERS, check_attention_args, configs, dot_precision
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 64
@@ -43,7 +43,7 @@ MIN_SPLIT_TOKENS = 64
     triton.Config({"BLOCK_N": 128}, num_warps=4, num_stages=3),
     triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=8),
 ], interpreter=triton.Config({"BLOCK_N": 16})), key=["HEAD_DIM", "GROUP", "BLOCK_SIZE", "SINGLE"])
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"], do_not_specialize_on_alignment=STEP_POINTERS)
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, rows_ptr,
                    part_o_ptr, part_lse_ptr, counts_ptr, out_ptr, scale_log2, num_splits, min_split_len,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,

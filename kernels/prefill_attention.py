@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdpool.kernels._launch import check_attention_args, configs, dot_precision
+from pdpool.kernels._launch import STEP_POINTERS, check_attention_args, configs, dot_precision
 
 LOG2E = 1.4426950408889634
 
@@ -66,7 +66,7 @@ def _attend_tiles(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table, head, strid
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=4),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
 ], interpreter=triton.Config({"BLOCK_M": 16, "BLOCK_N": 16})), key=["HEAD_DIM", "GROUP", "BLOCK_SIZE"])
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=STEP_POINTERS)
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, rows_ptr,
                     scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch,
                     stride_bt, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
