@@ -1,7 +1,7 @@
 """Router overhead: two fast stub upstreams behind a router; added latency per request (p50, p99) and the
 router's CPU per 100 req/s, at fixed open-loop rates, for pdpool router, vllm-router and sglang-router.
 
-    python benchmarks/router_overhead.py --rates 200 1000 --seconds 20 [--peers vllm-router sglang-router]
+    python benchmarks/router_overhead.py --rates 200 1000 --seconds 20 [--workers 1 2] [--peers vllm-router sglang-router]
 
 Conditions: prompts of about 1k tokens, pdpool with its default scorers and Redis on (the stubs heartbeat into
 Redis as pdpool nodes, so every request does the precise prefix lookup), the peers with ``cache_aware``. Each peer
@@ -50,9 +50,20 @@ def free_port() -> int:
 
 
 def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU of every process in ``pid``'s process group (each router is spawned as a group leader:
+    with ``--workers N`` that is the supervisor and its N workers; a thread's time is its process's)."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pid:   # pgrp
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def peer_python(name: str) -> str:
@@ -199,14 +210,18 @@ async def main_async(args) -> None:
             print(json.dumps({"router": "direct", "rate": r, "p50_ms": pct(direct[r], 0.5),
                               "p99_ms": pct(direct[r], 0.99)}), flush=True)
         results = []
-        port = free_port()
-        ours = spawn([sys.executable, "-m", "pdpool.cli", "router", "--model", "demo", "--host", "127.0.0.1",
-                      "--port", str(port), "--redis", redis_url, "--pool", "bench", "--dtype", "float32"], "pdpool")
-        await wait_http(f"http://127.0.0.1:{port}/health/ready")
-        results += await measure("pdpool", f"http://127.0.0.1:{port}/v1/completions", ours.pid, args.rates,
-                                 args.seconds, make_bodies, direct)
-        os.killpg(ours.pid, signal.SIGTERM)  # idle, it would still poll Redis during the peers' turns
-        ours.wait(30)
+        for workers in args.workers:
+            port = free_port()
+            name = f"pdpool-w{workers}"
+            ours = spawn([sys.executable, "-m", "pdpool.cli", "router", "--model", "demo", "--host", "127.0.0.1",
+                          "--port", str(port), "--redis", redis_url, "--pool", "bench", "--dtype", "float32",
+                          "--workers", str(workers)], name)
+            await wait_http(f"http://127.0.0.1:{port}/health/ready")
+            await wait_completion(f"http://127.0.0.1:{port}/v1/completions", 60)
+            results += await measure(name, f"http://127.0.0.1:{port}/v1/completions", ours.pid, args.rates,
+                                     args.seconds, make_bodies, direct)
+            os.killpg(ours.pid, signal.SIGTERM)  # idle, it would still poll Redis during the peers' turns
+            ours.wait(30)
         for name in args.peers:
             py = peer_python(name)
             port = free_port()
@@ -235,6 +250,8 @@ def main() -> None:
     ap.add_argument("--rates", type=float, nargs="+", default=[200, 1000])
     ap.add_argument("--seconds", type=float, default=20)
     ap.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS))
+    ap.add_argument("--workers", type=int, nargs="+", default=[1],
+                    help="run pdpool router once per value, with --workers N (e.g. 1 2)")
     ap.add_argument("--distinct-prompts", type=int, default=0,
                     help="cycle this many prompts (0: every request has its own question)")
     asyncio.run(main_async(ap.parse_args()))

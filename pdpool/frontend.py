@@ -134,6 +134,80 @@ class Tokenizer:
         return env.from_string(self.chat_template)
 
 
+class PieceEncoder:
+    """Token ids of text without special tokens, through the byte-level pre-tokenizer's pieces, each piece's ids
+    cached: the router's fresh prompt text (a new question after a cached system prompt) costs a regex split and
+    dict lookups instead of a full ``tokenizers`` pass, whose pre-tokenization alone took most of its 0.3 ms for
+    1,500 characters on the benchmark machine (docs/performance.md).
+
+    Only for the tokenizers ``TokenChunkCache.cacheable`` accepts (the same argument holds: BPE runs within
+    pieces). The text is first split around the added tokens, longest match first, as ``tokenizers`` does; each
+    segment in between is cut into pieces by the GPT-2 pattern (the ``regex`` module, a dependency of
+    transformers). A piece not seen yet goes to the BPE model alone, as its UTF-8 bytes mapped to the byte-level
+    alphabet (GPT-2's ``bytes_to_unicode``), so a text of new words costs about what ``tokenizers`` does. The
+    constructor checks the whole path against the tokenizer on a probe of every byte and raises ``ValueError``
+    if they differ; a property test checks it on any Unicode text (``tests/router/test_token_cache.py``). The
+    cache is cleared when it reaches ``capacity`` pieces.
+    """
+
+    PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+    PROBE = "".join(chr(c) for c in range(1, 0x800)) + " Hello  world's 42 日本 🙂\u3000x\xa0\n\n"
+
+    def __init__(self, tokenizer: "Tokenizer", capacity: int = 200_000) -> None:
+        import regex
+
+        raw = tokenizer._tok
+        self._tokenize = raw.model.tokenize
+        self._byte_chars = _byte_level_alphabet()
+        self._pieces = regex.compile(self.PATTERN)
+        self._added_ids = {t.content: i for i, t in raw.get_added_tokens_decoder().items()}
+        names = sorted(self._added_ids, key=len, reverse=True)
+        self._added = regex.compile("|".join(regex.escape(n) for n in names)) if names else None
+        self._cache: dict[str, list[int]] = {}
+        self.capacity = capacity
+        probe = self.PROBE + "".join(names)
+        if self.encode(probe) != raw.encode(probe, add_special_tokens=False).ids:
+            raise ValueError("the piece encoder disagrees with the tokenizer")
+        self._cache.clear()
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        if self._added is None:
+            self._encode_segment(text, ids)
+            return ids
+        pos = 0
+        for m in self._added.finditer(text):
+            self._encode_segment(text[pos:m.start()], ids)
+            ids.append(self._added_ids[m.group()])
+            pos = m.end()
+        self._encode_segment(text[pos:], ids)
+        return ids
+
+    def _encode_segment(self, segment: str, ids: list[int]) -> None:
+        cache = self._cache
+        for piece in self._pieces.findall(segment):
+            piece_ids = cache.get(piece)
+            if piece_ids is None:
+                chars = self._byte_chars
+                piece_ids = [t.id for t in self._tokenize("".join([chars[b] for b in piece.encode()]))]
+                if len(cache) >= self.capacity:
+                    cache.clear()
+                cache[piece] = piece_ids
+            ids.extend(piece_ids)
+
+
+def _byte_level_alphabet() -> list[str]:
+    """GPT-2's ``bytes_to_unicode``: byte -> the printable character the byte-level BPE vocabulary spells it as."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
 class TokenChunkCache:
     """Token ids of long prompts, tokenized chunk by chunk and cached per chunk: a system prompt or document that
     many requests share is tokenized once, and only each request's own tail after that.
@@ -165,6 +239,7 @@ class TokenChunkCache:
         self._lru: OrderedDict[str, list] = OrderedDict()   # chunk text -> [ids, their JSON or None]
         self.enabled = self.cacheable(tokenizer)
         self.special_prefix = self._special_prefix() if self.enabled else None
+        self.pieces = _piece_encoder(tokenizer) if self.enabled else None
         self.hit_chunks = 0
         self.missed_chunks = 0
 
@@ -242,7 +317,10 @@ class TokenChunkCache:
         missing = list(dict.fromkeys(p for p, entry in zip(pieces, found) if entry is None))
         fresh = {}
         if missing:
-            fresh = {p: e.ids for p, e in zip(missing, self._encode_batch(missing, add_special_tokens=False))}
+            if self.pieces is not None:
+                fresh = {p: self.pieces.encode(p) for p in missing}
+            else:
+                fresh = {p: e.ids for p, e in zip(missing, self._encode_batch(missing, add_special_tokens=False))}
             self.missed_chunks += len(missing)
         entries = []
         for piece, entry in zip(pieces, found):
@@ -260,6 +338,13 @@ class TokenChunkCache:
                     pass
             entries.append(entry)
         return entries
+
+
+def _piece_encoder(tokenizer: "Tokenizer") -> PieceEncoder | None:
+    try:
+        return PieceEncoder(tokenizer)
+    except (ImportError, ValueError, AttributeError):   # no ``regex``, or not GPT-2's byte level: whole chunks
+        return None
 
 
 def _chat_template(path: Path, config: dict) -> str | None:

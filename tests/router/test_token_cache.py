@@ -8,7 +8,7 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from pdpool.frontend import Frontend, TokenChunkCache
+from pdpool.frontend import Frontend, PieceEncoder, TokenChunkCache
 
 # Fragments chosen to stress the pre-tokenizer's pieces: runs of spaces, other whitespace (Unicode too), the
 # contractions, digits, punctuation runs, non-Latin letters, emoji, and the tokenizer's added tokens.
@@ -47,6 +47,17 @@ def test_the_ids_json_is_json_dumps_of_the_ids(tiny_chunks, text, add_special):
     for _ in range(2):  # cold, then from the cache
         ids, ids_json = tiny_chunks.encode_with_json(text, add_special)
         assert ids == expected and ids_json == json.dumps(expected, separators=(",", ":")).encode()
+
+
+@settings(max_examples=400, deadline=None)
+@given(text=texts | st.text(max_size=60) | st.lists(texts | st.text(max_size=8), max_size=6).map("".join))
+def test_the_piece_encoder_is_whole_text_tokenization(frontend, text):
+    """Fresh chunks are encoded piece by piece (the pre-tokenizer's pieces, cached): the same ids as the real
+    tokenizer on the whole text, for the stress fragments and for any Unicode text."""
+    pieces = PieceEncoder(frontend.tokenizer, capacity=50)
+    expected = frontend.tokenizer.encode(text, False)
+    assert pieces.encode(text) == expected
+    assert pieces.encode(text) == expected  # from the piece cache
 
 
 @settings(max_examples=200, deadline=None)
