@@ -33,6 +33,8 @@ from pdpool.attention import AttentionBackend, AttentionMetadata, reset_context,
 
 log = logging.getLogger(__name__)
 
+WARMUP_CONTEXT = 4096  # tokens per row in the capture warm-ups: a serving-like read, bounded for long max_model_len
+
 
 def graph_safe(backend: AttentionBackend) -> bool:
     return bool(getattr(backend, "decode_graph_safe", backend.name == "triton"))
@@ -83,7 +85,7 @@ class DecodeGraphs:
             B, W = self.block_tables.shape  # blocks as decode steps do, not over one token
             ids = torch.arange(B * W, device=self.block_tables.device) % self.num_blocks
             self.block_tables.copy_(ids.view(B, W))
-            self.seq_lens.fill_(self.max_model_len)
+            self.seq_lens.fill_(min(self.max_model_len, WARMUP_CONTEXT))
         for b in reversed(self.buckets):  # largest first: the smaller graphs reuse its memory pool
             meta = self.metas[b] = self._meta(b)
             set_context(meta)
