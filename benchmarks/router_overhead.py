@@ -121,13 +121,20 @@ async def wait_completion(url: str, timeout: float) -> None:
     raise TimeoutError(url)
 
 
+CLIENTS = 1  # --clients
+
+
 async def load(url: str, rate: float, seconds: float, bodies: list[bytes]) -> list[float]:
-    """Open loop: one request every 1/rate s; returns latencies (s) of the 200s."""
+    """Open loop: one request every 1/rate s; returns latencies (s) of the 200s. Request i goes through client
+    i % CLIENTS, each with its own keep-alive connection pool. One client opens only as many connections as it has
+    requests in flight at once (a handful at these rates), and the kernel spreads connections, not requests, over
+    ``--workers``: a few connections can split unevenly. Many clients hold many connections, as a gateway's
+    users do."""
     lat: list[float] = []
     errors = 0
-    conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn) as s:
-        async def one(body: bytes) -> None:
+    sessions = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) for _ in range(CLIENTS)]
+    try:
+        async def one(s: aiohttp.ClientSession, body: bytes) -> None:
             nonlocal errors
             t0 = time.perf_counter()
             try:
@@ -147,8 +154,11 @@ async def load(url: str, rate: float, seconds: float, bodies: list[bytes]) -> li
             delay = start + i / rate - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.ensure_future(one(bodies[i % len(bodies)])))
+            tasks.append(asyncio.ensure_future(one(sessions[i % CLIENTS], bodies[i % len(bodies)])))
         await asyncio.gather(*tasks)
+    finally:
+        for session in sessions:
+            await session.close()
     if errors:
         print(f"  {errors} errors at {url}", file=sys.stderr)
     return sorted(lat)
@@ -250,11 +260,16 @@ def main() -> None:
     ap.add_argument("--rates", type=float, nargs="+", default=[200, 1000])
     ap.add_argument("--seconds", type=float, default=20)
     ap.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS))
+    ap.add_argument("--clients", type=int, default=1,
+                    help="clients (connection pools) the requests are spread over, round robin")
     ap.add_argument("--workers", type=int, nargs="+", default=[1],
                     help="run pdpool router once per value, with --workers N (e.g. 1 2)")
     ap.add_argument("--distinct-prompts", type=int, default=0,
                     help="cycle this many prompts (0: every request has its own question)")
-    asyncio.run(main_async(ap.parse_args()))
+    args = ap.parse_args()
+    global CLIENTS
+    CLIENTS = args.clients
+    asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":
