@@ -5,13 +5,20 @@ block tables. Checks both against the fp32 paged reference first, then times the
     .venv/bin/python benchmarks/bench_cpu_decode.py [--rows 64] [--context 512] [--threads 2]
 
 Shapes default to SmolLM2-135M's (9 query heads, 3 KV heads, head dim 64), block 16, fp32, 30 layers in the cache.
-Bytes = every context token's K and V of the layer, read once; the copy rate is a large tensor copy in the same run.
+Timed: a layer after the step's first, as the engine runs 29 of 30 (the backend's per-step plan is made on the
+first layer and kept in the metadata; its cost is printed beside). Bytes = every context token's K and V of the
+layer, read once. References in the same run, 256 MiB each: the copy
+rate (a copy into a buffer allocated before timing, bytes read + written; a fresh ``clone`` pays a page fault per
+4 KiB and measured a fraction of it) and the read rate (a sum: bytes read). The native kernel and the references
+are the medians of ``--rounds`` interleaved rounds, so that a burst of load elsewhere on the machine hits all three;
+the torch backend (about 15x slower) is timed once, before them.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import time
 
 import torch
@@ -21,11 +28,14 @@ from pdpool.kernels.paged_ref import paged_attention_ref
 
 
 def timed(fn, reps: int) -> float:
+    """Median seconds per call, after one warm-up call."""
     fn()
-    t0 = time.perf_counter()
+    times = []
     for _ in range(reps):
+        t0 = time.perf_counter()
         fn()
-    return (time.perf_counter() - t0) / reps
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def main() -> None:
@@ -36,6 +46,7 @@ def main() -> None:
     ap.add_argument("--heads", default="9,3,64")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of references and kernels")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     hq, hkv, d = map(int, args.heads.split(","))
@@ -55,21 +66,43 @@ def main() -> None:
     ref = paged_attention_ref(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
 
     big = torch.randn(64 * 2 ** 20)  # 256 MiB
-    copy_gbs = 2 * big.numel() * 4 / timed(lambda: big.clone(), 5) / 1e9
+    dst = torch.empty_like(big)
     nbytes = sum(lens) * 2 * hkv * d * 4
-    print(f"{args.rows} rows, context {sum(lens) // args.rows} mean ({min(lens)}..{max(lens)}), heads {hq}/{hkv}, "
-          f"D {d}, fp32, {args.threads} threads; KV bytes {nbytes / 1e6:.1f} MB; copy {copy_gbs:.1f} GB/s")
+    steps = {}
     for name in ("torch", "cpu"):
         backend = get_backend(name)
 
-        def step():
-            m = AttentionMetadata(**{k: v for k, v in vars(meta).items() if k != "plan"})  # plan made per step
+        def first_layer(backend=backend):  # plans the step (the engine's first layer does, for all layers)
+            m = AttentionMetadata(**{k: v for k, v in vars(meta).items() if k != "plan"})
             return backend.forward(q, k_cache, v_cache, m, scale)
 
-        err = ((step() - ref).norm() / ref.norm()).item()
+        planned = AttentionMetadata(**{k: v for k, v in vars(meta).items() if k != "plan"})
+
+        def layer(backend=backend):  # every later layer of the step: the plan is made
+            return backend.forward(q, k_cache, v_cache, planned, scale)
+
+        err = ((layer() - ref).norm() / ref.norm()).item()
         assert err < 1e-5, f"{name}: relative error {err:.2e}"
-        dt = timed(step, args.reps)
-        print(f"{name:>6}: {dt * 1e3:7.2f} ms per layer, {nbytes / dt / 1e9:5.1f} GB/s, rel err {err:.1e}")
+        plan_ms = (timed(first_layer, 5) - timed(layer, 5)) * 1e3
+        steps[name] = (layer, err, plan_ms)
+    # the torch backend first, on its own: its gathers allocate and write ~100 MB per call, and interleaved with the
+    # others they slowed the native kernel's next rounds by ~15%
+    per_layer = {"torch": [timed(steps["torch"][0], args.reps)]}
+    copy, read, per_layer["cpu"] = [], [], []
+    for _ in range(args.rounds):
+        copy.append(2 * big.numel() * 4 / timed(lambda: dst.copy_(big), 5) / 1e9)
+        read.append(big.numel() * 4 / timed(lambda: big.sum(), 5) / 1e9)
+        per_layer["cpu"].append(timed(steps["cpu"][0], args.reps))
+    copy_gbs, read_gbs = statistics.median(copy), statistics.median(read)
+    print(f"{args.rows} rows, context {sum(lens) // args.rows} mean ({min(lens)}..{max(lens)}), heads {hq}/{hkv}, "
+          f"D {d}, fp32, {args.threads} threads; KV bytes {nbytes / 1e6:.1f} MB; medians of {args.rounds} rounds: "
+          f"copy {copy_gbs:.1f} GB/s (rounds {' '.join(f'{x:.1f}' for x in copy)}), read {read_gbs:.1f} GB/s")
+    for name, (_, err, plan_ms) in steps.items():
+        dt = statistics.median(per_layer[name])
+        gbs = nbytes / dt / 1e9
+        print(f"{name:>6}: {dt * 1e3:7.2f} ms per layer, {gbs:5.1f} GB/s = {gbs / copy_gbs:4.0%} of copy, "
+              f"{gbs / read_gbs:4.0%} of read (rounds {' '.join(f'{x * 1e3:.2f}' for x in per_layer[name])} ms), "
+              f"rel err {err:.1e}; the step's plan (first layer only) +{plan_ms:.2f} ms")
 
 
 if __name__ == "__main__":

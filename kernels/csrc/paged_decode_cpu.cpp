@@ -9,8 +9,10 @@
 //     l        = c * l + sum_t p[g, t];    acc_g = c * acc_g + sum_t p[g, t] v_t
 //   out_g = acc_g / l
 //
-// Each K and V byte is read once, with no score array over the context. Rows are handed to threads one at a time,
-// longest first (lengths differ, a static split leaves a thread idle). Arithmetic is fp32 whatever the cache dtype.
+// Each K and V byte is read once, with no score array over the context. A tile (whole blocks, at least kTile
+// tokens) is one softmax pass; the next tile's lines are prefetched a few at a time while this one is computed.
+// Rows are handed to threads one at a time, longest first (lengths differ, a static split leaves a thread idle).
+// Arithmetic is fp32 whatever the cache dtype.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -29,12 +31,41 @@ namespace pdpool_cpu {
 namespace {
 
 constexpr int64_t kMaxBlock = 256;
-constexpr int64_t kAhead = 2;  // blocks prefetched ahead of use: block tables jump, the hardware cannot guess
+constexpr int64_t kTile = 16;  // tokens per softmax pass: whole blocks, at least one
 
 inline void prefetch(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
 }
+
+// The next tile's cache lines, a few at a time between the current tile's loads. Block tables jump, so the hardware
+// prefetcher cannot guess the next block; and a burst of hundreds of prefetches (the whole next block at once) fills
+// the core's miss buffers and stalls it until they land, so that reads and arithmetic took turns instead of
+// overlapping (3.5 -> 2.2 ms per layer on bench_cpu_decode.py's shapes, docs/performance.md).
+struct Prefetcher {
+  static constexpr int kMaxRanges = 2 * kTile;  // a K and a V range per block of the tile
+  const char* begin[kMaxRanges];
+  int64_t lines[kMaxRanges];
+  int n = 0, at = 0;
+  int64_t line = 0, total = 0;
+  void reset() { n = at = 0; line = total = 0; }
+  void add(const void* p, int64_t bytes) {
+    if (n < kMaxRanges) {
+      begin[n] = static_cast<const char*>(p);
+      lines[n++] = (bytes + 63) / 64;
+      total += (bytes + 63) / 64;
+    }
+  }
+  inline void issue(int64_t count) {
+    while (count-- > 0 && at < n) {
+      __builtin_prefetch(begin[at] + 64 * line, 0, 3);
+      if (++line == lines[at]) {
+        line = 0;
+        ++at;
+      }
+    }
+  }
+};
 
 // Query heads that share one KV head, handled together so that each K and V row is read once for all of them.
 // SG is a compile-time group (a larger or odd group runs as several of these), so that the accumulators below
@@ -45,9 +76,11 @@ struct Group {
   static constexpr int CB = SG <= 1 ? 8 : (SG <= 3 ? 4 : (SG <= 6 ? 2 : 1));
 
   // s[g * kMaxBlock + t] = <q_g, k_t> for t < m; q: [SG, D] (scaled), k[t]: a row of D floats.
-  static void scores(const float* q, const float* const* k, int64_t m, int64_t chunks, float* s) {
+  static void scores(const float* q, const float* const* k, int64_t m, int64_t chunks, float* s, Prefetcher& pf,
+                     int64_t per_step) {
     const int64_t d = chunks * 8;
     for (int64_t t0 = 0; t0 < m; t0 += TB) {
+      pf.issue(per_step);
       const float* kr[TB];
       for (int i = 0; i < TB; ++i) kr[i] = k[std::min<int64_t>(t0 + i, m - 1)];  // past m: any valid row, dropped
       v8 acc[TB][SG];
@@ -91,9 +124,11 @@ struct Group {
   // One block (m <= kMaxBlock tokens) into the running state of SG query heads: mx, l: [SG]; acc: [SG, D].
   template <typename scalar_t>
   static void block(const float* q, const float* const* k, const float* const* v, int64_t m, int64_t chunks,
-                    float* mx, float* l, float* acc, float* s) {
+                    float* mx, float* l, float* acc, float* s, Prefetcher& pf, int64_t calls) {
     const int64_t d = chunks * 8;
-    scores(q, k, m, chunks, s);
+    // this call's share of the next tile's lines, spread over its score steps
+    const int64_t steps = (m + TB - 1) / TB;
+    scores(q, k, m, chunks, s, pf, (pf.total + calls * steps - 1) / (calls * steps));
     const int64_t padded = (m + 7) / 8 * 8;
     for (int g = 0; g < SG; ++g) {
       float* sg = s + g * kMaxBlock;
@@ -154,14 +189,18 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   std::atomic<int64_t> next{0};
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows));
 
+  // Tokens per softmax pass: whole blocks, up to kTile tokens (one block where a block is larger), so that the
+  // per-pass work (the max, the rescale, the exp of the scores) is paid once per tile, not once per block.
+  const int64_t tile_blocks = std::max<int64_t>(1, kTile / block_size), tile = tile_blocks * block_size;
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> qf(hq * d), acc(hq * d), mx(hq), l(hq);
     std::vector<float> s(SG * kMaxBlock), kbuf, vbuf;
     if constexpr (!std::is_same_v<scalar_t, float>) {
-      kbuf.resize(block_size * hkv * d);
-      vbuf.resize(block_size * hkv * d);
+      kbuf.resize(tile * hkv * d);
+      vbuf.resize(tile * hkv * d);
     }
-    std::vector<const float*> krows(hkv * block_size), vrows(hkv * block_size);  // [Hkv][block_size]
+    std::vector<const float*> krows(hkv * tile), vrows(hkv * tile);  // [Hkv][tile]
+    Prefetcher pf;
     for (int64_t i; (i = next.fetch_add(1)) < rows;) {
       const int64_t r = order[i], n = len[r];
       const int64_t* blocks = tab + r * width;
@@ -173,33 +212,43 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       const int64_t num_blocks = (n + block_size - 1) / block_size;
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        if (b + kAhead < num_blocks) {
-          prefetch(kp + blocks[b + kAhead] * ks0, k_bytes);
-          prefetch(vp + blocks[b + kAhead] * vs0, v_bytes);
+      for (int64_t b = 0; b < std::min(tile_blocks, num_blocks); ++b) {  // the first tile: nothing to overlap
+        prefetch(kp + blocks[b] * ks0, k_bytes);
+        prefetch(vp + blocks[b] * vs0, v_bytes);
+      }
+      for (int64_t b0 = 0; b0 < num_blocks; b0 += tile_blocks) {
+        const int64_t b1 = std::min(num_blocks, b0 + tile_blocks);
+        pf.reset();  // the next tile's blocks, issued while this tile is computed
+        for (int64_t b = b1; b < std::min(num_blocks, b1 + tile_blocks); ++b) {
+          pf.add(kp + blocks[b] * ks0, k_bytes);
+          pf.add(vp + blocks[b] * vs0, v_bytes);
         }
-        const int64_t m = std::min(block_size, n - b * block_size);
-        const scalar_t* kb = kp + blocks[b] * ks0;
-        const scalar_t* vb = vp + blocks[b] * vs0;
-        for (int64_t t = 0; t < m; ++t) {
-          for (int64_t h = 0; h < hkv; ++h) {
-            if constexpr (std::is_same_v<scalar_t, float>) {
-              krows[h * block_size + t] = kb + t * ks1 + h * ks2;
-              vrows[h * block_size + t] = vb + t * vs1 + h * vs2;
-            } else {
-              float* kd = kbuf.data() + (t * hkv + h) * d;
-              float* vd = vbuf.data() + (t * hkv + h) * d;
-              krows[h * block_size + t] = as_float(kb + t * ks1 + h * ks2, d, kd);
-              vrows[h * block_size + t] = as_float(vb + t * vs1 + h * vs2, d, vd);
+        int64_t m = 0;
+        for (int64_t b = b0; b < b1; ++b) {
+          const int64_t mb = std::min(block_size, n - b * block_size);
+          const scalar_t* kb = kp + blocks[b] * ks0;
+          const scalar_t* vb = vp + blocks[b] * vs0;
+          for (int64_t t = 0; t < mb; ++t, ++m) {
+            for (int64_t h = 0; h < hkv; ++h) {
+              if constexpr (std::is_same_v<scalar_t, float>) {
+                krows[h * tile + m] = kb + t * ks1 + h * ks2;
+                vrows[h * tile + m] = vb + t * vs1 + h * vs2;
+              } else {
+                float* kd = kbuf.data() + (m * hkv + h) * d;
+                float* vd = vbuf.data() + (m * hkv + h) * d;
+                krows[h * tile + m] = as_float(kb + t * ks1 + h * ks2, d, kd);
+                vrows[h * tile + m] = as_float(vb + t * vs1 + h * vs2, d, vd);
+              }
             }
           }
         }
+        const int64_t calls = hkv * ((group + SG - 1) / SG);
         for (int64_t h = 0; h < hkv; ++h) {
           for (int64_t g0 = 0; g0 < group; g0 += SG) {
             const int64_t j = h * group + g0;  // first query head of this subgroup
-            Group<SG>::template block<scalar_t>(qf.data() + j * d, krows.data() + h * block_size,
-                                                vrows.data() + h * block_size, m, chunks, mx.data() + j,
-                                                l.data() + j, acc.data() + j * d, s.data());
+            Group<SG>::template block<scalar_t>(qf.data() + j * d, krows.data() + h * tile,
+                                                vrows.data() + h * tile, m, chunks, mx.data() + j,
+                                                l.data() + j, acc.data() + j * d, s.data(), pf, calls);
           }
         }
       }

@@ -15,21 +15,21 @@ BLOCK = 16
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
 
 
-def step(query_lens, seq_lens, hq, hkv, d, dtype):
-    need = [-(-n // BLOCK) for n in seq_lens]
+def step(query_lens, seq_lens, hq, hkv, d, dtype, block=BLOCK):
+    need = [-(-n // block) for n in seq_lens]
     perm = torch.randperm(sum(need) + 3).tolist()
     blocks, at = [], 0
     for n in need:
         blocks.append(perm[at:at + n])
         at += n
-    kv = torch.full((len(perm), 2, 2, BLOCK, hkv, d), float("nan"), dtype=dtype)  # 2 layers; layer 1 used
+    kv = torch.full((len(perm), 2, 2, block, hkv, d), float("nan"), dtype=dtype)  # 2 layers; layer 1 used
     k_cache, v_cache = kv[:, 1, 0], kv[:, 1, 1]
-    whole = AttentionMetadata.build(seq_lens, seq_lens, blocks, BLOCK)
+    whole = AttentionMetadata.build(seq_lens, seq_lens, blocks, block)
     total = whole.slot_mapping.numel()
     slots = whole.slot_mapping
-    k_cache[slots // BLOCK, slots % BLOCK] = torch.randn(total, hkv, d).to(dtype)
-    v_cache[slots // BLOCK, slots % BLOCK] = torch.randn(total, hkv, d).to(dtype)
-    meta = AttentionMetadata.build(query_lens, seq_lens, blocks, BLOCK)
+    k_cache[slots // block, slots % block] = torch.randn(total, hkv, d).to(dtype)
+    v_cache[slots // block, slots % block] = torch.randn(total, hkv, d).to(dtype)
+    meta = AttentionMetadata.build(query_lens, seq_lens, blocks, block)
     q = torch.randn(sum(query_lens), hq, d).to(dtype)
     return meta, q, k_cache, v_cache
 
@@ -91,3 +91,15 @@ def test_groups_beyond_eight_run_as_subgroups(hq, hkv):
     out = get_backend("cpu").forward(q, k_cache, v_cache, meta, 0.125)
     ref = paged_attention_ref(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125)
     assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("block", [1, 4, 8, 32, 256])
+def test_block_sizes_tile_and_prefetch(block, dtype):
+    """Blocks below the kernel's 16-token tile are taken several per softmax pass (and prefetched as a group); a
+    block above it is its own tile. Lengths end inside a tile, on a block edge and on a tile edge."""
+    seq_lens = [1, block, 16, 17, 33, 200, 513]
+    meta, q, k_cache, v_cache = step([1] * len(seq_lens), seq_lens, 9, 3, 64, dtype, block=block)
+    out = get_backend("cpu").forward(q, k_cache, v_cache, meta, 0.125)
+    ref = paged_attention_ref(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125)
+    assert rel_err(out, ref) < TOLERANCE[dtype]
