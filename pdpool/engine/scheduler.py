@@ -3,9 +3,11 @@
 Each ``schedule()`` spends a token budget (``max_num_batched_tokens``) over at most ``max_num_seqs``
 requests: running requests first (a decode takes 1 token, an unfinished prefill its next chunk), then
 waiting ones in policy order (FCFS, or priority: lower value first, then arrival). A prompt longer than
-the remaining budget gets a chunk. When a running request's slots do not fit, the latest (FCFS) or
-lowest-priority running request is preempted by recompute: its blocks are freed and it goes back to the
-front of the waiting queue. Steps with a preemption admit no waiting request.
+the remaining budget gets a chunk. While any running request decodes, the step's prompt tokens are also capped
+(``max_prefill_tokens_with_decodes``; off by default), since every decode's next token waits for the step.
+When a running request's slots do not fit, the latest (FCFS) or lowest-priority running request is
+preempted by recompute: its blocks are freed and it goes back to the front of the waiting queue. Steps
+with a preemption admit no waiting request.
 
 Remote KV hooks (disaggregation): a request with ``kv_load`` gets blocks for its whole prompt, waits in
 ``WAITING_FOR_REMOTE_KVS`` (counted against ``max_num_seqs``) until ``finish_remote_load``; a request with
@@ -109,6 +111,8 @@ class Scheduler:
                  max_model_len: int | None = None) -> None:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        # prompt tokens per step while requests decode (None or 0: the budget alone)
+        self.max_prefill_tokens_with_decodes = getattr(scheduler_config, "max_prefill_tokens_with_decodes", None)
         self.kv = kv_cache_manager
         capacity = self.kv.num_total_blocks * self.kv.block_size
         self.max_model_len = min(max_model_len or scheduler_config.max_model_len or capacity, capacity)
@@ -165,10 +169,13 @@ class Scheduler:
         out = SchedulerOutput(finished_held=self._finished_held, finished_ids=self._finished_ids)
         self._finished_held, self._finished_ids = [], []
         budget = self.max_num_batched_tokens
+        prefill_budget = self._prefill_budget()
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new > 1:  # an unfinished prompt's next chunk
+                num_new = max(1, min(num_new, prefill_budget))
             while (block_ids := self.kv.allocate_slots(request, num_new)) is None:
                 victim = self._pick_victim()
                 self._preempt(victim)
@@ -185,16 +192,18 @@ class Scheduler:
                 break
             out.scheduled.append(ScheduledRequest(request, num_new, block_ids))
             budget -= num_new
+            if num_new > 1:
+                prefill_budget -= num_new
             i += 1
 
-        while (len(self.waiting) and budget > 0 and not out.preempted
+        while (len(self.waiting) and budget > 0 and prefill_budget > 0 and not out.preempted
                and len(self.running) + len(self.loading) < self.max_num_seqs):
             request = self.waiting.peek()
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             if request.needs_remote_load:
                 num_new = max(request.num_prompt_tokens - num_hit, 0)
             else:
-                num_new = min(request.num_tokens - num_hit, budget)
+                num_new = min(request.num_tokens - num_hit, budget, prefill_budget)
             block_ids = self.kv.allocate_slots(request, num_new, hit_blocks)
             if block_ids is None:
                 break
@@ -213,8 +222,17 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new, block_ids))
             budget -= num_new
+            prefill_budget -= num_new
         self.num_prefill_chunks += sum(not s.samples for s in out.scheduled)
         return out
+
+    def _prefill_budget(self) -> int | float:
+        """Prompt tokens this step may compute: the cap while any running request decodes (its next token waits
+        for the whole step, so a long prompt is chunked across steps beside it), else no limit beyond the budget."""
+        cap = self.max_prefill_tokens_with_decodes
+        if cap and any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running):
+            return cap
+        return float("inf")
 
     def _pick_victim(self) -> Request:
         if self.waiting.by_priority:
