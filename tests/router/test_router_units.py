@@ -173,6 +173,23 @@ def test_yaml_config_and_flags(tmp_path):
     assert [f.type_name for f in default.filters] == ["load-margin-filter"]
 
 
+def test_workers_recent_window_and_token_cache_come_from_the_flags(tmp_path, demo_model_dir):
+    from pdpool.frontend import Frontend
+    from pdpool.router.app import Router
+
+    path = tmp_path / "router.yaml"
+    path.write_text("both: http://n0:8000\nrecent-seconds: 2.5\ntoken-cache-chunks: 16\n")
+    cfg, sched = settings.load(["--config", str(path), "--workers", "3"], environ={})
+    assert (cfg.router.workers, cfg.router.recent_seconds, cfg.router.token_cache_chunks) == (3, 2.5, 16)
+    router = Router(cfg, settings.profile(cfg, sched), Frontend.from_model("demo", cfg.router.token_cache_chunks))
+    assert router.index.recent_seconds == 2.5 and router.frontend.token_cache.capacity == 16
+    defaults, _ = settings.load(["--both", "http://n0:8000"], environ={})
+    assert (defaults.router.workers, defaults.router.recent_seconds, defaults.router.token_cache_chunks) == (
+        1, 5.0, 8192)
+    with pytest.raises(settings.SettingsError, match="--workers: 0 is below the minimum 1"):
+        settings.load(["--workers", "0"], environ={})
+
+
 @pytest.mark.parametrize("yaml_text, message", [
     ("nonsense: 1\n", "unknown setting"),
     ("scheduler:\n  scorers: [{type: no-such-scorer}]\n", "unknown scheduling plugin"),
