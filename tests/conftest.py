@@ -13,6 +13,7 @@ import pytest
 
 import hypothesis_profiles
 from pdpool.node_process import NodeProcess
+from redis_server import redis_module  # noqa: F401  (the module-scoped server fixture, for every folder)
 
 # dev by default, ci when CI is set, or HYPOTHESIS_PROFILE=<name>; loaded before any test module builds its
 # @settings, which inherit from it (docs/testing.md)

@@ -21,6 +21,7 @@ import pytest
 import redis
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+TEST_PASSWORD = "test-secret"  # the fixtures' servers, and the nodes the tests start against them
 
 
 def free_port() -> int:
@@ -84,12 +85,12 @@ class RedisServer:
 @pytest.fixture
 def redis_server():
     """A fresh password-protected redis-server per test."""
-    with RedisServer(password=os.environ.get("PDPOOL_TEST_REDIS_PASSWORD", "test-secret")) as server:
+    with RedisServer(password=os.environ.get("PDPOOL_TEST_REDIS_PASSWORD", TEST_PASSWORD)) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
-def redis_server_module():
-    """One redis-server for a module's tests (flush it yourself if a test needs it empty)."""
-    with RedisServer(password="test-secret") as server:
+def redis_module():
+    """One password-protected redis-server for a module's tests (flush it yourself if a test needs it empty)."""
+    with RedisServer(password=TEST_PASSWORD) as server:
         yield server

@@ -26,11 +26,10 @@ import yaml
 from pdpool.kv_index.keys import PoolKeys
 from pdpool.node_process import free_port, parse_metrics
 from pdpool.up.pool import DEFAULT_POOL, PoolFileError, load_pool, router_spec
-from redis_server import RedisServer
+from redis_server import TEST_PASSWORD as REDIS_PASSWORD
 
 pytestmark = pytest.mark.timeout(300)
 
-REDIS_PASSWORD = "up-test-secret"
 POOL = "uptest"
 PROMPT = ("The history of the city begins with a small fishing village on the river, where traders from the north "
           "met farmers from the valley every spring to exchange wool, salt and stories.")
@@ -75,12 +74,6 @@ class UpProcess:
 
     def log(self) -> str:
         return "\n".join(self.lines)
-
-
-@pytest.fixture(scope="module")
-def redis_module():
-    with RedisServer(password=REDIS_PASSWORD) as server:
-        yield server
 
 
 @pytest.fixture(scope="module")

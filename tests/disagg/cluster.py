@@ -18,10 +18,11 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: node_process, redis_server
 sys.path.insert(0, str(Path(__file__).resolve().parent))       # tests/disagg: proxy
 from pdpool.node_process import NodeProcess  # noqa: E402
+from redis_server import TEST_PASSWORD  # noqa: E402
 
 UCX_TLS = "tcp,self"
 INTERNAL_TOKEN = "internal-test-token"
-REDIS_PASSWORD = "test-secret"
+REDIS_PASSWORD = TEST_PASSWORD
 BLOCK_SIZE = 16
 
 

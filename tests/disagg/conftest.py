@@ -8,14 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster import REDIS_PASSWORD, Node  # noqa: E402  (puts tests/ on sys.path)
-from redis_server import RedisServer  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def redis_module():
-    with RedisServer(password=REDIS_PASSWORD) as server:
-        yield server
+from cluster import Node  # noqa: E402  (puts tests/ on sys.path)
 
 
 @pytest.fixture(scope="module")

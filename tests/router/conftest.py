@@ -10,8 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "disagg"))
-from cluster import REDIS_PASSWORD, Node  # noqa: E402  (puts tests/ on sys.path)
-from redis_server import RedisServer  # noqa: E402
+from cluster import Node  # noqa: E402  (puts tests/ on sys.path)
 from routers import RouterProcess  # noqa: E402
 
 # Decode nodes get a small cache (40 blocks of 16 tokens) so that the prefix-routing workload cannot keep every
@@ -21,12 +20,6 @@ CLUSTER = {
     "d0": ("decode", ["--num-kv-blocks", "40"]),
     "d1": ("decode", ["--num-kv-blocks", "40"]),
 }
-
-
-@pytest.fixture(scope="module")
-def redis_module():
-    with RedisServer(password=REDIS_PASSWORD) as server:
-        yield server
 
 
 @pytest.fixture(scope="module")
