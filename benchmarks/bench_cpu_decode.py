@@ -11,7 +11,7 @@ layer, read once. References in the same run, 256 MiB each: the copy
 rate (a copy into a buffer allocated before timing, bytes read + written; a fresh ``clone`` pays a page fault per
 4 KiB and measured a fraction of it) and the read rate (a sum: bytes read). The native kernel and the references
 are the medians of ``--rounds`` interleaved rounds, so that a burst of load elsewhere on the machine hits all three;
-the torch backend (about 15x slower) is timed once, before them.
+the torch backend (about 15x slower) is timed once, after them.
 """
 
 from __future__ import annotations
@@ -68,36 +68,39 @@ def main() -> None:
     big = torch.randn(64 * 2 ** 20)  # 256 MiB
     dst = torch.empty_like(big)
     nbytes = sum(lens) * 2 * hkv * d * 4
-    steps = {}
-    for name in ("torch", "cpu"):
+    def measure(name: str) -> tuple:
+        """(a layer after the step's first, its relative error, the plan's cost on the first layer in ms)"""
         backend = get_backend(name)
 
-        def first_layer(backend=backend):  # plans the step (the engine's first layer does, for all layers)
+        def first_layer():  # plans the step (the engine's first layer does, for all layers)
             m = AttentionMetadata(**{k: v for k, v in vars(meta).items() if k != "plan"})
             return backend.forward(q, k_cache, v_cache, m, scale)
 
         planned = AttentionMetadata(**{k: v for k, v in vars(meta).items() if k != "plan"})
 
-        def layer(backend=backend):  # every later layer of the step: the plan is made
+        def layer():  # every later layer of the step: the plan is made
             return backend.forward(q, k_cache, v_cache, planned, scale)
 
         err = ((layer() - ref).norm() / ref.norm()).item()
         assert err < 1e-5, f"{name}: relative error {err:.2e}"
-        plan_ms = (timed(first_layer, 5) - timed(layer, 5)) * 1e3
-        steps[name] = (layer, err, plan_ms)
-    # the torch backend first, on its own: its gathers allocate and write ~100 MB per call, and interleaved with the
-    # others they slowed the native kernel's next rounds by ~15%
-    per_layer = {"torch": [timed(steps["torch"][0], args.reps)]}
-    copy, read, per_layer["cpu"] = [], [], []
+        return layer, err, (timed(first_layer, 5) - timed(layer, 5)) * 1e3
+
+    steps = {"cpu": measure("cpu")}
+    copy, read, per_layer = [], [], {"cpu": []}
     for _ in range(args.rounds):
         copy.append(2 * big.numel() * 4 / timed(lambda: dst.copy_(big), 5) / 1e9)
         read.append(big.numel() * 4 / timed(lambda: big.sum(), 5) / 1e9)
         per_layer["cpu"].append(timed(steps["cpu"][0], args.reps))
+    # the torch backend last, on its own: each call allocates and writes ~100 MB of gathered K/V, and the native
+    # kernel measured 15-25% slower in the rounds after it (interleaved, or the torch backend first)
+    steps["torch"] = measure("torch")
+    per_layer["torch"] = [timed(steps["torch"][0], args.reps)]
     copy_gbs, read_gbs = statistics.median(copy), statistics.median(read)
     print(f"{args.rows} rows, context {sum(lens) // args.rows} mean ({min(lens)}..{max(lens)}), heads {hq}/{hkv}, "
           f"D {d}, fp32, {args.threads} threads; KV bytes {nbytes / 1e6:.1f} MB; medians of {args.rounds} rounds: "
           f"copy {copy_gbs:.1f} GB/s (rounds {' '.join(f'{x:.1f}' for x in copy)}), read {read_gbs:.1f} GB/s")
-    for name, (_, err, plan_ms) in steps.items():
+    for name in ("torch", "cpu"):
+        _, err, plan_ms = steps[name]
         dt = statistics.median(per_layer[name])
         gbs = nbytes / dt / 1e9
         print(f"{name:>6}: {dt * 1e3:7.2f} ms per layer, {gbs:5.1f} GB/s = {gbs / copy_gbs:4.0%} of copy, "
