@@ -78,12 +78,18 @@ def _main_workers(cfg, profile) -> int:
         print(f"pdpool router: error: cannot read the tokenizer of --model {r.model}: {exc}", file=sys.stderr)
         return 2
 
+    supervisor = os.getpid()
+
     def run_worker(index: int) -> int:
         from pdpool.router.app import Router, create_app
 
         frontend = Frontend.from_model(r.model, token_cache_chunks=r.token_cache_chunks)
-        asyncio.run(_serve(create_app(Router(cfg, profile, frontend)), r.host, r.port, reuse_port=True,
-                           worker=index))
+        try:
+            asyncio.run(_serve(create_app(Router(cfg, profile, frontend)), r.host, r.port, reuse_port=True,
+                               worker=index))
+        finally:
+            if os.getppid() != supervisor:  # the supervisor was killed (its cleanup never ran): the last ones out
+                shutil.rmtree(metrics_dir, ignore_errors=True)
         return 0
 
     logger.info("pdpool router: %d workers on http://%s:%d", r.workers, r.host, r.port)

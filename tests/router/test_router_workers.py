@@ -119,11 +119,15 @@ def test_a_taken_port_is_a_clear_error(upstream, start_router):
     assert len(pids_answering(first.url, N)) == N  # the first router still owns its port, whole
 
 
-def test_workers_die_with_a_killed_supervisor(upstream, start_router):
+def test_workers_die_with_a_killed_supervisor(upstream, start_router, tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # inherited by the router: its metrics folder lands here
     router = start_router(["--both", upstream, "--workers", str(N)], name="orphans")
     workers = pids_answering(router.url, N)
+    metrics_dirs = list(tmp_path.glob("pdpool-router-metrics-*"))  # the supervisor's, in its TMPDIR
+    assert len(metrics_dirs) == 1
     router.kill()  # SIGKILL: no chance to pass anything on; PR_SET_PDEATHSIG does
     deadline = time.monotonic() + 10
     while any(alive(p) for p in workers):
         assert time.monotonic() < deadline, "workers outlived a SIGKILLed supervisor"
         time.sleep(0.1)
+    assert not metrics_dirs[0].exists()  # the orphaned workers removed what the supervisor could not
