@@ -56,6 +56,9 @@ class RouterMetrics:
                 c.labels(role)
         if inflight is not None:
             inflight.gauge = self.inflight
+            for node_id, n in inflight.requests.items():  # legs routed before the metrics existed
+                self.inflight.labels(node_id).inc(n)
+        self.pool = pool
         self.multiprocess = "PROMETHEUS_MULTIPROC_DIR" in os.environ
         if self.multiprocess:  # a scrape reads every worker's files, plus this worker's view of the nodes
             from prometheus_client import multiprocess
@@ -70,6 +73,9 @@ class RouterMetrics:
             self.index_mode.labels(m).set(1 if m == mode else 0)
 
     def render(self) -> bytes:
+        if self.pool is not None:  # every known node has a series, 0 while idle (touching a child keeps its value)
+            for node_id in list(self.pool.endpoints):
+                self.inflight.labels(node_id)
         return generate_latest(self.registry)
 
 
