@@ -197,7 +197,8 @@ class RouterConfig:
     node_cooldown: float = opt(2.0, "Seconds a node that failed to answer is left out.", ge=0)
     request_timeout: float = opt(600.0, "Seconds before a proxied request is abandoned.", ge=1)
     workers: int = opt(1, "Router processes accepting on --port (SO_REUSEPORT), sharing the Redis index and the "
-                       "metrics; each counts only its own requests in flight (docs/router.md, Workers).", ge=1, le=64)
+                       "metrics; each counts only its own requests in flight (docs/router.md, Workers).", ge=1, le=64,
+                       crd="router.workers")
     recent_seconds: float = opt(5.0, "Seconds a prefix the router just sent to a node counts as held there, before "
                                 "the node has published it to Redis (0: off).", ge=0)
     token_cache_chunks: int = opt(8192, "Prompt chunks (about 256 characters each) whose token ids the router keeps, "

@@ -97,7 +97,8 @@ def test_router_runs_pdpool_router_with_router_flags():
     parser = argparse.ArgumentParser()
     config.add_arguments(parser, config.RouterCommandConfig)
     cfg = config.from_args(parser.parse_args(c["args"][1:]), config.RouterCommandConfig, environ={})
-    assert (cfg.router.prefix_weight, cfg.router.kv_usage_weight, cfg.router.disagg_min_tokens) == (4, 1, 256)
+    r = cfg.router
+    assert (r.prefix_weight, r.kv_usage_weight, r.disagg_min_tokens, r.workers) == (4, 1, 256, 4)
     assert cfg.router.redis == "redis://redis.infra.svc:6379/3"
     assert deps["router"]["spec"]["replicas"] == 2 and deps["decode"]["spec"]["replicas"] == 4
 
