@@ -10,8 +10,8 @@ Two builders starting at once take turns; the second finds the kernel built and 
     <build dir>/                  (one per machine: -march=native code must not run on another CPU)
       pdpool.flock                LOCK_EX while building (holds the builder's pid), LOCK_SH while loading
       lock                        torch's baton: present during a build, otherwise stale
-      pdpool_paged_decode_cpu.so  the module (decode attention, KV store, fused elementwise ops; csrc/); loaded by
-                                  path, without torch's baton or ninja
+      pdpool_paged_decode_cpu.so  the module (decode attention, KV store, fused elementwise ops, small-row linear;
+                                  csrc/); loaded by path, without torch's baton or ninja
       pdpool-build.json           written after a build succeeded (its key: source, flags, torch, Python); removed
                                   before a build starts, so a half-built module is never loaded
 
@@ -45,8 +45,9 @@ log = logging.getLogger("pdpool.kernels.build")  # also when run as __main__
 
 NAME = "pdpool_paged_decode_cpu"
 CSRC = Path(__file__).parent / "csrc"
-# One module: the bindings, paged decode attention (and the KV store), the decoder layer's fused elementwise ops.
-SOURCES = [CSRC / "module_cpu.cpp", CSRC / "paged_decode_cpu.cpp", CSRC / "fused_ops_cpu.cpp"]
+# One module: the bindings, paged decode attention (and the KV store), the decoder layer's fused elementwise ops,
+# the small-row linear layer.
+SOURCES = [CSRC / "module_cpu.cpp", CSRC / "paged_decode_cpu.cpp", CSRC / "fused_ops_cpu.cpp", CSRC / "linear_cpu.cpp"]
 HEADERS = [CSRC / "cpu_vec.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]

@@ -1,6 +1,7 @@
-// The CPU extension's Python module: paged decode attention (paged_decode_cpu.cpp) and the decoder layer's fused
-// elementwise ops (fused_ops_cpu.cpp). Built by kernels/build.py (pdpool build-kernels); called through the checked
-// wrappers in kernels/cpu_decode.py and kernels/cpu_ops.py. Each returns an error message, or "" on success.
+// The CPU extension's Python module: paged decode attention (paged_decode_cpu.cpp), the decoder layer's fused
+// elementwise ops (fused_ops_cpu.cpp) and the small-row linear layer (linear_cpu.cpp). Built by kernels/build.py
+// (pdpool build-kernels); called through the checked wrappers in kernels/cpu_decode.py, kernels/cpu_ops.py and
+// pdpool/models/cpu_linear.py. Each returns an error message, or "" on success.
 #include <torch/extension.h>
 
 #include <string>
@@ -14,6 +15,8 @@ std::string rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& resid
                      at::Tensor& out, c10::optional<at::Tensor> residual_out, double eps);
 std::string rotary(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
 std::string silu_and_mul(const at::Tensor& x, at::Tensor& out);
+std::string small_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                         at::Tensor& out);
 }  // namespace pdpool_cpu
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -22,4 +25,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &pdpool_cpu::rms_norm, "RMSNorm, with the residual add when given, into out (and residual_out)");
   m.def("rotary", &pdpool_cpu::rotary, "rotary embedding of q and k in place, from cos/sin [T, D/2] fp32");
   m.def("silu_and_mul", &pdpool_cpu::silu_and_mul, "silu(gate) * up into out");
+  m.def("small_linear", &pdpool_cpu::small_linear, "x [M, K] @ w [N, K]^T (+ bias) into out, for few rows");
 }

@@ -1,20 +1,27 @@
-"""oneDNN linear layers on the CPU, weights repacked once at load.
+"""Linear layers on the CPU at decode sizes: a native small-row kernel, oneDNN-packed weights, then ``F.linear``.
 
-``F.linear`` on the CPU reorders the weight into oneDNN's blocked layout on every call; at decode sizes that is a
-large part of the step. ``torch.ops.mkldnn._reorder_linear_weight`` does it once, and
-``torch.ops.mkldnn._linear_pointwise`` runs the GEMM on the packed weight. Measured on this 2-core machine
-(docs/performance.md, "CPU linear layers"): 1.2-1.6x faster than ``F.linear`` at 64 rows on every layer shape,
-about equal at 512 rows, so the packed path is used up to ``PACKED_MAX_ROWS`` rows and ``F.linear`` above.
+A decode step's GEMMs have few rows (M = the step's decode tokens) and read every weight once: they are a stream
+over the weights. Per call, by row count (measured with ``benchmarks/bench_cpu_linear.py`` on this 2-core machine,
+docs/performance.md, "Offline throughput on the CPU"):
 
-Only fp32 weights on the CPU, and only when this torch build has the ops and they agree with ``F.linear`` on a tiny
-case; otherwise nothing changes. The GPU path is untouched. A weight changed in place after packing (its
-``_version`` moves) is packed again before its next use.
+    rows <= NATIVE_MAX_ROWS   the native kernel (kernels/csrc/linear_cpu.cpp) on the weight in place: each weight
+                              row read once for all rows, the next rows prefetched; fp32 at 8 rows 1.3-1.6x the
+                              oneDNN-packed path, about equal at 32-48; bf16/fp16 3-4x F.linear on AVX2
+    rows <= PACKED_MAX_ROWS   fp32 only: oneDNN on a weight reordered once at load (``_reorder_linear_weight``,
+                              ``_linear_pointwise``; ``F.linear`` reorders on every call): 1.2-1.6x F.linear at 64
+                              rows, about equal at 512
+    otherwise                 ``F.linear``
+
+Each path is used only where it loads (the extension built, the oneDNN ops present and agreeing with ``F.linear``
+on a tiny case); otherwise the next one serves. The GPU path is untouched. A weight changed in place after packing
+(its ``_version`` moves) is packed again before its next use.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +30,41 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 PACKED_MAX_ROWS = 128  # measured win at 64 rows, parity at 512 (docs/performance.md)
+NATIVE_MAX_ROWS = 32  # native kernel: fp32 1.05-1.2x packed at 24-32 rows, behind at 48 (bench_cpu_linear.py)
+NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def native_linear_available() -> bool:
+    """True when the CPU extension (kernels/csrc/linear_cpu.cpp) is built and loads."""
+    from pdpool.kernels import cpu_decode
+
+    return cpu_decode.available()
+
+
+def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's dtype, by the native small-row kernel: every
+    weight row read once for all rows of x. Meant for few rows (decode steps); any row count is correct."""
+    from pdpool.kernels import cpu_decode
+
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and t.device.type != "cpu":
+            raise ValueError(f"{name} is on {t.device}; the native linear takes CPU tensors")
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)}: expected x [..., K], weight [N, K]")
+    if x.dtype not in NATIVE_DTYPES or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"x, weight and bias must share one dtype of {NATIVE_DTYPES}; got {x.dtype}, "
+                         f"{weight.dtype}, {None if bias is None else bias.dtype}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must be [{weight.shape[0]}]; got {tuple(bias.shape)}")
+    rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # [M, K]
+    if rows.numel() and rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype)
+    error = cpu_decode.load().small_linear(rows, weight.detach().contiguous(),
+                                           None if bias is None else bias.detach().contiguous(), out)
+    if error:
+        raise ValueError(f"native linear (cpu): {error}")
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 @functools.lru_cache(maxsize=1)
@@ -46,12 +88,15 @@ def packed_linear_available() -> bool:
 
 
 class PackedWeight:
-    """A weight [N, K] fp32 on the CPU and its oneDNN-packed copy, repacked when the weight changes in place."""
+    """A weight [N, K] on the CPU and the paths that run it by row count (module docstring); fp32 weights also keep
+    a oneDNN-packed copy, repacked when the weight changes in place."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias
         self._version = -1
         self._packed: torch.Tensor | None = None
+        self.native = native_linear_available() and weight.dtype in NATIVE_DTYPES
+        self.packs = weight.dtype == torch.float32 and packed_linear_available()
 
     def packed(self) -> torch.Tensor:
         if self._version != self.weight._version:
@@ -63,15 +108,19 @@ class PackedWeight:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N]
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if rows == 0 or rows > PACKED_MAX_ROWS or x.dtype != torch.float32 or x.device.type != "cpu":
+        if rows == 0 or x.dtype != self.weight.dtype or x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
-        bias = None if self.bias is None else self.bias.detach()
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed(), bias, "none", [], "")
+        if self.native and rows <= NATIVE_MAX_ROWS:
+            return native_linear(x, self.weight, self.bias)
+        if self.packs and rows <= PACKED_MAX_ROWS:
+            bias = None if self.bias is None else self.bias.detach()
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed(), bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
 
 
 class PackedLinear(nn.Module):
-    """Stands in for an fp32 CPU ``nn.Linear``: the same ``weight`` and ``bias`` parameters (same state-dict
-    keys), run through their packed copy."""
+    """Stands in for a CPU ``nn.Linear``: the same ``weight`` and ``bias`` parameters (same state-dict keys), run
+    through ``PackedWeight``."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -83,20 +132,24 @@ class PackedLinear(nn.Module):
 
 
 def eligible(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+    if weight.device.type != "cpu" or weight.dim() != 2:
+        return False
+    if weight.dtype == torch.float32:
+        return packed_linear_available() or native_linear_available()
+    return weight.dtype in NATIVE_DTYPES and native_linear_available()
 
 
 def pack_cpu_linears(model: nn.Module) -> int:
-    """Route every fp32 CPU ``nn.Linear`` of ``model`` (and its logits weight) through the packed oneDNN path.
-    Returns how many weights were packed (0 when the ops are unavailable or the model is not on the CPU)."""
-    if not packed_linear_available():
-        return 0
+    """Route every CPU ``nn.Linear`` of ``model`` (and its logits weight) through ``PackedWeight``: fp32 weights
+    when the native kernel or the oneDNN ops are there, bf16/fp16 weights when the native kernel is. Returns how
+    many weights were wrapped (0 when neither is available or the model is not on the CPU)."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and eligible(child.weight):
                 packed = PackedLinear(child)
-                packed.packed_weight.packed()
+                if packed.packed_weight.packs:
+                    packed.packed_weight.packed()
                 setattr(parent, name, packed)
                 count += 1
     if hasattr(model, "logits_linear"):
@@ -104,6 +157,7 @@ def pack_cpu_linears(model: nn.Module) -> int:
         weight = model.model.embed_tokens.weight if tied else model.lm_head.weight
         if eligible(weight):
             model.logits_linear = PackedWeight(weight)
-            model.logits_linear.packed()
+            if model.logits_linear.packs:
+                model.logits_linear.packed()
             count += 1
     return count
