@@ -17,7 +17,13 @@ order (``new-unsorted``). Every output is checked against the fp32 reference (re
 ``triton.testing.do_bench`` over CUDA-graph replays (kernel time without host launch overhead); GB/s counts the
 K/V of every context token once, plus Q and O, against the device-to-device copy measured in the same run.
 
+``--gemv`` times the batch-1 projections instead: the one-row GEMV kernel (``pdpool.kernels.gemv``) against
+cuBLAS (``F.linear``; for ``down`` with SiLU folded in, against ``silu_and_mul`` + ``F.linear``) on the Llama-3.1-8B
+and Qwen3-0.6B shapes, one CUDA graph of a layer stack's worth of calls on distinct weights (more than the L2), and
+the fused q/k norm + rotary + KV store kernel against the separate kernels (1 and 192 tokens).
+
     python3 benchmarks/bench_decode_kernel.py [--old .bench_base/kernels/decode_attention.py] [--cases ...]
+    python3 benchmarks/bench_decode_kernel.py --gemv
     TRITON_INTERPRET=1 python3 benchmarks/bench_decode_kernel.py --device cpu --old ...  # CPU smoke test: small
         contexts, fp32, the checks only (no graphs, no timing that means anything)
 """
@@ -186,8 +192,103 @@ def run_case(name: str, codes: dict, copy_bw: float, sms: int) -> dict:
     return row
 
 
+# (model, projection, N, K, silu_x, layers): the batch-1 GEMVs of one decode step
+GEMV_CASES = [("llama8b", "qkv", 6144, 4096, False, 32), ("llama8b", "o", 4096, 4096, False, 32),
+              ("llama8b", "gate_up", 28672, 4096, False, 32), ("llama8b", "down+silu", 4096, 14336, True, 32),
+              ("llama8b", "lm_head", 128256, 4096, False, 1), ("qwen0.6b", "qkv", 4096, 1024, False, 28),
+              ("qwen0.6b", "o", 1024, 2048, False, 28), ("qwen0.6b", "gate_up", 6144, 1024, False, 28),
+              ("qwen0.6b", "down+silu", 1024, 3072, True, 28)]
+
+
+def run_gemv(copy_bw: float) -> dict:
+    """The GEMV kernel against cuBLAS per projection shape at one row, and the fused qkv epilogue kernel."""
+    import torch.nn.functional as F
+
+    from pdpool.kernels.activation import silu_and_mul
+    from pdpool.kernels.fused_qkv import rotary_store_kv
+    from pdpool.kernels.gemv import gemv, gemv_ref
+    from pdpool.kernels.rmsnorm import rms_norm
+    from pdpool.kernels.rotary import apply_rotary
+    from pdpool.kernels.store_kvcache import store_kvcache
+
+    rows = []
+    small = DEVICE != "cuda"  # CPU smoke test: the shapes / 64, two layers, checks only
+    for model, proj, N, K, silu, layers in GEMV_CASES:
+        if small:
+            N, K, layers = N // 64, K // 64, 2
+        ws = [torch.randn(N, K, device=DEVICE, dtype=DTYPE) / K ** 0.5 for _ in range(layers)]
+        x = torch.randn(1, 2 * K if silu else K, device=DEVICE, dtype=DTYPE)
+        ref = gemv_ref(x, ws[0], silu_x=silu)
+        err = ((gemv(x, ws[0], silu_x=silu).float() - ref).norm() / ref.norm()).item()
+        assert err < TOLERANCE, f"{model} {proj}: gemv error {err:.2e}"
+        outs = [torch.empty(1, N, device=DEVICE, dtype=DTYPE) for _ in range(layers)]
+
+        def ours():
+            for w, o in zip(ws, outs):
+                gemv(x, w, silu_x=silu, out=o)
+
+        def cublas():
+            for w in ws:
+                F.linear(silu_and_mul(x) if silu else x, w)
+
+        ours()  # autotune outside the capture
+        sync()
+        us = {name: 1e3 * bench_ms(captured(fn)) / layers for name, fn in (("cublas", cublas), ("gemv", ours))}
+        mb = N * K * 2 / 1e6
+        row = dict(model=model, proj=proj, N=N, K=K, silu=silu, MB=mb, rel_err=err,
+                   **{f"{k}_us": v for k, v in us.items()},
+                   **{f"{k}_frac_copy": mb * 1e6 / (v * 1e-6) / copy_bw for k, v in us.items()})
+        cfg = getattr(__import__("pdpool.kernels.gemv", fromlist=["_gemv_kernel"])._gemv_kernel, "best_config", None)
+        row["gemv_config"] = str(cfg)
+        rows.append(row)
+        print(f"gemv {model:9s} {proj:10s} {N:6d}x{K:5d} {mb:7.1f} MB | cuBLAS {us['cublas']:7.2f} us "
+              f"({100 * row['cublas_frac_copy']:5.1f}%)  gemv {us['gemv']:7.2f} us ({100 * row['gemv_frac_copy']:5.1f}%)"
+              f"  err {err:.1e}  {cfg}", flush=True)
+        del ws, outs
+    qkv_rows = []
+    for model, hq, hkv, layers, norm in (("llama8b", 32, 8, 32, False), ("qwen0.6b", 16, 8, 28, True)):
+        for T in ((1, 16) if small else (1, 192)):
+            d = 32 if small else 128
+            layers = 2 if small else layers
+            qkvs = [torch.randn(T, (hq + 2 * hkv) * d, device=DEVICE, dtype=DTYPE) for _ in range(layers)]
+            pos = torch.randint(0, 1000, (T,), device=DEVICE)
+            inv = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device=DEVICE).float() / d))
+            wq, wk = (torch.ones(d, device=DEVICE, dtype=DTYPE) for _ in range(2))
+            cache = torch.zeros(T // 16 + 2, layers, 2, BLOCK, hkv, d, device=DEVICE, dtype=DTYPE)
+            slots = torch.randperm((T // 16 + 2) * BLOCK, device=DEVICE)[:T]
+
+            def split(t):
+                return (t[:, :hq * d].view(T, hq, d), t[:, hq * d:(hq + hkv) * d].view(T, hkv, d),
+                        t[:, (hq + hkv) * d:].view(T, hkv, d))
+
+            def separate():
+                for i, t in enumerate(qkvs):
+                    q, k, v = split(t)
+                    if norm:
+                        q, k = rms_norm(q, wq, 1e-6), rms_norm(k, wk, 1e-6)
+                    apply_rotary(q, k, pos, inv, q_out=q, k_out=k)
+                    store_kvcache(k, v, cache[:, i, 0], cache[:, i, 1], slots)
+
+            def fused():
+                for i, t in enumerate(qkvs):
+                    q, k, v = split(t)
+                    rotary_store_kv(q, k, v, pos, inv, cache[:, i, 0], cache[:, i, 1], slots,
+                                    *((wq, wk) if norm else (None, None)))
+
+            separate()
+            fused()
+            sync()
+            us = {name: 1e3 * bench_ms(captured(fn)) / layers for name, fn in (("separate", separate),
+                                                                                 ("fused", fused))}
+            qkv_rows.append(dict(model=model, tokens=T, norm=norm, **{f"{k}_us": v for k, v in us.items()}))
+            print(f"qkv epilogue {model:9s} T {T:3d} ({'norm+' if norm else ''}rotary+store): separate "
+                  f"{us['separate']:6.2f} us/layer, fused {us['fused']:6.2f} us/layer", flush=True)
+    return dict(gemv=rows, qkv_epilogue=qkv_rows)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--gemv", action="store_true", help="the batch-1 projections and the qkv epilogue instead")
     ap.add_argument("--old", default=None, help="an older kernels/decode_attention.py, timed beside this one")
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--device", default="cuda")
@@ -200,6 +301,13 @@ def main() -> int:
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
     print(f"GPU {name}, {sms} SMs; device-to-device copy {copy_bw / 1e9:.0f} GB/s (read + write); autotune "
           f"{os.environ.get('PDPOOL_KERNEL_AUTOTUNE', '1')}", flush=True)
+    if args.gemv:
+        res = run_gemv(copy_bw)
+        out = os.environ.get("OUT")
+        if out:
+            Path(out, "bench_gemv.json").write_text(json.dumps(dict(gpu=name, copy_GBps=copy_bw / 1e9, **res),
+                                                               indent=1))
+        return 0
     codes = {"new": (decode_attention, "longest"), "new-unsorted": (decode_attention, "batch")}
     if args.old:
         codes["old"] = (load_old(args.old), "batch")

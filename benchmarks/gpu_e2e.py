@@ -165,10 +165,14 @@ class StepTimer:
     # processor (detokenization, stop strings), after step() on the same thread in LLM.generate.
     NESTED = {"upload": "launch", "run": "launch", "wait": "collect"}
 
-    def __init__(self, llm, profile_steps: tuple[int, int] | None = None):
+    def __init__(self, llm, profile_steps: tuple[int, int] | None = None, more_windows: tuple = ()):
         self.totals: dict[str, float] = {}
         self.steps = 0
         self.profile_steps, self.prof = profile_steps, None
+        # further profiled windows (steps [a, b)), e.g. the first prefill chunks: (a, b, profile, wall seconds)
+        self.windows = sorted(more_windows)
+        self.window_profiles: list[tuple] = []
+        self._window = None
         eng = llm.engine
         self._undo = []
         owners = dict(scheduler=eng.scheduler, runner=eng.runner, engine=eng, processor=llm.output_processor)
@@ -222,6 +226,21 @@ class StepTimer:
 
     def _count(self):
         n = self.steps
+        if self._window is not None and n == self._window[1]:
+            import torch
+            torch.cuda.synchronize()
+            a, b, prof, t0 = self._window
+            prof.__exit__(None, None, None)
+            self.window_profiles.append((a, b, prof, time.perf_counter() - t0))
+            self._window = None
+        if self._window is None and self.windows and n == self.windows[0][0]:
+            import torch
+            a, b = self.windows.pop(0)
+            torch.cuda.synchronize()
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                      torch.profiler.ProfilerActivity.CUDA])
+            prof.__enter__()
+            self._window = (a, b, prof, time.perf_counter())
         if self.profile_steps and n == self.profile_steps[0]:
             import torch
             torch.cuda.synchronize()
@@ -281,7 +300,8 @@ def release_gpu(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def run_pdpool(llm, reqs, device: str, *, overlap: bool, profile: bool = False, temperature: float = 0.6) -> dict:
+def run_pdpool(llm, reqs, device: str, *, overlap: bool, profile: bool = False, temperature: float = 0.6,
+               more_windows: tuple = ()) -> dict:
     import torch
 
     from pdpool import SamplingParams
@@ -293,7 +313,8 @@ def run_pdpool(llm, reqs, device: str, *, overlap: bool, profile: bool = False, 
     warm = [p for p, _ in workload(len(reqs), seed=1, max_len=max(len(p) for p, _ in reqs))]
     llm.generate(warm, [SamplingParams(temperature=temperature, max_tokens=2, ignore_eos=True)] * len(warm),
                  use_tqdm=False)
-    timer = StepTimer(llm, (300, 320) if profile and device == "cuda" else None)
+    timer = StepTimer(llm, (300, 320) if profile and device == "cuda" else None,
+                      more_windows if profile and device == "cuda" else ())
     if device == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -311,6 +332,8 @@ def run_pdpool(llm, reqs, device: str, *, overlap: bool, profile: bool = False, 
                   fused_ops=runner.model.fused_ops, overlap_steps=llm.engine.overlap_steps)
     if timer.prof is not None:
         result["profile"] = profile_summary(timer.prof, 20, timer.prof_wall)
+    for a, b, prof, wall in timer.window_profiles:  # e.g. the eager prefill chunks: GPU time against wall
+        result[f"profile_steps_{a}_{b}"] = profile_summary(prof, b - a, wall)
     timer.remove()
     return result
 
@@ -489,6 +512,10 @@ def main() -> None:
     ap.add_argument("--hosts", default=None,
                     help="comma list of unpinned,pinned: one child process each (pinned: taskset -c --pin-cpus)")
     ap.add_argument("--pin-cpus", default="0,1")
+    ap.add_argument("--profile-windows", default=[], type=lambda v: [tuple(int(x) for x in w.split("-"))
+                                                                     for w in v.split(",") if w],
+                    help="more profiled step windows A-B[,C-D] (steps A..B-1) beside 300-320, e.g. 2-6: the first "
+                         "prefill chunks; each reports wall and GPU kernel ms per step")
     ap.add_argument("--code", default="new",
                     help="with --hosts: comma list of NAME[=PATH][@VAR=VALUE] (PATH first on sys.path: another "
                          "checkout; VAR=VALUE set in the child's environment)")
@@ -536,7 +563,8 @@ def main() -> None:
                            max_model_len=4096)
             for v in todo:
                 res = r["pdpool"][v] = run_pdpool(llm, reqs, args.device, overlap=VARIANTS[v][1],
-                                                  profile=v in ("base", variants[-1]))
+                                                  profile=v in ("base", variants[-1]),
+                                                  more_windows=tuple(args.profile_windows))
                 res["fraction_of_roofline"] = res["tokens_per_s"] / roof["tokens_per_s"]
                 line = (summary_line(label, name, v, res) + f" (roofline {roof['tokens_per_s']:.0f} tok/s); "
                         f"launch/run per call {res['launch_calls']}; stalls (part, step, ms, alloc retries) "
@@ -545,6 +573,10 @@ def main() -> None:
                 lines.append(line)
                 if "profile" in res:
                     print(json.dumps(res["profile"]), flush=True)
+                for key in (k for k in res if k.startswith("profile_steps_")):
+                    p = res[key]
+                    print(f"{label} {name} [{v}] {key}: wall {p['wall_ms_per_step']:.1f} ms/step, GPU kernels "
+                          f"{p['gpu_kernel_ms_per_step']:.1f} ms/step; top {p['top_kernels'][:6]}", flush=True)
             if fused == VARIANTS[variants[-1]][0] and not args.skip_hf:  # pdpool as shipped on HF's subset
                 r["pdpool_subset"] = run_pdpool(llm, sub, args.device, overlap=VARIANTS[variants[-1]][1])
             llm = None

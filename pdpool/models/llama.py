@@ -14,6 +14,12 @@ measurements). The hidden state and the residual travel apart, as in vLLM::
 
     residual = x; h = norm(x)                       (first layer)
     h, residual = norm(h + residual), h + residual  (every later norm: one fused kernel)
+
+On CUDA with the triton attention backend, Qwen3's q/k norm, rotary and the KV store are one kernel
+(``pdpool.kernels.fused_qkv``), and a one-token forward (batch-1 decode) runs ``qkv_proj``, ``o_proj`` and
+``down_proj`` (with SiLU-and-mul folded into its input) as one-row GEMV kernels (``pdpool.kernels.gemv``): no
+split-K reduce kernels, no activation kernel. ``PDPOOL_GEMV=0`` keeps cuBLAS there (read at model construction).
+``TRITON_OPS_ON_CPU`` (tests only) runs these CUDA kernels on the CPU under Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -28,6 +34,17 @@ from torch import nn
 from pdpool.attention import AttentionBackend, get_context
 
 
+TRITON_OPS_ON_CPU = False  # tests: the CUDA path's Triton kernels on CPU tensors (TRITON_INTERPRET=1)
+
+
+def _triton_ops(device: torch.device) -> bool:
+    return device.type == "cuda" or TRITON_OPS_ON_CPU
+
+
+def gemv_default() -> bool:
+    return os.environ.get("PDPOOL_GEMV", "1") != "0"
+
+
 def fused_ops_default(device: torch.device) -> bool:
     if os.environ.get("PDPOOL_FUSED_OPS", "1") == "0":
         return False
@@ -39,7 +56,7 @@ def fused_ops_default(device: torch.device) -> bool:
 
 
 def _fused_rms_norm(x, weight, eps, residual=None):
-    if x.device.type == "cpu":
+    if not _triton_ops(x.device):
         from pdpool.kernels.cpu_ops import rms_norm
     else:
         from pdpool.kernels.rmsnorm import rms_norm
@@ -128,10 +145,20 @@ class Attention(nn.Module):
         # x: [T, H]
         T = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = _project(self.qkv_proj, x, rope.gemv).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)  # q: [T, Hq, D], rows strided (views of the projection)
         k = k.view(T, self.num_kv_heads, self.head_dim)  # k, v: [T, Hkv, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)
+        meta = get_context()
+        if rope.fused and rope.cos_sin is None and self.backend.name == "triton":
+            from pdpool.kernels.fused_qkv import rotary_store_kv
+
+            # one kernel: q/k norm (Qwen3), rotary in place, and the KV store
+            norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+            rotary_store_kv(q, k, v, rope.positions, rope.inv_freq, self.k_cache, self.v_cache, meta.slot_mapping,
+                            *norms, eps=self.q_norm.eps if self.qk_norm else 1e-6)
+            o = self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale)  # [T, Hq, D]
+            return _project(self.o_proj, o.reshape(T, q_size), rope.gemv)
         if rope.fused:
             if self.qk_norm:
                 q, k = self.q_norm(q, fused=True), self.k_norm(k, fused=True)  # contiguous copies
@@ -147,7 +174,6 @@ class Attention(nn.Module):
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, rope.cos, rope.sin), apply_rope(k, rope.cos, rope.sin)
-        meta = get_context()
         self.backend.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         o = self.backend.forward(q, self.k_cache, self.v_cache, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, q_size))
@@ -164,10 +190,14 @@ class MLP(nn.Module):
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (silu)")
 
-    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False, gemv: bool = False) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if gemv and self.down_proj.bias is None:  # one row: SiLU-and-mul inside the down projection's GEMV
+            from pdpool.kernels.gemv import gemv as gemv_kernel
+
+            return gemv_kernel(gate_up, self.down_proj.weight, silu_x=True)
         if fused:
-            if gate_up.device.type == "cpu":
+            if not _triton_ops(gate_up.device):
                 from pdpool.kernels.cpu_ops import silu_and_mul
             else:
                 from pdpool.kernels.activation import silu_and_mul
@@ -192,7 +222,16 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm(x, residual, fused=rope.fused)
         h, residual = self.post_attention_layernorm(self.self_attn(h, rope), residual, fused=rope.fused)
-        return self.mlp(h, fused=rope.fused), residual
+        return self.mlp(h, fused=rope.fused, gemv=rope.gemv), residual
+
+
+def _project(linear: nn.Linear, x: torch.Tensor, gemv: bool) -> torch.Tensor:
+    """linear(x); a one-row GEMV kernel instead of cuBLAS where ``gemv`` (see the module docstring)."""
+    if gemv and linear.bias is None:
+        from pdpool.kernels.gemv import gemv as gemv_kernel
+
+        return gemv_kernel(x, linear.weight)
+    return linear(x)
 
 
 class Rope:
@@ -200,10 +239,13 @@ class Rope:
     [T, D/2] fp32, once for every layer), or cos/sin [T, 1, D] (in the model dtype, as HF computes them) for the
     torch ops. ``fused`` is the forward's choice for every op."""
 
-    def __init__(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, fused: bool):
+    def __init__(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, fused: bool,
+                 gemv: bool = False):
         self.fused, self.positions, self.inv_freq = fused, positions, inv_freq
+        # one-row GEMV kernels for this forward: fused ops on, Triton ops (CUDA), and one token
+        self.gemv = gemv and fused and positions.shape[0] == 1 and _triton_ops(positions.device)
         self.cos_sin = None
-        if fused and positions.device.type == "cpu":
+        if fused and not _triton_ops(positions.device):
             from pdpool.kernels.cpu_ops import rotary_cos_sin
 
             self.cos_sin = rotary_cos_sin(positions, inv_freq)
@@ -234,6 +276,7 @@ class LlamaForCausalLM(nn.Module):
         head_dim = self.model.layers[0].self_attn.head_dim
         self.register_buffer("inv_freq", inv_frequencies(config, head_dim), persistent=False)  # [D/2] fp32
         self.fused_ops: bool | None = None  # None: on CUDA unless PDPOOL_FUSED_OPS=0 (see the module docstring)
+        self.gemv_ops = gemv_default()  # one-row GEMV kernels for one-token forwards (with fused ops)
         self.logits_linear = None  # CPU fp32: the logits weight packed for oneDNN (pdpool.models.cpu_linear)
 
     def bind_kv_cache(self, kv_cache: torch.Tensor, backend: AttentionBackend) -> None:
@@ -246,7 +289,7 @@ class LlamaForCausalLM(nn.Module):
         # input_ids, positions: [T] -> hidden [T, H]
         x = self.model.embed_tokens(input_ids)
         fused = self.fused_ops if self.fused_ops is not None else fused_ops_default(x.device)
-        rope = Rope(positions, self.inv_freq, x.dtype, fused)
+        rope = Rope(positions, self.inv_freq, x.dtype, fused, self.gemv_ops)
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, rope)

@@ -65,3 +65,58 @@ def test_fused_path_matches_torch_path(arch):
     ref = forward(model, False, ids, positions, meta, kv.clone())
     out = forward(model, True, ids, positions, meta, kv.clone())
     assert rel_err(out, ref.float()) < TOL
+
+
+@pytest.fixture
+def triton_ops(monkeypatch):
+    """The CUDA path's kernels (fused q/k norm + rotary + KV store, one-row GEMVs) on the CPU, interpreted."""
+    import pdpool.models.llama as llama
+
+    if not ON_GPU:
+        monkeypatch.setattr(llama, "TRITON_OPS_ON_CPU", True)
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_triton_path_matches_torch_path_and_cache(arch, triton_ops):
+    """The mixed step through the Triton kernels: same hidden states as the torch path, and the same K/V in the
+    cache (the fused rotary + store kernel writes what the torch path's write_kv writes)."""
+    model = build(arch)
+    query_lens, seq_lens = [1, 9, 1], [41, 9, 4]
+    need = [-(-n // BLOCK) for n in seq_lens]
+    perm = torch.randperm(sum(need) + 2).tolist()
+    blocks = [perm[:need[0]], perm[need[0]:need[0] + need[1]], perm[need[0] + need[1]:sum(need)]]
+    meta = AttentionMetadata.build(query_lens, seq_lens, blocks, BLOCK, device=DEVICE)
+    positions = torch.tensor([40, *range(9), 3], device=DEVICE)
+    ids = torch.randint(0, 300, (positions.numel(),), device=DEVICE)
+    kv = torch.randn(len(perm), 2, 2, BLOCK, 2, 16, device=DEVICE).to(DTYPE)
+    kv_ref, kv_out = kv.clone(), kv.clone()
+    ref = forward(model, False, ids, positions, meta, kv_ref)
+    out = forward(model, True, ids, positions, meta, kv_out)
+    assert rel_err(out, ref.float()) < TOL
+    assert rel_err(kv_out, kv_ref.float()) < TOL
+    untouched = torch.ones(len(perm), dtype=torch.bool)
+    untouched[[b for row in blocks for b in row]] = False
+    assert torch.equal(kv_out[untouched], kv[untouched]), "a block outside the step's tables was written"
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+@pytest.mark.parametrize("gemv", [True, False])
+def test_one_token_step_matches_torch_path(arch, gemv, triton_ops):
+    """Batch-1 decode (T = 1): qkv, o and down (SiLU folded in) as GEMV kernels, or cuBLAS, against the torch path;
+    a padding slot (-1) writes nothing."""
+    model = build(arch)
+    model.gemv_ops = gemv
+    seq_len = 37
+    need = -(-seq_len // BLOCK)
+    perm = torch.randperm(need + 2).tolist()
+    meta = AttentionMetadata.build([1], [seq_len], [perm[:need]], BLOCK, device=DEVICE)
+    positions = torch.tensor([seq_len - 1], device=DEVICE)
+    ids = torch.randint(0, 300, (1,), device=DEVICE)
+    kv = torch.randn(len(perm), 2, 2, BLOCK, 2, 16, device=DEVICE).to(DTYPE)
+    ref = forward(model, False, ids, positions, meta, kv.clone())
+    out = forward(model, True, ids, positions, meta, kv.clone())
+    assert rel_err(out, ref.float()) < TOL
+    meta.slot_mapping.fill_(-1)
+    kv_pad = kv.clone()
+    forward(model, True, ids, positions, meta, kv_pad)
+    assert torch.equal(kv_pad, kv), "slot -1 must write nothing"
