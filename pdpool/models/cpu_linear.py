@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdpool.kernels import cpu_decode
+
 log = logging.getLogger(__name__)
 
 PACKED_MAX_ROWS = 128  # measured win at 64 rows, parity at 512 (docs/performance.md)
@@ -36,16 +38,12 @@ NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def native_linear_available() -> bool:
     """True when the CPU extension (kernels/csrc/linear_cpu.cpp) is built and loads."""
-    from pdpool.kernels import cpu_decode
-
     return cpu_decode.available()
 
 
 def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's dtype, by the native small-row kernel: every
     weight row read once for all rows of x. Meant for few rows (decode steps); any row count is correct."""
-    from pdpool.kernels import cpu_decode
-
     for name, t in (("x", x), ("weight", weight), ("bias", bias)):
         if t is not None and t.device.type != "cpu":
             raise ValueError(f"{name} is on {t.device}; the native linear takes CPU tensors")
@@ -95,7 +93,8 @@ class PackedWeight:
         self.weight, self.bias = weight, bias
         self._version = -1
         self._packed: torch.Tensor | None = None
-        self.native = native_linear_available() and weight.dtype in NATIVE_DTYPES
+        self.native = (native_linear_available() and weight.dtype in NATIVE_DTYPES and weight.is_contiguous()
+                       and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous())))
         self.packs = weight.dtype == torch.float32 and packed_linear_available()
 
     def packed(self) -> torch.Tensor:
@@ -111,11 +110,24 @@ class PackedWeight:
         if rows == 0 or x.dtype != self.weight.dtype or x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
         if self.native and rows <= NATIVE_MAX_ROWS:
-            return native_linear(x, self.weight, self.bias)
+            return self._native(x, rows)
         if self.packs and rows <= PACKED_MAX_ROWS:
             bias = None if self.bias is None else self.bias.detach()
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed(), bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+    def _native(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """native_linear without its checks, which the weight passed at construction (about 15 us per call of
+        Python, on a step of ~120 calls)."""
+        flat = x if x.dim() == 2 else x.reshape(rows, x.shape[-1])  # [M, K]
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        out = torch.empty(rows, self.weight.shape[0], dtype=x.dtype)
+        error = cpu_decode.load().small_linear(flat, self.weight, self.bias, out)
+        if error:
+            raise ValueError(f"native linear (cpu): {error}")
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.weight.shape[0])
 
 
 class PackedLinear(nn.Module):
