@@ -151,6 +151,11 @@ class PieceEncoder:
     """
 
     PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+    # The same pattern on ASCII text (letters [A-Za-z], digits [0-9], White_Space \t\n\v\f\r and space), for
+    # the standard library's ``re``: 0.10 -> 0.04 ms for a 1,800-character question (docs/performance.md).
+    _WS = "\t\n\x0b\x0c\r "
+    ASCII_PATTERN = rf"""'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^{_WS}A-Za-z0-9]+|[{_WS}]+(?![^{_WS}])|[{_WS}]+"""
+    ASCII_PROBE = "".join(chr(c) for c in range(128)) + " Hello  world's 42 x\t\n\n  it'll 3.14 --x  \x1c\x1f y "
     PROBE = "".join(chr(c) for c in range(1, 0x800)) + " Hello  world's 42 日本 🙂\u3000x\xa0\n\n"
 
     def __init__(self, tokenizer: "Tokenizer", capacity: int = 200_000) -> None:
@@ -160,6 +165,9 @@ class PieceEncoder:
         self._tokenize = raw.model.tokenize
         self._byte_chars = _byte_level_alphabet()
         self._pieces = regex.compile(self.PATTERN)
+        ascii_pieces = re.compile(self.ASCII_PATTERN)
+        self._ascii_pieces = (ascii_pieces if ascii_pieces.findall(self.ASCII_PROBE)
+                              == self._pieces.findall(self.ASCII_PROBE) else self._pieces)
         self._added_ids = {t.content: i for i, t in raw.get_added_tokens_decoder().items()}
         names = sorted(self._added_ids, key=len, reverse=True)
         self._added = regex.compile("|".join(regex.escape(n) for n in names)) if names else None
@@ -185,7 +193,7 @@ class PieceEncoder:
 
     def _encode_segment(self, segment: str, ids: list[int]) -> None:
         cache = self._cache
-        for piece in self._pieces.findall(segment):
+        for piece in (self._ascii_pieces if segment.isascii() else self._pieces).findall(segment):
             piece_ids = cache.get(piece)
             if piece_ids is None:
                 chars = self._byte_chars

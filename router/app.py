@@ -22,6 +22,7 @@ from pdpool.logs import HEADER as REQUEST_ID_HEADER, request_id_from, request_id
 from pdpool.router import openapi
 from pdpool.router.endpoints import Pool
 from pdpool.router.handoff import RequestPath, _PassThrough, pass_through_response
+from pdpool.router.http1 import Http1Client, httptools
 from pdpool.router.inflight import InflightTracker
 from pdpool.router.metrics import CONTENT_TYPE, RouterMetrics
 from pdpool.router.prefix_index import ApproxIndex, PrefixIndex
@@ -61,6 +62,7 @@ class Router:
         self.scheduler = Scheduler(self.pool, self.index, self.inflight, profile, model_id=cfg.served_model_name,
                                    dtype=r.dtype, block_size=r.block_size, disagg_min_tokens=r.disagg_min_tokens)
         self.session: aiohttp.ClientSession | None = None
+        self.http1: Http1Client | None = None
         self.path: RequestPath | None = None
         self.discoveries: list = []
         self._tasks: list[asyncio.Task] = []
@@ -79,8 +81,9 @@ class Router:
             from pdpool.router.index_reader import AsyncIndexReader
 
             self.index.async_reader = AsyncIndexReader(r.redis, r.redis_password, self.reader.keys)
+        self.http1 = Http1Client() if httptools is not None else None
         upstream = Upstream(self.session, connect_timeout=r.connect_timeout, request_timeout=r.request_timeout,
-                            internal_token=r.internal_token)
+                            internal_token=r.internal_token, http1=self.http1)
         self.path = RequestPath(self.scheduler, upstream, self.pool, self.index, self.inflight, self.metrics,
                                 max_retries=r.max_retries, prefill_timeout=r.prefill_timeout)
         static = {"prefill": r.prefill, "decode": r.decode, "both": r.both}
@@ -111,6 +114,8 @@ class Router:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.session is not None:
             await self.session.close()
+        if self.http1 is not None:
+            self.http1.close()
         if self.index.async_reader is not None:
             await self.index.async_reader.close()
         self._executor.shutdown(wait=False)

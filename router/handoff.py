@@ -15,14 +15,13 @@ import asyncio
 import json
 import logging
 
-import aiohttp
 from aiohttp import web
 
 from pdpool.logs import HEADER as REQUEST_ID_HEADER
 from pdpool.router.request import RoutedRequest
 from pdpool.router.scheduler import NoNodeError, RoutePlan
 from pdpool.router.sse import SSERelay
-from pdpool.router.upstream import ClientErrorReply, UpstreamError, classify_status
+from pdpool.router.upstream import TRANSPORT_ERRORS, ClientErrorReply, UpstreamError, classify_status
 from pdpool.server.errors import APIError
 
 logger = logging.getLogger("pdpool.router")
@@ -188,7 +187,7 @@ class RequestPath:
             if not rr.stream:
                 try:
                     data = await resp.read()
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                except TRANSPORT_ERRORS as exc:
                     raise UpstreamError("stream_broken", f"{d.node_id}: {type(exc).__name__}: {exc}") from exc
                 ticket.prefill_done()
                 self._answered(d)
@@ -206,8 +205,8 @@ class RequestPath:
     async def _stream(self, http_request, rr, plan, d, resp, hide_usage, ticket) -> web.StreamResponse:
         relay = SSERelay(hide_usage)
         try:
-            first = await resp.content.readany()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            first = await resp.readany()
+        except TRANSPORT_ERRORS as exc:
             raise UpstreamError("stream_broken", f"{d.node_id} broke before its first byte: {exc}") from exc
         if not first:
             raise UpstreamError("stream_broken", f"{d.node_id} closed the stream before its first byte")
@@ -223,8 +222,8 @@ class RequestPath:
                 data = relay.feed(chunk)
                 if data:
                     await out.write(data)
-                chunk = await resp.content.readany()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                chunk = await resp.readany()
+        except TRANSPORT_ERRORS as exc:
             error = f"{type(exc).__name__}: {exc}"
         if not relay.done:
             tail = relay.tail()
@@ -249,10 +248,10 @@ class _PassThrough(Exception):
         self.reply = reply
 
 
-async def _read_or(resp: aiohttp.ClientResponse, default: bytes) -> bytes:
+async def _read_or(resp, default: bytes) -> bytes:
     try:
         return await resp.read()
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except TRANSPORT_ERRORS:
         return default
 
 

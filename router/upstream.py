@@ -1,4 +1,10 @@
-"""HTTP legs to the nodes (one shared aiohttp session), with failures classified for retries and metrics."""
+"""HTTP legs to the nodes, with failures classified for retries and metrics.
+
+The generation legs (prefill, decode) of ``http://`` nodes go through the lean HTTP/1.1 client
+(``router/http1.py``); ``https://`` nodes, lease releases, and every leg when ``httptools`` is missing go through
+the shared aiohttp session. Both answer with the same small response interface (``status``, ``content_type``,
+``readany()``, ``read()``, ``close()``), and their transport failures are ``TRANSPORT_ERRORS``.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,9 @@ import aiohttp
 
 from pdpool import internal_api
 from pdpool.logs import HEADER as REQUEST_ID_HEADER
+from pdpool.router.http1 import HTTPClientError, Http1Client
+
+TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, HTTPClientError)
 
 logger = logging.getLogger("pdpool.router")
 
@@ -42,13 +51,35 @@ def classify_status(status: int) -> str | None:
     return None
 
 
+class _AiohttpResponse:
+    """An aiohttp response behind the lean client's response interface."""
+
+    __slots__ = ("_resp", "status", "content_type")
+
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self._resp = resp
+        self.status = resp.status
+        self.content_type = resp.content_type
+
+    async def readany(self) -> bytes:
+        return await self._resp.content.readany()
+
+    async def read(self) -> bytes:
+        return await self._resp.read()
+
+    def close(self) -> None:
+        self._resp.close()
+
+
 class Upstream:
     def __init__(self, session: aiohttp.ClientSession, *, connect_timeout: float, request_timeout: float,
-                 internal_token: str | None) -> None:
+                 internal_token: str | None, http1: Http1Client | None = None) -> None:
         self.session = session
+        self.http1 = http1
         self.connect_timeout = connect_timeout
         self.request_timeout = request_timeout
         self.internal_token = internal_token
+        self._headers = {"Content-Type": "application/json", **internal_api.headers(internal_token)}
 
     def headers(self, request_id: str) -> dict[str, str]:
         return {REQUEST_ID_HEADER: request_id, **internal_api.headers(self.internal_token)}
@@ -56,22 +87,22 @@ class Upstream:
     def timeout(self, total: float | None = None) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=total or self.request_timeout, sock_connect=self.connect_timeout)
 
-    async def open(self, url: str, body: dict | bytes, request_id: str, timeout: float | None = None
-                   ) -> aiohttp.ClientResponse:
-        """POST (a dict, or JSON already serialized) and wait for the status line; the caller reads and closes
-        the response."""
-        headers = self.headers(request_id)
-        if isinstance(body, bytes):
-            headers["Content-Type"] = "application/json"
-            data, body = body, None
-        else:
-            data = None
+    async def open(self, url: str, body: dict | bytes, request_id: str, timeout: float | None = None):
+        """POST (a dict, or JSON already serialized) and wait for the status line and headers; the caller reads
+        (``readany()``, ``read()``) and closes the response."""
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
         try:
-            return await self.session.post(url, data=data, json=body, headers=headers,
-                                           timeout=self.timeout(timeout))
+            if self.http1 is not None and url.startswith("http://"):
+                return await self.http1.request(url, data, {**self._headers, REQUEST_ID_HEADER: request_id},
+                                                timeout=timeout or self.request_timeout,
+                                                connect_timeout=self.connect_timeout)
+            headers = self.headers(request_id)
+            headers["Content-Type"] = "application/json"
+            return _AiohttpResponse(await self.session.post(url, data=data, headers=headers,
+                                                            timeout=self.timeout(timeout)))
         except asyncio.TimeoutError as exc:
             raise UpstreamError("timeout", f"{url}: no answer in time") from exc
-        except aiohttp.ClientError as exc:
+        except (aiohttp.ClientError, HTTPClientError) as exc:
             raise UpstreamError("connect", f"{url}: {type(exc).__name__}: {exc}") from exc
 
     async def post_json(self, url: str, body: dict, request_id: str, timeout: float | None = None) -> dict:
@@ -81,7 +112,7 @@ class Upstream:
             data = await resp.read()
         except asyncio.TimeoutError as exc:
             raise UpstreamError("timeout", f"{url}: body not read in time") from exc
-        except aiohttp.ClientError as exc:
+        except TRANSPORT_ERRORS as exc:
             raise UpstreamError("stream_broken", f"{url}: {type(exc).__name__}: {exc}") from exc
         finally:
             resp.close()

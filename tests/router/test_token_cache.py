@@ -60,6 +60,22 @@ def test_the_piece_encoder_is_whole_text_tokenization(frontend, text):
     assert pieces.encode(text) == expected  # from the piece cache
 
 
+ascii_texts = st.text(alphabet=st.characters(max_codepoint=127), max_size=80) | st.lists(st.sampled_from(
+    [f for f in FRAGMENTS if f.isascii()] + ["\x0b", "\x0c", "\x1f", "\x7f", "I'M", "it's", "  x"]),
+    max_size=60).map("".join)
+
+
+@settings(max_examples=400, deadline=None)
+@given(text=ascii_texts)
+def test_the_ascii_pattern_cuts_ascii_text_as_the_unicode_pattern_does(frontend, text):
+    """ASCII segments are cut by the standard library's ``re`` (faster); the same pieces as the ``regex`` pattern,
+    hence the same ids as the tokenizer (every ASCII string of 3 characters was also checked once, by hand)."""
+    pieces = PieceEncoder(frontend.tokenizer, capacity=50)
+    assert pieces._ascii_pieces is not pieces._pieces     # the start-up probe accepted the ASCII pattern
+    assert pieces._ascii_pieces.findall(text) == pieces._pieces.findall(text)
+    assert pieces.encode(text) == frontend.tokenizer.encode(text, False)
+
+
 @settings(max_examples=200, deadline=None)
 @given(text=texts, size=st.integers(1, 12))
 def test_cuts_are_before_a_space_after_non_whitespace(frontend, text, size):

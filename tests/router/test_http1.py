@@ -1,0 +1,460 @@
+"""The router's lean HTTP/1.1 client (``router/http1.py``) against a real aiohttp upstream and raw sockets: bodies of
+any size and chunking (Content-Length and chunked), the parser over any split of the bytes, request bodies,
+keep-alive reuse, reconnection after the upstream closed, the one resend on a connection dropped at send,
+timeouts, cancellation reaching the upstream, read-side back-pressure, malformed and read-until-close answers."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+from aiohttp import web
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from pdpool.router.http1 import (HIGH_WATER, ConnectError, ConnectionClosed, Http1Client, ProtocolError, Response,
+                                 _Connection)
+
+
+def pattern(size: int) -> bytes:
+    return (bytes(range(251)) * (size // 251 + 1))[:size]
+
+
+class Upstream:
+    """An aiohttp server on its own thread and loop; records the connections it served and the requests the
+    client abandoned."""
+
+    def __init__(self, keepalive_timeout: float = 75.0) -> None:
+        self.peers: list = []
+        self.abandoned = threading.Event()
+        self.loop = asyncio.new_event_loop()
+        self.port = 0
+        ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(ready, keepalive_timeout), daemon=True)
+        self.thread.start()
+        assert ready.wait(10)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _run(self, ready: threading.Event, keepalive_timeout: float) -> None:
+        asyncio.set_event_loop(self.loop)
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/body", self.body)
+        app.router.add_post("/echo", self.echo)
+        app.router.add_post("/sse", self.sse)
+        app.router.add_post("/slow", self.slow)
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                                    keepalive_timeout=keepalive_timeout)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.port = site._server.sockets[0].getsockname()[1]
+        ready.set()
+        self.loop.run_forever()
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    def _seen(self, request: web.Request) -> None:
+        self.peers.append(request.transport.get_extra_info("peername"))
+
+    async def body(self, request: web.Request) -> web.StreamResponse:
+        """``{"size", "cuts", "chunked"}``: the pattern of that size, written in pieces cut at ``cuts``."""
+        self._seen(request)
+        spec = await request.json()
+        data = pattern(spec["size"])
+        if not spec["chunked"]:
+            return web.Response(body=data, content_type="application/octet-stream")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        cuts = sorted({c for c in spec["cuts"] if 0 < c < len(data)})
+        for a, b in zip([0, *cuts], [*cuts, len(data)]):
+            await resp.write(data[a:b])
+        await resp.write_eof()
+        return resp
+
+    async def echo(self, request: web.Request) -> web.Response:
+        self._seen(request)
+        return web.Response(body=await request.read(), headers={"X-Echo-Request-Id": request.headers.get(
+            "X-Request-Id", "")}, content_type="application/json")
+
+    async def sse(self, request: web.Request) -> web.StreamResponse:
+        self._seen(request)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            for i in range(200):
+                await resp.write(b"data: %d\n\n" % i)
+                await asyncio.sleep(0.02)
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.abandoned.set()
+            raise
+        await resp.write_eof()
+        return resp
+
+    async def slow(self, request: web.Request) -> web.Response:
+        self._seen(request)
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            self.abandoned.set()
+            raise
+        return web.Response(body=b"{}")
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    server = Upstream()
+    yield server
+    server.stop()
+
+
+def run(coro_fn):
+    """Run ``coro_fn(client)`` on a fresh loop with a fresh client."""
+    async def main():
+        client = Http1Client()
+        try:
+            return await coro_fn(client)
+        finally:
+            client.close()
+    return asyncio.run(main())
+
+
+async def post(client: Http1Client, url: str, body: bytes = b"{}", timeout: float = 10.0) -> Response:
+    return await client.request(url, body, {"Content-Type": "application/json"}, timeout=timeout,
+                                connect_timeout=2.0)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(size=st.integers(0, 300_000), cuts=st.lists(st.integers(1, 300_000), max_size=12), chunked=st.booleans(),
+       by_readany=st.booleans())
+def test_bodies_of_any_size_and_chunking_arrive_whole_and_the_connection_is_reused(upstream, size, cuts, chunked,
+                                                                                   by_readany):
+    import json
+
+    spec = json.dumps({"size": size, "cuts": cuts, "chunked": chunked}).encode()
+
+    async def go(client):
+        got = []
+        for _ in range(2):
+            r = await post(client, upstream.url + "/body", spec)
+            assert r.status == 200
+            if by_readany:
+                parts = []
+                while chunk := await r.readany():
+                    parts.append(chunk)
+                data = b"".join(parts)
+            else:
+                data = await r.read()
+            r.close()
+            got.append(data)
+            assert client.num_idle() == 1
+        return got
+
+    before = len(upstream.peers)
+    got = run(go)
+    assert got == [pattern(size)] * 2
+    assert upstream.peers[before] == upstream.peers[before + 1]  # one keep-alive connection for both
+
+
+class FakeTransport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = b""
+        self.aborted = False
+        self.paused = False
+
+    def writelines(self, data) -> None:
+        self.written += b"".join(data)
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+
+def raw_response(body: bytes, chunk_sizes: list[int] | None, keep_alive: bool) -> bytes:
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\n"
+    if not keep_alive:
+        head += b"Connection: close\r\n"
+    if chunk_sizes is None:
+        return head + b"Content-Length: %d\r\n\r\n" % len(body) + body
+    out, pos, i = [head + b"Transfer-Encoding: chunked\r\n\r\n"], 0, 0
+    while pos < len(body):
+        n = max(1, chunk_sizes[i % len(chunk_sizes)]) if chunk_sizes else len(body)
+        out.append(b"%x\r\n" % len(body[pos:pos + n]) + body[pos:pos + n] + b"\r\n")
+        pos += n
+        i += 1
+    return b"".join(out) + b"0\r\n\r\n"
+
+
+@settings(max_examples=200, deadline=None)
+@given(body=st.binary(max_size=3000), chunk_sizes=st.none() | st.lists(st.integers(1, 700), max_size=6),
+       splits=st.lists(st.integers(1, 97), max_size=60), keep_alive=st.booleans())
+def test_the_parser_gives_the_body_whatever_the_split_of_the_bytes(body, chunk_sizes, splits, keep_alive):
+    async def go():
+        client = Http1Client()
+        conn = _Connection(client, ("h", 1))
+        conn.connection_made(FakeTransport())
+        r = conn.start(b"POST / HTTP/1.1\r\n\r\n", b"", client.loop.time() + 10)
+        data = raw_response(body, chunk_sizes, keep_alive)
+        pos, i = 0, 0
+        while pos < len(data):
+            n = splits[i % len(splits)] if splits else len(data)
+            conn.data_received(data[pos:pos + n])
+            pos += n
+            i += 1
+        await r._wait_headers()
+        assert (r.status, r.content_type) == (200, "text/event-stream")
+        assert await r.read() == body
+        assert r.complete and r.keep_alive == keep_alive
+        r.close()
+        assert client.num_idle() == (1 if keep_alive else 0)
+
+    asyncio.run(go())
+
+
+def test_a_large_request_body_and_the_headers_reach_the_upstream(upstream):
+    payload = pattern(5 * 1024 * 1024)
+
+    async def go(client):
+        r = await client.request(upstream.url + "/echo", payload, {"X-Request-Id": "req-1"}, timeout=30,
+                                 connect_timeout=2)
+        try:
+            return r.headers.get("x-echo-request-id"), await r.read()
+        finally:
+            r.close()
+
+    assert run(go) == ("req-1", payload)
+
+
+def test_a_header_value_with_a_line_break_is_refused(upstream):
+    async def go(client):
+        with pytest.raises(ValueError):
+            await client.request(upstream.url + "/echo", b"{}", {"X-Request-Id": "a\r\nX-Evil: 1"}, timeout=5,
+                                 connect_timeout=2)
+
+    run(go)
+
+
+def test_a_new_connection_after_the_upstream_closed_the_idle_one():
+    server = Upstream(keepalive_timeout=0.2)
+    try:
+        async def go(client):
+            for _ in range(2):
+                r = await post(client, server.url + "/echo", b'{"a": 1}')
+                assert await r.read() == b'{"a": 1}'
+                r.close()
+                await asyncio.sleep(0.6)   # the server closes the idle connection meanwhile
+            return client.num_idle()
+
+        run(go)
+        assert len(server.peers) == 2 and server.peers[0] != server.peers[1]
+    finally:
+        server.stop()
+
+
+class RawServer:
+    """A socket server on a thread; ``handle(conn, index)`` serves the index-th accepted connection."""
+
+    def __init__(self, handle) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.accepted = 0
+        self.handle = handle
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            index = self.accepted
+            self.accepted += 1
+            threading.Thread(target=self._one, args=(conn, index), daemon=True).start()
+
+    def _one(self, conn: socket.socket, index: int) -> None:
+        try:
+            self.handle(conn, index)
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def read_request(conn: socket.socket) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return b""
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    length = int([line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")][0])
+    while len(rest) < length:
+        rest += conn.recv(65536)
+    return head
+
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Type: application/json\r\n\r\n{}"
+
+
+def test_a_request_is_sent_again_once_when_a_reused_connection_drops_before_answering():
+    def handle(conn, index):
+        if index == 0:
+            read_request(conn)
+            conn.sendall(OK)
+            read_request(conn)   # the second request on this connection: dropped without an answer
+            return
+        while read_request(conn):
+            conn.sendall(OK)
+
+    server = RawServer(handle)
+    try:
+        async def go(client):
+            bodies = []
+            for _ in range(2):
+                r = await post(client, server.url + "/v1/completions")
+                bodies.append(await r.read())
+                r.close()
+            return bodies
+
+        assert run(go) == [b"{}", b"{}"]
+        assert server.accepted == 2
+    finally:
+        server.close()
+
+
+def test_a_new_connection_closed_before_answering_is_an_error_not_a_resend():
+    server = RawServer(lambda conn, index: read_request(conn))
+    try:
+        async def go(client):
+            with pytest.raises(ConnectionClosed):
+                await post(client, server.url + "/v1/completions")
+
+        run(go)
+        assert server.accepted == 1
+    finally:
+        server.close()
+
+
+def test_a_body_that_ends_when_the_upstream_closes_and_a_malformed_answer():
+    def handle(conn, index):
+        read_request(conn)
+        if index == 0:
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nhello ")
+            conn.sendall(b"world")
+        else:
+            conn.sendall(b"HTTP/1.1 2x0 what\r\n\r\n")
+
+    server = RawServer(handle)
+    try:
+        async def go(client):
+            r = await post(client, server.url + "/a")
+            assert (r.status, r.content_type, await r.read()) == (200, "text/plain", b"hello world")
+            r.close()
+            assert client.num_idle() == 0    # ended by a close: never reused
+            with pytest.raises(ProtocolError):
+                await post(client, server.url + "/b")
+
+        run(go)
+    finally:
+        server.close()
+
+
+def test_connect_error():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]   # bound, not listening: connections are refused
+
+        async def go(client):
+            with pytest.raises(ConnectError):
+                await post(client, f"http://127.0.0.1:{port}/x")
+
+        run(go)
+
+
+def test_a_timeout_closes_the_connection_and_the_upstream_sees_it(upstream):
+    upstream.abandoned.clear()
+
+    async def go(client):
+        t0 = time.monotonic()
+        with pytest.raises(asyncio.TimeoutError):
+            await post(client, upstream.url + "/slow", timeout=0.3)
+        assert time.monotonic() - t0 < 2
+        assert client.num_idle() == 0
+
+    run(go)
+    assert upstream.abandoned.wait(5)
+
+
+def test_cancelling_a_stream_closes_the_connection_and_the_upstream_sees_it(upstream):
+    upstream.abandoned.clear()
+
+    async def go(client):
+        got = []
+
+        async def reader():
+            r = await post(client, upstream.url + "/sse")
+            try:
+                while chunk := await r.readany():
+                    got.append(chunk)
+            finally:
+                r.close()
+
+        task = asyncio.ensure_future(reader())
+        while len(got) < 2:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert client.num_idle() == 0
+        return got
+
+    assert run(go)[0] == b"data: 0\n\n"
+    assert upstream.abandoned.wait(5)
+
+
+def test_cancelling_while_waiting_for_the_headers_closes_the_connection(upstream):
+    upstream.abandoned.clear()
+
+    async def go(client):
+        task = asyncio.ensure_future(post(client, upstream.url + "/slow"))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert client.num_idle() == 0
+
+    run(go)
+    assert upstream.abandoned.wait(5)
+
+
+def test_reading_pauses_while_the_reader_lags_and_nothing_is_lost(upstream):
+    import json
+
+    size = 8 * 1024 * 1024
+    spec = json.dumps({"size": size, "cuts": list(range(65536, size, 65536)), "chunked": True}).encode()
+
+    async def go(client):
+        r = await post(client, upstream.url + "/body", spec, timeout=60)
+        await asyncio.sleep(0.5)   # the upstream writes meanwhile; the client stops reading above HIGH_WATER
+        buffered = r._buffered
+        data = await r.read()
+        r.close()
+        return buffered, data
+
+    buffered, data = run(go)
+    assert buffered <= HIGH_WATER + 1024 * 1024   # one socket read past the mark at most
+    assert data == pattern(size)
