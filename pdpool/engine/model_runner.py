@@ -267,20 +267,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:
-        """Forward the step (writing its KV) -> float32 logits [R_s, V] of the sampling requests."""
+        """Forward the step (writing its KV) -> logits [R_s, V] of the sampling requests: float32, or on CUDA in
+        the model dtype (the sampler reads them as float32; a float32 copy of [R_s, V] was one more kernel)."""
+        float32 = self.device.type != "cuda"
         if self.graphs is not None and self.graphs.fits(inputs.meta):
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)  # [R, H], R = T
-            return self.model.compute_logits(hidden[inputs.sample_indices])
+            return self.model.compute_logits(hidden[inputs.sample_indices], float32=float32)
         set_context(inputs.meta)
         try:
             hidden = self.model(inputs.input_ids, inputs.positions)  # [T, H]
         finally:
             reset_context()
-        return self.model.compute_logits(hidden[inputs.sample_indices])
+        return self.model.compute_logits(hidden[inputs.sample_indices], float32=float32)
 
     def compute_logits_for(self, scheduler_output) -> torch.Tensor:
         """Logits [R_s, V] float32, one row per sampling request in scheduled order; the step's KV is written."""
-        return self.run(self.prepare_inputs(scheduler_output))
+        return self.run(self.prepare_inputs(scheduler_output)).float()
 
     def execute(self, scheduler_output) -> dict[str, SampledToken]:
         if not scheduler_output.scheduled:

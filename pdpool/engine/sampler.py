@@ -140,7 +140,7 @@ class Sampler:
 
     def sample(
         self,
-        logits: torch.Tensor,  # [R, V] float32, left untouched
+        logits: torch.Tensor,  # [R, V] float32 (or the model dtype; read as float32), left untouched
         params: list[SamplingParams],
         prompt_token_ids: list[list[int]],
         output_token_ids: list[list[int]],
@@ -154,20 +154,22 @@ class Sampler:
         rows, seeded or not, logprobs) and returns the samples on the device. Rows with penalties or unmet
         ``min_tokens`` read the token lists now, so the caller passes real ids for them."""
         failed: dict[int, str] = {}
-        logits = logits.float()
+        raw = logits  # on CUDA in the model dtype: the fused pass reads it as it is, without a float32 copy
         device = logits.device
         rows_all = len(params)
-        processed = self._mask_min_tokens(logits, params, output_token_ids, failed)
-        if self.fused and device.type == "cuda" and processed is logits and not failed and all(
+        processed = self._mask_min_tokens(raw, params, output_token_ids, failed)
+        if self.fused and device.type == "cuda" and processed is raw and not failed and all(
                 _fusable(p) for p in params):
             from pdpool.kernels.sample import gumbel_argmax
 
             temperature = column([0.0 if p.is_greedy else p.temperature for p in params], torch.float32, device)
-            token_ids = gumbel_argmax(logits, temperature, self._seeds.getrandbits(31))
+            token_ids = gumbel_argmax(raw, temperature, self._seeds.getrandbits(31))
             logprob_parts, top_n = None, None
             if any(p.logprobs is not None for p in params):
-                logprob_parts, top_n = self._logprobs(logits, params, token_ids)
+                logprob_parts, top_n = self._logprobs(raw.float(), params, token_ids)
             return PendingSample(token_ids, logprob_parts, top_n, failed)
+        logits = raw.float()  # every other path works in float32 (exact from bf16/fp16), as before
+        processed = logits if processed is raw else processed.float()
         penalized = [i for i, p in enumerate(params) if p.has_penalties]
         if penalized:
             processed = processed.clone() if processed is logits else processed

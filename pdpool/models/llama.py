@@ -17,8 +17,10 @@ measurements). The hidden state and the residual travel apart, as in vLLM::
 
 On CUDA with the triton attention backend, Qwen3's q/k norm, rotary and the KV store are one kernel
 (``pdpool.kernels.fused_qkv``), and a one-token forward (batch-1 decode) runs ``qkv_proj``, ``o_proj`` and
-``down_proj`` (with SiLU-and-mul folded into its input) as one-row GEMV kernels (``pdpool.kernels.gemv``): no
-split-K reduce kernels, no activation kernel. ``PDPOOL_GEMV=0`` keeps cuBLAS there (read at model construction).
+``gate_up_proj``, ``down_proj`` (with SiLU-and-mul folded into its input) and the logits of a one-row batch as
+one-row GEMV kernels (``pdpool.kernels.gemv``): no split-K reduce kernels, no activation kernel, and each at or
+above cuBLAS's share of copy bandwidth on the H100. ``PDPOOL_GEMV=0`` keeps cuBLAS there (read at model
+construction).
 ``TRITON_OPS_ON_CPU`` (tests only) runs these CUDA kernels on the CPU under Triton's interpreter.
 """
 
@@ -191,7 +193,7 @@ class MLP(nn.Module):
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (silu)")
 
     def forward(self, x: torch.Tensor, fused: bool = False, gemv: bool = False) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        gate_up = _project(self.gate_up_proj, x, gemv)  # [T, 2I]
         if gemv and self.down_proj.bias is None:  # one row: SiLU-and-mul inside the down projection's GEMV
             from pdpool.kernels.gemv import gemv as gemv_kernel
 
@@ -295,9 +297,17 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, rope)
         return self.model.norm(x, residual, fused=fused)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [R, H] -> logits [R, V] float32
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        # hidden: [R, H] -> logits [R, V] float32 (``float32=False``: in the model dtype, as the GEMM writes them;
+        # the sampler reads those without a float32 copy of [R, V])
         if self.logits_linear is not None:
             return self.logits_linear(hidden).float()
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if (hidden.shape[0] == 1 and self.gemv_ops and _triton_ops(hidden.device)
+                and (self.fused_ops if self.fused_ops is not None else fused_ops_default(hidden.device))):
+            from pdpool.kernels.gemv import gemv
+
+            logits = gemv(hidden, weight)  # one row (batch 1): the GEMV kernel, as in the forward
+        else:
+            logits = F.linear(hidden, weight)
+        return logits.float() if float32 else logits

@@ -256,3 +256,25 @@ def test_whatever_validates_samples_without_failing(**kwargs):
     gens = [make_generator(p.seed) if p.seed is not None else None, None]
     out = Sampler(eos_token_ids=[1]).sample(logits, params, prompts, [[], [2]], gens)
     assert out.failed == {} and all(0 <= t < VOCAB for t in out.token_ids)
+
+
+def test_logits_in_the_model_dtype_sample_as_their_float32_copy():
+    """On CUDA the runner hands the sampler bf16 logits (no float32 copy); penalties, min_tokens, logprobs and
+    seeded draws must give exactly what the float32 copy of the same logits gives."""
+    logits, prompts, outputs = make_batch(6, seed=3)
+    logits = logits.to(torch.bfloat16)
+    params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.8, seed=7),
+              SamplingParams(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5),
+              SamplingParams(temperature=1.1, top_k=5, top_p=0.9, seed=11, logprobs=2),
+              SamplingParams(temperature=0.0, min_tokens=12, stop_token_ids=[int(logits[4].float().argmax())]),
+              SamplingParams(temperature=0.6, min_p=0.1, frequency_penalty=0.4, seed=13)]
+
+    def run(x):
+        gens = [make_generator(p.seed) if p.seed is not None else None for p in params]
+        return Sampler(eos_token_ids=[1], seed=0).sample(x, params, prompts, outputs, gens)
+
+    a, b = run(logits), run(logits.float())
+    assert a.token_ids == b.token_ids and a.failed == b.failed == {}
+    assert a.top_logprobs == b.top_logprobs
+    assert all((x == y) or (math.isnan(x) and math.isnan(y)) for x, y in zip(a.logprobs, b.logprobs))
+    assert a.token_ids[4] != params[4].stop_token_ids[0]

@@ -116,6 +116,10 @@ def test_one_token_step_matches_torch_path(arch, gemv, triton_ops):
     ref = forward(model, False, ids, positions, meta, kv.clone())
     out = forward(model, True, ids, positions, meta, kv.clone())
     assert rel_err(out, ref.float()) < TOL
+    with torch.inference_mode():
+        ref_logits = torch.nn.functional.linear(ref, model.model.embed_tokens.weight if model.tie_word_embeddings
+                                                else model.lm_head.weight).float()
+        assert rel_err(model.compute_logits(out), ref_logits) < TOL  # one row: the GEMV kernel where on
     meta.slot_mapping.fill_(-1)
     kv_pad = kv.clone()
     forward(model, True, ids, positions, meta, kv_pad)
