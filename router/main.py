@@ -47,9 +47,19 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"pdpool router: error: cannot read the tokenizer of --model {r.model}: {exc}", file=sys.stderr)
         return 2
-    # uvloop was tried: no measurable win on the router's latency or CPU (docs/performance.md), so plain asyncio.
-    asyncio.run(_serve(create_app(Router(cfg, profile, frontend)), r.host, r.port))
+    run(_serve(create_app(Router(cfg, profile, frontend)), r.host, r.port))
     return 0
+
+
+def run(coro) -> None:
+    """Run on uvloop when it is installed, else on asyncio's own loop. uvloop cut the CPU of the router's HTTP
+    legs (server side and node client, measured apart) by about 0.06 ms per request (docs/performance.md)."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+    else:
+        uvloop.run(coro)
 
 
 def _main_workers(cfg, profile) -> int:
@@ -85,8 +95,7 @@ def _main_workers(cfg, profile) -> int:
 
         frontend = Frontend.from_model(r.model, token_cache_chunks=r.token_cache_chunks)
         try:
-            asyncio.run(_serve(create_app(Router(cfg, profile, frontend)), r.host, r.port, reuse_port=True,
-                               worker=index))
+            run(_serve(create_app(Router(cfg, profile, frontend)), r.host, r.port, reuse_port=True, worker=index))
         finally:
             if os.getppid() != supervisor:  # the supervisor was killed (its cleanup never ran): the last ones out
                 shutil.rmtree(metrics_dir, ignore_errors=True)

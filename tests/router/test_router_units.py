@@ -265,3 +265,24 @@ def test_a_prefix_just_routed_counts_before_the_node_publishes_it():
     index.approx.record(hashes, "b", None, now=time.monotonic() - 6.0)  # routed too long ago: Redis decides
     assert asyncio.run(index.lookup(hashes, [a, b])) == {"a": 3, "b": 0}
     assert asyncio.run(_precise_index(recent_seconds=0).lookup(hashes, [a, b])) == {"a": 0, "b": 0}
+
+
+def test_the_router_runs_on_uvloop_when_installed_and_on_asyncio_without(monkeypatch):
+    import asyncio
+
+    from pdpool.router.main import run
+
+    async def loop_module() -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    seen: list[str] = []
+
+    async def record() -> None:
+        seen.append(await loop_module())
+
+    import uvloop  # noqa: F401 - a dependency of pdpool
+
+    run(record())
+    monkeypatch.setitem(sys.modules, "uvloop", None)   # import uvloop -> ImportError
+    run(record())
+    assert seen[0].startswith("uvloop") and seen[1].startswith("asyncio")
