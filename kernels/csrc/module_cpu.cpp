@@ -19,11 +19,16 @@ std::string small_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
                          at::Tensor& out);
 }  // namespace pdpool_cpu
 
+// Each call releases the GIL (the kernels touch no Python object): a node's front end (HTTP, detokenization) runs
+// on other threads of the same process, and a kernel holding the GIL stalled it for the step's whole kernel time.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &pdpool_cpu::paged_decode, "paged decode attention, in place into out");
-  m.def("store_kv", &pdpool_cpu::store_kv, "the step's K and V rows into the paged cache by slot");
-  m.def("rms_norm", &pdpool_cpu::rms_norm, "RMSNorm, with the residual add when given, into out (and residual_out)");
-  m.def("rotary", &pdpool_cpu::rotary, "rotary embedding of q and k in place, from cos/sin [T, D/2] fp32");
-  m.def("silu_and_mul", &pdpool_cpu::silu_and_mul, "silu(gate) * up into out");
-  m.def("small_linear", &pdpool_cpu::small_linear, "x [M, K] @ w [N, K]^T (+ bias) into out, for few rows");
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
+  m.def("paged_decode", &pdpool_cpu::paged_decode, "paged decode attention, in place into out", no_gil);
+  m.def("store_kv", &pdpool_cpu::store_kv, "the step's K and V rows into the paged cache by slot", no_gil);
+  m.def("rms_norm", &pdpool_cpu::rms_norm, "RMSNorm, with the residual add when given, into out (and residual_out)",
+        no_gil);
+  m.def("rotary", &pdpool_cpu::rotary, "rotary embedding of q and k in place, from cos/sin [T, D/2] fp32", no_gil);
+  m.def("silu_and_mul", &pdpool_cpu::silu_and_mul, "silu(gate) * up into out", no_gil);
+  m.def("small_linear", &pdpool_cpu::small_linear, "x [M, K] @ w [N, K]^T (+ bias) into out, for few rows",
+        no_gil);
 }
