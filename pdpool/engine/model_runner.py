@@ -146,8 +146,9 @@ class ModelRunner:
             from pdpool.engine.sampling_params import SamplingParams
 
             warm = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)]
-            self.sampler.sample(torch.randn(2, info.vocab_size, device=self.device), warm, [[0], [0]], [[], []],
-                                [None, None])
+            # in the dtype the runner hands the sampler (the model's: see ``run``), so no step compiles it again
+            self.sampler.sample(torch.randn(2, info.vocab_size, device=self.device, dtype=self.dtype), warm,
+                                [[0], [0]], [[], []], [None, None])
         log.info("model %s (%s, %s) on %s: %d KV blocks of %d tokens, %d bytes each, attention %s, decode %s",
                  path, info.architecture, dtype_name, self.device, self.num_blocks, self.block_size,
                  self.block_bytes, self.backend.name, "CUDA graphs" if self.graphs else "eager")

@@ -79,3 +79,30 @@ def test_the_sampler_gives_greedy_tokens_and_raw_logprobs():
     assert out.token_ids[:4] == logits[:4].argmax(dim=-1).tolist()
     lse = torch.logsumexp(logits, dim=-1)
     assert abs(out.logprobs[0] - (logits[0].max() - lse[0]).item()) < 1e-5
+
+
+def test_ids_do_not_depend_on_the_column_split():
+    """Programs per row (1, 2, 4, 8, with empty trailing ranges at 8) give the same ids, greedy and random, with
+    ties of the maximum across ranges (the first index wins) and rows that are -inf throughout."""
+    gen = torch.Generator().manual_seed(1)
+    V = 700
+    logits = torch.randn(7, V, generator=gen).round(decimals=1)
+    logits[1, [650, 3, 300]] = 40.0  # tie across ranges
+    logits[4] = float("-inf")  # nothing finite: index 0, as one program gives
+    logits[5, :600] = float("-inf")
+    temperature = torch.tensor([0.0, 0.0, 0.7, 1.3, 0.0, 0.9, 0.0])
+    ids = [gumbel_argmax(logits.to(DEVICE), temperature.to(DEVICE), seed=99, splits=s).cpu().tolist()
+           for s in (1, 2, 4, 8)]
+    assert ids[1:] == ids[:1] * 3
+    assert ids[0][1] == 3 and ids[0][4] == 0 and ids[0][5] >= 600
+    ids_again = [gumbel_argmax(logits.to(DEVICE), temperature.to(DEVICE), seed=99, splits=s).cpu().tolist()
+                 for s in (8, 4)]  # the workspace counts were left at zero
+    assert ids_again == ids[:2]
+
+
+def test_split_choice():
+    from pdpool.kernels.sample import choose_splits
+
+    assert choose_splits(190, 151936, 132) == 4  # 4 * 132 / 190 -> 3, up to a power of two
+    assert choose_splits(1, 128256, 132) == 16  # capped by 4096-column ranges: 31 -> 16
+    assert choose_splits(1024, 151936, 132) == 1
