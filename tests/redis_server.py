@@ -18,7 +18,6 @@ import subprocess
 import time
 
 import pytest
-import redis
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 TEST_PASSWORD = "test-secret"  # the fixtures' servers, and the nodes the tests start against them
@@ -40,10 +39,15 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def client(self, **kw) -> redis.Redis:
+    def client(self, **kw):
+        # redis-py is imported where it is used, so the root conftest loads on a host without it (the GPU machines)
+        import redis
+
         return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, **kw)
 
     def start(self, timeout: float = 10.0) -> "RedisServer":
+        import redis
+
         argv = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                 "--daemonize", "no", "--loglevel", "warning"]
         if self.password:
