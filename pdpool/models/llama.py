@@ -279,7 +279,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", inv_frequencies(config, head_dim), persistent=False)  # [D/2] fp32
         self.fused_ops: bool | None = None  # None: on CUDA unless PDPOOL_FUSED_OPS=0 (see the module docstring)
         self.gemv_ops = gemv_default()  # one-row GEMV kernels for one-token forwards (with fused ops)
-        self.logits_linear = None  # CPU fp32: the logits weight packed for oneDNN (pdpool.models.cpu_linear)
+        self.logits_linear = None  # CPU: the logits weight through pdpool.models.cpu_linear (native kernel / oneDNN)
 
     def bind_kv_cache(self, kv_cache: torch.Tensor, backend: AttentionBackend) -> None:
         """kv_cache: [num_blocks, num_layers, 2, block_size, Hkv, D]; each layer keeps its strided K and V views."""

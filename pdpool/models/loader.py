@@ -57,7 +57,7 @@ def load_model(path: str | Path, hf_config=None, *, dtype: torch.dtype = torch.f
     if torch.device(device).type == "cpu":
         from pdpool.models.cpu_linear import pack_cpu_linears
 
-        pack_cpu_linears(model)  # oneDNN-packed weights at decode sizes; no-op where the build lacks the ops
+        pack_cpu_linears(model)  # the native small-row kernel / oneDNN-packed weights at decode sizes, where built
     return model.eval()
 
 
