@@ -14,26 +14,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from bench_cpu_decode import timed  # benchmarks/ is the script's folder, so on sys.path
 from pdpool.models import cpu_linear
 
 # (name, N, K) of the demo model (SmolLM2-135M): fused qkv, o, fused gate_up, down, logits (tied embedding)
 SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536), ("logits", 49152, 576)]
-
-
-def timed(fn, reps: int) -> float:
-    """Median seconds per call, after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def cycling(weights: list, call):

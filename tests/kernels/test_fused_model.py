@@ -50,10 +50,10 @@ def forward(model, fused: bool, ids, positions, meta, kv):
         reset_context()
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
-def test_fused_path_matches_torch_path(arch):
-    model = build(arch)
-    # request 0 decodes at position 40 over a cached prefix, request 1 prefills 9 tokens, request 2 decodes at 3
+def mixed_step():
+    """One step of three requests: request 0 decodes at position 40 over a cached prefix, request 1 prefills 9
+    tokens, request 2 decodes at 3; shuffled blocks, and a random cache (the cached prefixes). Returns the step's
+    ids, positions, metadata and cache, and the blocks of each request."""
     query_lens, seq_lens = [1, 9, 1], [41, 9, 4]
     need = [-(-n // BLOCK) for n in seq_lens]
     perm = torch.randperm(sum(need) + 2).tolist()
@@ -61,7 +61,14 @@ def test_fused_path_matches_torch_path(arch):
     meta = AttentionMetadata.build(query_lens, seq_lens, blocks, BLOCK, device=DEVICE)
     positions = torch.tensor([40, *range(9), 3], device=DEVICE)
     ids = torch.randint(0, 300, (positions.numel(),), device=DEVICE)
-    kv = torch.randn(len(perm), 2, 2, BLOCK, 2, 16, device=DEVICE).to(DTYPE)  # the cached prefixes: random
+    kv = torch.randn(len(perm), 2, 2, BLOCK, 2, 16, device=DEVICE).to(DTYPE)
+    return ids, positions, meta, kv, blocks
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_fused_path_matches_torch_path(arch):
+    model = build(arch)
+    ids, positions, meta, kv, _ = mixed_step()
     ref = forward(model, False, ids, positions, meta, kv.clone())
     out = forward(model, True, ids, positions, meta, kv.clone())
     assert rel_err(out, ref.float()) < TOL
@@ -81,20 +88,13 @@ def test_triton_path_matches_torch_path_and_cache(arch, triton_ops):
     """The mixed step through the Triton kernels: same hidden states as the torch path, and the same K/V in the
     cache (the fused rotary + store kernel writes what the torch path's write_kv writes)."""
     model = build(arch)
-    query_lens, seq_lens = [1, 9, 1], [41, 9, 4]
-    need = [-(-n // BLOCK) for n in seq_lens]
-    perm = torch.randperm(sum(need) + 2).tolist()
-    blocks = [perm[:need[0]], perm[need[0]:need[0] + need[1]], perm[need[0] + need[1]:sum(need)]]
-    meta = AttentionMetadata.build(query_lens, seq_lens, blocks, BLOCK, device=DEVICE)
-    positions = torch.tensor([40, *range(9), 3], device=DEVICE)
-    ids = torch.randint(0, 300, (positions.numel(),), device=DEVICE)
-    kv = torch.randn(len(perm), 2, 2, BLOCK, 2, 16, device=DEVICE).to(DTYPE)
+    ids, positions, meta, kv, blocks = mixed_step()
     kv_ref, kv_out = kv.clone(), kv.clone()
     ref = forward(model, False, ids, positions, meta, kv_ref)
     out = forward(model, True, ids, positions, meta, kv_out)
     assert rel_err(out, ref.float()) < TOL
     assert rel_err(kv_out, kv_ref.float()) < TOL
-    untouched = torch.ones(len(perm), dtype=torch.bool)
+    untouched = torch.ones(kv.shape[0], dtype=torch.bool)
     untouched[[b for row in blocks for b in row]] = False
     assert torch.equal(kv_out[untouched], kv[untouched]), "a block outside the step's tables was written"
 
