@@ -19,6 +19,7 @@ import torch
 
 from pdpool.kv_index import IndexReader, NodeIndex, NodeInfo, PoolKeys, connect
 from pdpool.kv_transfer.agent import KVAgent, KVTransferError
+from stopped import stop_process
 
 UCX_TLS = "tcp,self"  # works on any host; "cma,tcp,self" adds zero-copy same-host reads (see the benchmark)
 SHAPE = (16, 4, 2, 16, 3, 64)  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
@@ -107,24 +108,6 @@ def test_pull_non_contiguous_blocks_with_read(pair):
     assert agent.stats.bytes_read == len(remote_ids) * block_bytes
     assert agent.stats.descriptors == 4  # runs: 2-4->10-12, 9->1, 15->5, 0->7
     assert agent.stats.warmups == 1
-
-
-def stop_process(pid: int) -> None:
-    """SIGSTOP, and wait until every thread of the process is stopped (state T), not only signalled."""
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 5.0
-    while True:
-        states = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])
-            except FileNotFoundError:  # a thread that just ended
-                pass
-        if all(state in "tT" for state in states):
-            return
-        assert time.monotonic() < deadline, f"process {pid} did not stop: thread states {states}"
-        time.sleep(0.001)
 
 
 def test_pull_from_an_asyncio_loop(pair):
