@@ -170,7 +170,7 @@ def test_bad_requests_raise_before_posting(pair):
 def test_stalled_peer_times_out(pair):
     """A peer that stops answering (SIGSTOP): the wait is bounded and raises; the pair recovers after."""
     _, agent, kv, peer, _, _, proc = pair
-    os.kill(proc.pid, signal.SIGSTOP)
+    stop_process(proc.pid)  # every thread stopped: no READ can complete from here
     try:
         t0 = time.monotonic()
         with pytest.raises(KVTransferError, match="timed out after 0.5s"):
