@@ -91,13 +91,11 @@ class Upstream:
         """POST (a dict, or JSON already serialized) and wait for the status line and headers; the caller reads
         (``readany()``, ``read()``) and closes the response."""
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        headers = {**self._headers, REQUEST_ID_HEADER: request_id}
         try:
             if self.http1 is not None and url.startswith("http://"):
-                return await self.http1.request(url, data, {**self._headers, REQUEST_ID_HEADER: request_id},
-                                                timeout=timeout or self.request_timeout,
+                return await self.http1.request(url, data, headers, timeout=timeout or self.request_timeout,
                                                 connect_timeout=self.connect_timeout)
-            headers = self.headers(request_id)
-            headers["Content-Type"] = "application/json"
             return _AiohttpResponse(await self.session.post(url, data=data, headers=headers,
                                                             timeout=self.timeout(timeout)))
         except asyncio.TimeoutError as exc:

@@ -47,6 +47,11 @@ def gemv_default() -> bool:
     return os.environ.get("PDPOOL_GEMV", "1") != "0"
 
 
+def _use_gemv(enabled: bool, fused: bool, rows: int, device: torch.device) -> bool:
+    """One-row GEMV kernels for this forward: enabled, fused ops on, Triton ops (CUDA), and one row."""
+    return enabled and fused and rows == 1 and _triton_ops(device)
+
+
 def fused_ops_default(device: torch.device) -> bool:
     if os.environ.get("PDPOOL_FUSED_OPS", "1") == "0":
         return False
@@ -244,8 +249,7 @@ class Rope:
     def __init__(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, fused: bool,
                  gemv: bool = False):
         self.fused, self.positions, self.inv_freq = fused, positions, inv_freq
-        # one-row GEMV kernels for this forward: fused ops on, Triton ops (CUDA), and one token
-        self.gemv = gemv and fused and positions.shape[0] == 1 and _triton_ops(positions.device)
+        self.gemv = _use_gemv(gemv, fused, positions.shape[0], positions.device)
         self.cos_sin = None
         if fused and not _triton_ops(positions.device):
             from pdpool.kernels.cpu_ops import rotary_cos_sin
@@ -303,8 +307,8 @@ class LlamaForCausalLM(nn.Module):
         if self.logits_linear is not None:
             return self.logits_linear(hidden).float()
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        if (hidden.shape[0] == 1 and self.gemv_ops and _triton_ops(hidden.device)
-                and (self.fused_ops if self.fused_ops is not None else fused_ops_default(hidden.device))):
+        fused = self.fused_ops if self.fused_ops is not None else fused_ops_default(hidden.device)
+        if _use_gemv(self.gemv_ops, fused, hidden.shape[0], hidden.device):
             from pdpool.kernels.gemv import gemv
 
             logits = gemv(hidden, weight)  # one row (batch 1): the GEMV kernel, as in the forward
