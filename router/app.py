@@ -1,43 +1,57 @@
-"""The router's composition root and HTTP surface (aiohttp).
+"""The router's composition root and HTTP surface.
 
-``Router`` builds every piece from the config (discovery, prefix index, scheduler, request path, metrics),
-owns their lifecycle, and serves ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
-``/health/live``, ``/health/ready``, ``/metrics`` and ``/openapi.json``. A client that disconnects cancels its
-handler (``handler_cancellation=True``), which closes the upstream legs.
+``Router`` builds every piece from the config (discovery, prefix index, scheduler, request path, metrics), owns
+their lifecycle, and answers ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health/live``,
+``/health/ready``, ``/metrics`` and ``/openapi.json`` through the raw HTTP/1.1 server (``router/server.py``).
+``handle`` does what a middleware would: the request id, authentication, OpenAI errors, the response counter. A
+client that disconnects cancels its request's task, which closes the upstream legs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
-from aiohttp import web
 
 from pdpool.frontend import Frontend
 from pdpool.logs import HEADER as REQUEST_ID_HEADER, request_id_from, request_id_var
 from pdpool.router import openapi
 from pdpool.router.endpoints import Pool
-from pdpool.router.handoff import RequestPath, _PassThrough, pass_through_response
+from pdpool.router.handoff import RequestPath, _PassThrough, pass_through
 from pdpool.router.http1 import Http1Client, httptools
 from pdpool.router.inflight import InflightTracker
 from pdpool.router.metrics import CONTENT_TYPE, RouterMetrics
 from pdpool.router.prefix_index import ApproxIndex, PrefixIndex
 from pdpool.router.request import parse
 from pdpool.router.scheduler import Scheduler
+from pdpool.router.server import Exchange, Request
 from pdpool.router.settings import SchedulerProfile
 from pdpool.router.upstream import Upstream
 from pdpool.server import protocol
 from pdpool.server.auth import check_api_key
-from pdpool.server.errors import APIError, error_response
+from pdpool.server.errors import APIError
 
 logger = logging.getLogger("pdpool.router")
 
 PUBLIC = ("/health", "/metrics", "/openapi.json")
-ROUTER_KEY = web.AppKey("router", object)
+GENERATE = ("/v1/completions", "/v1/chat/completions")
+# (method, path) -> handler name; GET routes answer HEAD too. /openapi.json lists what is here.
+ROUTES = {("POST", "/v1/completions"): "generate", ("POST", "/v1/chat/completions"): "generate",
+          ("GET", "/v1/models"): "models", ("GET", "/health/live"): "health_live",
+          ("GET", "/health/ready"): "health_ready", ("GET", "/health"): "health_ready",
+          ("GET", "/metrics"): "metrics_page", ("GET", "/openapi.json"): "openapi_page"}
+_ALLOWED: dict[str, list[str]] = {}
+for _method, _path in ROUTES:
+    _ALLOWED.setdefault(_path, []).extend([_method, "HEAD"] if _method == "GET" else [_method])
+
+
+def _json(value, status: int = 200) -> tuple[int, bytes, str]:
+    return status, json.dumps(value).encode(), "application/json"
 
 
 class Router:
@@ -73,7 +87,7 @@ class Router:
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 
-    async def start(self, app: web.Application) -> None:
+    async def start(self) -> None:
         r = self.cfg.router
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=60),
                                              auto_decompress=False)
@@ -108,7 +122,7 @@ class Router:
         logger.info("router ready to route: %d nodes known (%s)", len(self.pool.endpoints),
                     ", ".join(f"{e.node_id}={e.role}" for e in self.pool.endpoints.values()))
 
-    async def stop(self, app: web.Application) -> None:
+    async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -120,94 +134,99 @@ class Router:
             await self.index.async_reader.close()
         self._executor.shutdown(wait=False)
 
-    # ---- handlers -------------------------------------------------------------------------------------
+    async def drain(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) until no generation request is in flight."""
+        deadline = time.monotonic() + timeout
+        while self.num_inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
-    async def generate(self, request: web.Request) -> web.StreamResponse:
+    # ---- HTTP ---------------------------------------------------------------------------------------------
+
+    async def handle(self, request: Request, exchange: Exchange) -> None:
+        """Request id, authentication, routing and OpenAI errors; counts every response by status."""
+        rid = request_id_from(request.headers.get(REQUEST_ID_HEADER))
+        request_id_var.set(rid)       # this request's task has its own context
+        try:
+            if not request.path.startswith(PUBLIC):
+                check_api_key(request.headers, self.cfg.router.api_key)
+            name = ROUTES.get((request.method if request.method != "HEAD" else "GET", request.path))
+            if name is None:
+                allowed = _ALLOWED.get(request.path)
+                if allowed is None:
+                    raise APIError("Not Found", status=404)
+                raise _MethodNotAllowed(allowed)
+            if name == "generate":
+                await self.generate(request, exchange, rid)
+            else:
+                status, body, content_type = await getattr(self, name)(request)
+                exchange.respond(status, body, content_type, {REQUEST_ID_HEADER: rid})
+        except APIError as err:
+            if err.status >= 500:
+                logger.warning("%s %s -> %d: %s", request.method, request.path, err.status, err.message)
+            self._error(exchange, err, rid)
+        except _MethodNotAllowed as exc:
+            self._error(exchange, APIError("Method Not Allowed", status=405), rid, {"Allow": ", ".join(exc.allowed)})
+        except _PassThrough as exc:
+            if not exchange.started:
+                pass_through(exchange, exc, rid)
+        except (asyncio.CancelledError, ConnectionResetError):
+            logger.info("client disconnected from %s %s", request.method, request.path)
+            raise
+        except Exception as exc:  # noqa: BLE001 - the router must stay up
+            logger.exception("internal error on %s %s", request.method, request.path)
+            self._error(exchange, APIError(f"internal error: {type(exc).__name__}: {exc}", status=500), rid)
+        self.metrics.count_response(exchange.status)
+
+    @staticmethod
+    def _error(exchange: Exchange, err: APIError, rid: str, headers: dict | None = None) -> None:
+        if exchange.started:          # mid-stream: the request path already sent its error event
+            return
+        exchange.respond(err.status, json.dumps(err.body()).encode(), "application/json",
+                         {REQUEST_ID_HEADER: rid, **(headers or {})})
+
+    async def generate(self, request: Request, exchange: Exchange, rid: str) -> None:
         limit = self.cfg.router.max_inflight
         if limit and self.num_inflight >= limit:
             raise APIError(f"too many requests in flight (--max-inflight {limit}); retry later", status=429,
                            code="too_many_requests")
         self.num_inflight += 1
         try:
-            body = await protocol.read_json(request)
-            rr = parse(request.path, body, self.frontend, self.served_names, request_id_var.get(),
-                       await request.read())  # the bytes read_json parsed (aiohttp keeps them)
-            try:
-                return await self.path.serve(request, rr)
-            except _PassThrough as exc:
-                return pass_through_response(exc, rr.request_id)
+            content_type = request.headers.get("content-type")
+            if content_type is not None and not _is_json_type(content_type):
+                raise APIError(f"Content-Type must be application/json, got {protocol.short_repr(content_type)}")
+            body = protocol.read_json_body(request.body)
+            rr = parse(request.path, body, self.frontend, self.served_names, rid, request.body)
+            await self.path.serve(exchange, rr)
         finally:
             self.num_inflight -= 1
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: Request):
         card = {"id": self.served_names[0], "object": "model", "created": self.created, "owned_by": "pdpool",
                 "root": self.cfg.router.model, "parent": None}
-        return web.json_response({"object": "list", "data": [card]})
+        return _json({"object": "list", "data": [card]})
 
-    async def health_live(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "alive", "pid": os.getpid()})  # with --workers: which one answered
+    async def health_live(self, request: Request):
+        return _json({"status": "alive", "pid": os.getpid()})  # with --workers: which one answered
 
-    async def health_ready(self, request: web.Request) -> web.Response:
+    async def health_ready(self, request: Request):
         nodes = {e.node_id: e.role for e in self.pool.decode_candidates()}
         if not nodes:
-            return web.json_response({"status": "no ready node"}, status=503)
-        return web.json_response({"status": "ready", "nodes": nodes})
+            return _json({"status": "no ready node"}, 503)
+        return _json({"status": "ready", "nodes": nodes})
 
-    async def metrics_page(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+    async def metrics_page(self, request: Request):
+        return 200, self.metrics.render(), CONTENT_TYPE
 
-    async def openapi_page(self, request: web.Request) -> web.Response:
-        return web.json_response(openapi.spec(request.app))
-
-
-def _middlewares(router: Router):
-    api_key = router.cfg.router.api_key
-
-    @web.middleware
-    async def outer(request: web.Request, handler):
-        """Request id, authentication and OpenAI errors; counts every response by status."""
-        rid = request_id_from(request.headers.get(REQUEST_ID_HEADER))
-        token = request_id_var.set(rid)
-        try:
-            try:
-                if not request.path.startswith(PUBLIC):
-                    check_api_key(request.headers, api_key)
-                resp = await handler(request)
-            except APIError as err:
-                if err.status >= 500:
-                    logger.warning("%s %s -> %d: %s", request.method, request.path, err.status, err.message)
-                resp = error_response(err)
-            except web.HTTPException as exc:
-                if exc.status < 400:
-                    raise
-                resp = error_response(APIError(exc.reason or "HTTP error", status=exc.status))
-            except (asyncio.CancelledError, ConnectionResetError):
-                logger.info("client disconnected from %s %s", request.method, request.path)
-                raise
-            except Exception as exc:  # noqa: BLE001 - the router must stay up
-                logger.exception("internal error on %s %s", request.method, request.path)
-                resp = error_response(APIError(f"internal error: {type(exc).__name__}: {exc}", status=500))
-            if not resp.prepared:
-                resp.headers[REQUEST_ID_HEADER] = rid
-            router.metrics.responses.labels(str(resp.status)).inc()
-            return resp
-        finally:
-            request_id_var.reset(token)
-
-    return [outer]
+    async def openapi_page(self, request: Request):
+        return _json(openapi.spec(ROUTES))
 
 
-def create_app(router: Router) -> web.Application:
-    app = web.Application(middlewares=_middlewares(router), client_max_size=64 * 1024 * 1024)
-    app[ROUTER_KEY] = router
-    app.on_startup.append(router.start)
-    app.on_cleanup.append(router.stop)
-    app.router.add_post("/v1/completions", router.generate)
-    app.router.add_post("/v1/chat/completions", router.generate)
-    app.router.add_get("/v1/models", router.models)
-    app.router.add_get("/health/live", router.health_live)
-    app.router.add_get("/health/ready", router.health_ready)
-    app.router.add_get("/health", router.health_ready)
-    app.router.add_get("/metrics", router.metrics_page)
-    app.router.add_get("/openapi.json", router.openapi_page)
-    return app
+class _MethodNotAllowed(Exception):
+    def __init__(self, allowed: list[str]) -> None:
+        super().__init__("method not allowed")
+        self.allowed = allowed
+
+
+def _is_json_type(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))

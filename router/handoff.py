@@ -15,8 +15,6 @@ import asyncio
 import json
 import logging
 
-from aiohttp import web
-
 from pdpool.logs import HEADER as REQUEST_ID_HEADER
 from pdpool.router.request import RoutedRequest
 from pdpool.router.scheduler import NoNodeError, RoutePlan
@@ -82,25 +80,25 @@ class RequestPath:
 
     # ---- the path ---------------------------------------------------------------------------------------
 
-    async def serve(self, http_request: web.Request, rr: RoutedRequest) -> web.StreamResponse:
+    async def serve(self, exchange, rr: RoutedRequest) -> None:
+        """Answer ``rr`` through ``exchange`` (``router/server.py``)."""
         try:
             plan = await self.scheduler.plan(rr.num_prompt_tokens, rr.block_hashes, disaggregable=rr.disaggregable)
         except NoNodeError as exc:
             raise APIError(f"no ready node can serve the request: {exc}", status=503, code="no_ready_node") from None
+        if plan.prefill is None:  # decode-only: its bookkeeping runs once the decode leg is on the wire
+            return await self._decode(exchange, rr, plan, None, "decode_only")
+        logger.info("route: prefill %s -> decode %s (matched blocks %s)", plan.prefill.node_id,
+                    plan.decode[0].node_id, plan.matched_blocks)
+        handle = await self._prefill(rr, plan)
+        self._note(plan, "disaggregated" if handle is not None else "fallback")
+        return await self._decode(exchange, rr, plan, handle, None)
+
+    def _note(self, plan: RoutePlan, decision: str) -> None:
         self.metrics.decision_seconds.observe(plan.seconds)
         if "affinity_yield" in plan.events:
             self.metrics.affinity_yields.inc()
-        handle = None
-        decision = "decode_only"
-        if plan.prefill is not None:
-            logger.info("route: prefill %s -> decode %s (matched blocks %s)", plan.prefill.node_id,
-                        plan.decode[0].node_id, plan.matched_blocks)
-            handle = await self._prefill(rr, plan)
-            decision = "disaggregated" if handle is not None else "fallback"
-        else:
-            logger.info("route: decode-only %s (matched blocks %s)", plan.decode[0].node_id, plan.matched_blocks)
         self.metrics.requests.labels(decision).inc()
-        return await self._decode(http_request, rr, plan, handle)
 
     async def _prefill(self, rr: RoutedRequest, plan: RoutePlan) -> dict | None:
         """The KV handle, or None when the request should go decode-only. A 4xx is the client's to see."""
@@ -141,8 +139,10 @@ class RequestPath:
         result = leg.result()
         self._release(prefill, result.get("kv_transfer_params") if isinstance(result, dict) else None, request_id)
 
-    async def _decode(self, http_request: web.Request, rr: RoutedRequest, plan: RoutePlan,
-                      handle: dict | None) -> web.StreamResponse:
+    async def _decode(self, exchange, rr: RoutedRequest, plan: RoutePlan, handle: dict | None,
+                      decode_only: str | None) -> None:
+        """``decode_only``: the decision to count and log once the first decode leg is sent (the node works on
+        it meanwhile), or None when ``serve`` counted it already."""
         tries = plan.decode[:1 + self.max_retries]
         last: UpstreamError | None = None
         for attempt, d in enumerate(tries):
@@ -155,12 +155,16 @@ class RequestPath:
                 changes["stream_options"] = {**(rr.body.get("stream_options") or {}), "include_usage": True}
                 hide_usage = True
             body = rr.upstream_body(d.pdpool, **changes) if changes else rr.upstream_bytes(d.pdpool)
+            opened = self.upstream.send(d.url + rr.path, body, rr.request_id)   # on the wire when it can be
             uncached = 0 if handle is not None else rr.num_prompt_tokens - plan.matched_blocks.get(
                 d.node_id, 0) * self.scheduler.block_size
             ticket = self.inflight.add(d.node_id, uncached)
             self.index.record(plan.block_hashes, d)
+            if decode_only is not None and not attempt:
+                self._note(plan, decode_only)
+                logger.info("route: decode-only %s (matched blocks %s)", d.node_id, plan.matched_blocks)
             try:
-                return await self._decode_on(http_request, rr, plan, d, body, hide_usage, ticket)
+                return await self._decode_on(exchange, rr, plan, d, opened, hide_usage, ticket)
             except UpstreamError as err:
                 last = err
                 self._failed(d, err)
@@ -175,8 +179,8 @@ class RequestPath:
                 ticket.done()
         raise APIError(f"every decode node tried failed; last: {last}", status=503, code="upstream_unavailable")
 
-    async def _decode_on(self, http_request, rr, plan, d, body, hide_usage, ticket) -> web.StreamResponse:
-        resp = await self.upstream.open(d.url + rr.path, body, rr.request_id)
+    async def _decode_on(self, exchange, rr, plan, d, opened, hide_usage, ticket) -> None:
+        resp = await opened
         try:
             kind = classify_status(resp.status)
             if kind or resp.status != 200:
@@ -189,20 +193,20 @@ class RequestPath:
                     data = await resp.read()
                 except TRANSPORT_ERRORS as exc:
                     raise UpstreamError("stream_broken", f"{d.node_id}: {type(exc).__name__}: {exc}") from exc
-                ticket.prefill_done()
+                exchange.respond(200, data, "application/json", {REQUEST_ID_HEADER: rr.request_id})
+                ticket.prefill_done()   # the bookkeeping after the answer is on its way
                 self._answered(d)
                 try:
                     payload = json.loads(data)
                 except ValueError:
                     payload = None
                 self._count_hits("decode", rr, plan, d, _cached_tokens(payload))
-                return web.Response(body=data, status=200, content_type="application/json",
-                                    headers={REQUEST_ID_HEADER: rr.request_id})
-            return await self._stream(http_request, rr, plan, d, resp, hide_usage, ticket)
+                return
+            return await self._stream(exchange, rr, plan, d, resp, hide_usage, ticket)
         finally:
             resp.close()
 
-    async def _stream(self, http_request, rr, plan, d, resp, hide_usage, ticket) -> web.StreamResponse:
+    async def _stream(self, exchange, rr, plan, d, resp, hide_usage, ticket) -> None:
         relay = SSERelay(hide_usage)
         try:
             first = await resp.readany()
@@ -212,32 +216,30 @@ class RequestPath:
             raise UpstreamError("stream_broken", f"{d.node_id} closed the stream before its first byte")
         ticket.prefill_done()
         self._answered(d)
-        out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
-                                                      "Cache-Control": "no-cache", REQUEST_ID_HEADER: rr.request_id})
-        await out.prepare(http_request)
+        await exchange.start_stream(200, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                          REQUEST_ID_HEADER: rr.request_id})
         error = None
         try:
             chunk = first
             while chunk:
                 data = relay.feed(chunk)
                 if data:
-                    await out.write(data)
+                    await exchange.write(data)
                 chunk = await resp.readany()
         except TRANSPORT_ERRORS as exc:
             error = f"{type(exc).__name__}: {exc}"
         if not relay.done:
             tail = relay.tail()
             if tail:
-                await out.write(tail)
+                await exchange.write(tail)
             error = error or "the node closed the stream before [DONE]"
             self.metrics.upstream_errors.labels(d.node_id, "stream_broken").inc()
             self.pool.cool_down(d.node_id)
             logger.warning("decode stream from %s broke after it started: %s", d.node_id, error)
             err = APIError(f"upstream node failed mid-stream: {error}", status=502, code="upstream_stream_broken")
-            await out.write((b"\n\n" if tail else b"") + b"data: " + json.dumps(err.body()).encode() + b"\n\n")
+            await exchange.write((b"\n\n" if tail else b"") + b"data: " + json.dumps(err.body()).encode() + b"\n\n")
         self._count_hits("decode", rr, plan, d, _cached_tokens({"usage": relay.usage}))
-        await out.write_eof()
-        return out
+        await exchange.end_stream()
 
 
 class _PassThrough(Exception):
@@ -255,7 +257,6 @@ async def _read_or(resp, default: bytes) -> bytes:
         return default
 
 
-def pass_through_response(exc: _PassThrough, request_id: str) -> web.Response:
+def pass_through(exchange, exc: _PassThrough, request_id: str) -> None:
     r = exc.reply
-    return web.Response(body=r.body, status=r.status, content_type=r.content_type or "application/json",
-                        headers={REQUEST_ID_HEADER: request_id})
+    exchange.respond(r.status, r.body, r.content_type or "application/json", {REQUEST_ID_HEADER: request_id})

@@ -291,6 +291,14 @@ class Http1Client:
         """Send the request and wait for the response's status and headers (``ConnectError``,
         ``ConnectionClosed``, ``ProtocolError``, ``asyncio.TimeoutError``). The caller reads the body and closes
         the response."""
+        return await self.request_now(url, body, headers, timeout=timeout, connect_timeout=connect_timeout,
+                                      method=method)
+
+    def request_now(self, url: str, body: bytes, headers: dict[str, str], *, timeout: float,
+                    connect_timeout: float, method: str = "POST"):
+        """``request``, with the request written before this returns when an idle pooled connection is there
+        (else it is written once a new connection is made, when awaited). Returns an awaitable of the response,
+        which must be awaited."""
         host, port, path, host_header = _target(url)
         lines = [f"{method} {path} HTTP/1.1\r\nHost: {host_header}\r\nContent-Length: {len(body)}\r\n"]
         for name, value in headers.items():
@@ -301,12 +309,20 @@ class Http1Client:
         head = "".join(lines).encode("latin-1")
         deadline = self.loop.time() + timeout
         key = (host, port)
+        conn = self._take_idle(key)
+        first = conn.start(head, body, deadline) if conn is not None else None
+        return self._exchange(key, head, body, deadline, connect_timeout, first)
+
+    async def _exchange(self, key, head: bytes, body: bytes, deadline: float, connect_timeout: float,
+                        first: Response | None) -> Response:
         for attempt in range(2):
-            conn = self._take_idle(key)
-            reused = conn is not None
-            if conn is None:
-                conn = await self._connect(key, min(connect_timeout, max(0.0, deadline - self.loop.time())))
-            r = conn.start(head, body, deadline)
+            r, reused = (first, True) if attempt == 0 and first is not None else (None, False)
+            if r is None:
+                conn = self._take_idle(key)
+                reused = conn is not None
+                if conn is None:
+                    conn = await self._connect(key, min(connect_timeout, max(0.0, deadline - self.loop.time())))
+                r = conn.start(head, body, deadline)
             try:
                 await r._wait_headers()
             except ConnectionClosed:

@@ -7,8 +7,6 @@ import logging
 import os
 import sys
 
-from aiohttp import web
-
 from pdpool import logs as log
 from pdpool.router import settings
 from pdpool.utils import wait_for_stop_signal
@@ -40,14 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     if r.workers > 1:
         return _main_workers(cfg, profile)
     from pdpool.frontend import Frontend  # tokenizers + jinja2; never torch
-    from pdpool.router.app import Router, create_app
+    from pdpool.router.app import Router
 
     try:
         frontend = Frontend.from_model(r.model, token_cache_chunks=r.token_cache_chunks)
     except (OSError, ValueError) as exc:
         print(f"pdpool router: error: cannot read the tokenizer of --model {r.model}: {exc}", file=sys.stderr)
         return 2
-    run(_serve(create_app(Router(cfg, profile, frontend)), r.host, r.port))
+    run(_serve(Router(cfg, profile, frontend), r.host, r.port))
     return 0
 
 
@@ -91,11 +89,11 @@ def _main_workers(cfg, profile) -> int:
     supervisor = os.getpid()
 
     def run_worker(index: int) -> int:
-        from pdpool.router.app import Router, create_app
+        from pdpool.router.app import Router
 
         frontend = Frontend.from_model(r.model, token_cache_chunks=r.token_cache_chunks)
         try:
-            run(_serve(create_app(Router(cfg, profile, frontend)), r.host, r.port, reuse_port=True, worker=index))
+            run(_serve(Router(cfg, profile, frontend), r.host, r.port, reuse_port=True, worker=index))
         finally:
             if os.getppid() != supervisor:  # the supervisor was killed (its cleanup never ran): the last ones out
                 shutil.rmtree(metrics_dir, ignore_errors=True)
@@ -109,19 +107,22 @@ def _main_workers(cfg, profile) -> int:
         shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-async def _serve(app: web.Application, host: str, port: int, reuse_port: bool = False,
-                 worker: int | None = None) -> None:
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=1024, reuse_port=reuse_port or None)
-    await site.start()
-    name = "pdpool router" if worker is None else f"pdpool router worker {worker} (pid {os.getpid()})"
-    logger.info("%s listening on http://%s:%d", name, host, port)
+async def _serve(router, host: str, port: int, reuse_port: bool = False, worker: int | None = None) -> None:
+    from pdpool.router.server import start_server
+
+    await router.start()
     try:
-        await wait_for_stop_signal()
+        server = await start_server(router.handle, host, port, reuse_port=reuse_port)
+        name = "pdpool router" if worker is None else f"pdpool router worker {worker} (pid {os.getpid()})"
+        logger.info("%s listening on http://%s:%d", name, host, port)
+        try:
+            await wait_for_stop_signal()
+        finally:
+            logger.info("router shutting down")
+            server.close()    # no new connections; requests in flight finish (bounded below)
+            await router.drain(timeout=10.0)
     finally:
-        logger.info("router shutting down")
-        await runner.cleanup()
+        await router.stop()
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ class RouterMetrics:
         for d in DECISIONS:
             self.requests.labels(d)
         self.responses = Counter("pdpool_router_responses", "Responses by HTTP status.", ["status"], registry=r)
+        self._responses: dict = {}
         self.decision_seconds = Histogram(
             "pdpool_router_decision_seconds", "Routing decision latency (candidates, prefix lookup, plugins).",
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5), registry=r)
@@ -67,6 +68,12 @@ class RouterMetrics:
             multiprocess.MultiProcessCollector(self.registry)
         if pool is not None:
             self.registry.register(_PoolCollector(pool))
+
+    def count_response(self, status: int) -> None:
+        child = self._responses.get(status)
+        if child is None:     # labels() hashes and locks on every call: each status's child is kept
+            child = self._responses[status] = self.responses.labels(str(status))
+        child.inc()
 
     def set_index_mode(self, mode: str) -> None:
         for m in INDEX_MODES:

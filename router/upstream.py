@@ -90,18 +90,28 @@ class Upstream:
     async def open(self, url: str, body: dict | bytes, request_id: str, timeout: float | None = None):
         """POST (a dict, or JSON already serialized) and wait for the status line and headers; the caller reads
         (``readany()``, ``read()``) and closes the response."""
+        return await self.send(url, body, request_id, timeout)
+
+    def send(self, url: str, body: dict | bytes, request_id: str, timeout: float | None = None):
+        """``open``, with the request written now when a pooled connection to the node is idle (the lean
+        client), so that the caller's bookkeeping overlaps the node's work; await the result for the response."""
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         headers = {**self._headers, REQUEST_ID_HEADER: request_id}
+        if self.http1 is not None and url.startswith("http://"):
+            pending = self.http1.request_now(url, data, headers, timeout=timeout or self.request_timeout,
+                                             connect_timeout=self.connect_timeout)
+        else:
+            pending = self.session.post(url, data=data, headers=headers, timeout=self.timeout(timeout))
+        return self._opened(url, pending)
+
+    async def _opened(self, url: str, pending):
         try:
-            if self.http1 is not None and url.startswith("http://"):
-                return await self.http1.request(url, data, headers, timeout=timeout or self.request_timeout,
-                                                connect_timeout=self.connect_timeout)
-            return _AiohttpResponse(await self.session.post(url, data=data, headers=headers,
-                                                            timeout=self.timeout(timeout)))
+            resp = await pending
         except asyncio.TimeoutError as exc:
             raise UpstreamError("timeout", f"{url}: no answer in time") from exc
         except (aiohttp.ClientError, HTTPClientError) as exc:
             raise UpstreamError("connect", f"{url}: {type(exc).__name__}: {exc}") from exc
+        return resp if self.http1 is not None and url.startswith("http://") else _AiohttpResponse(resp)
 
     async def post_json(self, url: str, body: dict, request_id: str, timeout: float | None = None) -> dict:
         """A whole JSON answer; 4xx -> ``ClientErrorReply``, 5xx/429/transport -> ``UpstreamError``."""

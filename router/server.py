@@ -1,0 +1,346 @@
+"""The router's HTTP/1.1 server: a raw asyncio protocol on httptools' request parser (llhttp).
+
+    bytes -> HttpRequestParser -> Request (method, path, headers, whole body) -> a queue per connection
+          -> one task per request, in arrival order -> handler(request, exchange)
+          -> exchange.respond(status, body)                     head and body in one write
+             or exchange.start_stream / write / end_stream      chunked (HTTP/1.0: until close), with back-pressure
+
+Why not aiohttp's server: its request objects, middleware chain and response machinery cost about 0.4 ms of
+the router's serial path per request at low load (docs/performance.md, round 4). The router needs little of it:
+a body read whole (the handler parses JSON anyway), a small route table, JSON or SSE out.
+
+Keep-alive per HTTP/1.1 (``Connection: close`` and HTTP/1.0 honoured). Pipelined requests are answered in order,
+one at a time; reading pauses while ``MAX_QUEUED`` wait. ``Expect: 100-continue`` gets its interim answer once the
+request is next. A malformed request, or a body over ``MAX_BODY`` bytes, gets its OpenAI error (400, 413) after
+the answers before it, and the connection closes. A client that disconnects cancels its request's task: the
+handler's ``CancelledError`` closes the node legs (the nodes abort).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import time
+from collections import deque
+from email.utils import formatdate
+from urllib.parse import unquote
+
+import httptools
+
+from pdpool.server.errors import APIError
+
+logger = logging.getLogger("pdpool.router")
+
+MAX_BODY = 64 * 1024 * 1024     # as aiohttp's client_max_size was
+MAX_QUEUED = 16                 # pipelined requests waiting before reading pauses
+REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
+           405: "Method Not Allowed", 413: "Payload Too Large", 415: "Unsupported Media Type",
+           422: "Unprocessable Entity", 429: "Too Many Requests", 500: "Internal Server Error",
+           502: "Bad Gateway", 503: "Service Unavailable", 504: "Gateway Timeout"}
+
+
+def error_body(message: str, status: int) -> bytes:
+    return json.dumps(APIError(message, status=status).body()).encode()
+
+
+class Headers(dict):
+    """Request headers by lower-case name; ``get`` takes any case. A repeated header's values are joined
+    with ", "."""
+
+    def get(self, name: str, default=None):
+        return dict.get(self, name.lower(), default)
+
+
+class Request:
+    __slots__ = ("method", "path", "query", "headers", "body", "keep_alive", "http_10", "_url", "_chunks",
+                 "_size", "expect_continue", "error")
+
+    def __init__(self) -> None:
+        self.method = ""
+        self.path = ""
+        self.query = ""
+        self.headers = Headers()
+        self.body = b""
+        self.keep_alive = True
+        self.http_10 = False
+        self._url = b""
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self.expect_continue = False
+        self.error: tuple[int, str] | None = None   # answered with this error, then the connection closes
+
+
+_date = ["", 0.0]
+
+
+def _http_date() -> str:
+    now = time.time()
+    if now - _date[1] >= 1.0:
+        _date[0], _date[1] = formatdate(now, usegmt=True), now
+    return _date[0]
+
+
+class Exchange:
+    """One response to one request: whole (``respond``) or streamed (``start_stream``, ``write``, ``end_stream``)."""
+
+    __slots__ = ("_conn", "_request", "status", "started", "finished", "_chunked")
+
+    def __init__(self, conn: "HttpConnection", request: Request) -> None:
+        self._conn = conn
+        self._request = request
+        self.status = 0
+        self.started = False
+        self.finished = False
+        self._chunked = False
+
+    def _head(self, status: int, headers: dict, framing: str) -> bytes:
+        keep = self._request.keep_alive
+        lines = [f"HTTP/1.1 {status} {REASONS.get(status, 'Unknown')}\r\nDate: {_http_date()}\r\n{framing}"]
+        for name, value in headers.items():
+            lines.append(f"{name}: {value}\r\n")
+        if not keep:
+            lines.append("Connection: close\r\n")
+        elif self._request.http_10:
+            lines.append("Connection: keep-alive\r\n")
+        lines.append("\r\n")
+        return "".join(lines).encode("latin-1")
+
+    def respond(self, status: int, body: bytes, content_type: str = "application/json",
+                headers: dict | None = None) -> None:
+        """The whole answer, head and body in one write."""
+        if self.started:
+            raise RuntimeError("a response was already started")
+        self.started = self.finished = True
+        self.status = status
+        h = {"Content-Type": content_type, **(headers or {})}
+        head = self._head(status, h, f"Content-Length: {len(body)}\r\n")
+        self._conn.write(head if self._request.method == "HEAD" else head + body)
+
+    async def start_stream(self, status: int, headers: dict) -> None:
+        if self.started:
+            raise RuntimeError("a response was already started")
+        self.started = True
+        self.status = status
+        if self._request.http_10:           # no chunked encoding: the body ends when the connection does
+            self._request.keep_alive = False
+            self._conn.write(self._head(status, headers, ""))
+        else:
+            self._chunked = True
+            self._conn.write(self._head(status, headers, "Transfer-Encoding: chunked\r\n"))
+        await self._conn.drain()
+
+    async def write(self, data: bytes) -> None:
+        if not data:
+            return
+        if self._chunked:
+            self._conn.write(b"%x\r\n%b\r\n" % (len(data), data))
+        else:
+            self._conn.write(data)
+        await self._conn.drain()
+
+    async def end_stream(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        if self._chunked:
+            self._conn.write(b"0\r\n\r\n")
+
+
+class HttpConnection(asyncio.Protocol):
+    """One client connection. ``handler(request, exchange)`` must answer through the exchange."""
+
+    def __init__(self, handler, loop: asyncio.AbstractEventLoop) -> None:
+        self.handler = handler
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.incoming: Request | None = None
+        self.queue: deque[Request] = deque()
+        self.task: asyncio.Task | None = None
+        self.closing = False          # no request after the current ones: answer them, then close
+        self.closed = False
+        self._reading_paused = False
+        self._writing_paused = False
+        self._drain: asyncio.Future | None = None
+
+    # ---- asyncio.Protocol ---------------------------------------------------------------------------------
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+
+    def data_received(self, data: bytes) -> None:
+        if self.closing:
+            return                    # after a malformed request nothing more is read
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._refuse(400, "protocol upgrades are not supported")
+        except httptools.HttpParserError as exc:
+            self._refuse(400, f"malformed HTTP request: {exc}")
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        if self.task is not None:
+            self.task.cancel()        # the handler closes its node legs: the nodes abort
+        self._wake_drain()
+
+    def pause_writing(self) -> None:
+        self._writing_paused = True
+
+    def resume_writing(self) -> None:
+        self._writing_paused = False
+        self._wake_drain()
+
+    # ---- llhttp callbacks ------------------------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self.incoming = Request()
+
+    def on_url(self, url: bytes) -> None:
+        self.incoming._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        key = name.decode("latin-1").lower()
+        text = value.decode("latin-1")
+        h = self.incoming.headers
+        h[key] = h[key] + ", " + text if key in h else text
+
+    def on_headers_complete(self) -> None:
+        r = self.incoming
+        r.method = self.parser.get_method().decode("latin-1")
+        r.http_10 = self.parser.get_http_version() == "1.0"
+        r.keep_alive = self.parser.should_keep_alive()
+        url = r._url.decode("latin-1")
+        path, _, r.query = url.partition("?")
+        r.path = unquote(path) if "%" in path else path
+        length = r.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > MAX_BODY:
+            r.error = (413, f"the request body is larger than {MAX_BODY} bytes")
+            return
+        if r.headers.get("expect", "").lower() == "100-continue":
+            if self.task is None and not self.queue:
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            else:
+                r.expect_continue = True   # sent when the requests before it are answered
+
+    def on_body(self, body: bytes) -> None:
+        r = self.incoming
+        if r.error is not None:
+            return
+        r._size += len(body)
+        if r._size > MAX_BODY:
+            r.error = (413, f"the request body is larger than {MAX_BODY} bytes")
+            r._chunks.clear()
+            return
+        r._chunks.append(body)
+
+    def on_message_complete(self) -> None:
+        r = self.incoming
+        self.incoming = None
+        r.body = r._chunks[0] if len(r._chunks) == 1 else b"".join(r._chunks)
+        r._chunks = []
+        if r.error is not None:
+            self.closing = True       # answer it in turn, then close
+        self.queue.append(r)
+        if self.task is None:
+            self._next()
+        elif len(self.queue) >= MAX_QUEUED and not self._reading_paused:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    # ---- serving ------------------------------------------------------------------------------------------------
+
+    def _refuse(self, status: int, message: str) -> None:
+        r = Request()
+        r.keep_alive = False
+        r.error = (status, message)
+        self.closing = True
+        self.incoming = None
+        self.queue.append(r)
+        if self.task is None:
+            self._next()
+
+    def _next(self) -> None:
+        if self.closed:
+            return
+        if self.queue:
+            r = self.queue.popleft()
+            if r.error is not None:
+                self._answer_error(r)
+                return
+            self.task = self.loop.create_task(self._serve(r))
+        else:
+            incoming = self.incoming
+            if incoming is not None and incoming.expect_continue:
+                incoming.expect_continue = False
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if self._reading_paused and len(self.queue) < MAX_QUEUED // 2:
+            self._reading_paused = False
+            self.transport.resume_reading()
+
+    def _answer_error(self, r: Request) -> None:
+        status, message = r.error
+        r.keep_alive = False
+        Exchange(self, r).respond(status, error_body(message, status))
+        self.transport.close()
+        self.closed = True
+
+    async def _serve(self, r: Request) -> None:
+        ex = Exchange(self, r)
+        try:
+            await self.handler(r, ex)
+        except asyncio.CancelledError:
+            self.task = None
+            if not self.closed:
+                self.transport.abort()
+            return
+        except Exception:  # noqa: BLE001 - the handler answers its errors; this is a last resort
+            logger.exception("unhandled error serving %s %s", r.method, r.path)
+            if not ex.started:
+                ex.respond(500, error_body("internal error", 500))
+        self.task = None
+        if self.closed:
+            return
+        if not ex.finished:           # a stream the handler left open: the client cannot know it ended
+            self.transport.abort()
+            self.closed = True
+            return
+        if not r.keep_alive or (self.closing and not self.queue):
+            self.transport.close()
+            self.closed = True
+            return
+        self._next()
+
+    # ---- writing --------------------------------------------------------------------------------------------
+
+    def write(self, data: bytes) -> None:
+        if not self.closed:
+            self.transport.write(data)
+
+    async def drain(self) -> None:
+        if self.closed:
+            raise ConnectionResetError("the client closed the connection")
+        if self._writing_paused:
+            self._drain = self.loop.create_future()
+            await self._drain
+            if self.closed:
+                raise ConnectionResetError("the client closed the connection")
+
+    def _wake_drain(self) -> None:
+        d, self._drain = self._drain, None
+        if d is not None and not d.done():
+            d.set_result(None)
+
+
+async def start_server(handler, host: str, port: int, *, reuse_port: bool = False) -> asyncio.AbstractServer:
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(lambda: HttpConnection(handler, loop), host, port, backlog=1024,
+                                    reuse_port=reuse_port or None)
