@@ -46,8 +46,9 @@ log = logging.getLogger("pdpool.kernels.build")  # also when run as __main__
 NAME = "pdpool_paged_decode_cpu"
 CSRC = Path(__file__).parent / "csrc"
 # One module: the bindings, paged decode attention (and the KV store), the decoder layer's fused elementwise ops,
-# the small-row linear layer.
-SOURCES = [CSRC / "module_cpu.cpp", CSRC / "paged_decode_cpu.cpp", CSRC / "fused_ops_cpu.cpp", CSRC / "linear_cpu.cpp"]
+# the small-row linear layer, the sampler's one pass.
+SOURCES = [CSRC / "module_cpu.cpp", CSRC / "paged_decode_cpu.cpp", CSRC / "fused_ops_cpu.cpp", CSRC / "linear_cpu.cpp",
+           CSRC / "sample_cpu.cpp"]
 HEADERS = [CSRC / "cpu_vec.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]

@@ -1,5 +1,5 @@
 """The decoder layer's elementwise ops on the CPU, in the native extension (``csrc/fused_ops_cpu.cpp``): RMSNorm
-with the residual add, rotary on q and k in place, SiLU-and-mul. The CPU counterparts of the Triton kernels in
+with the residual add, rotary on q and k in place, SiLU-and-mul; and the sampler's one pass (``csrc/sample_cpu.cpp``). The CPU counterparts of the Triton kernels in
 ``rmsnorm.py``, ``rotary.py`` and ``activation.py`` (same signatures where the op is the same), each one pass over
 its rows instead of 3 to 6 torch kernels with a temporary between each. The wrappers check the layout; the module
 is the one ``cpu_decode`` loads (``build.py`` compiles it ahead of serving).
@@ -8,9 +8,12 @@ is the one ``cpu_decode`` loads (``build.py`` compiles it ahead of serving).
     out = round(weight * round(residual_out * rsqrt(mean(residual_out^2) + eps)))   (HF's order and roundings)
     rotary: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin   (neox halves; cos, sin: [T, D/2] fp32, once per forward)
     silu_and_mul: out = round(silu(gate) * up)
+    gumbel_argmax: id = argmax(logits / T + G), G = -log(-log U) (T > 0), argmax(logits) (T = 0)
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -93,4 +96,33 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     if out.shape != (x.shape[0], x.shape[1] // 2):
         raise ValueError(f"out must be [{x.shape[0]}, {x.shape[1] // 2}]; got {tuple(out.shape)}")
     _raise(cpu_decode.load().silu_and_mul(x, out), "silu_and_mul")
+    return out
+
+
+@functools.cache
+def sampler_available() -> bool:
+    """Whether ``gumbel_argmax`` can run (the extension loaded); asked once per process, by the sampler per step."""
+    return cpu_decode.available()
+
+
+def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seed: int) -> torch.Tensor:
+    """logits: [R, V] (rows may be strided), temperature: [R] fp32 (0 = greedy) -> ids [R] int64: the CPU
+    counterpart of ``kernels/sample.py``'s (one pass over the logits; the same distribution, another random stream:
+    ``U`` is a hash of (seed, row * V + col), so a row's draw depends on the seed and its own row only)."""
+    _check("logits", logits, 2)
+    if temperature.shape != (logits.shape[0],) or temperature.dtype != torch.float32 or temperature.device.type != "cpu":
+        raise ValueError(f"temperature must be a CPU float32 [{logits.shape[0]}]; got {tuple(temperature.shape)} "
+                         f"{temperature.dtype} on {temperature.device}")
+    if not logits.shape[1]:
+        raise ValueError("logits have no columns")
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    _raise(cpu_decode.load().gumbel_argmax(logits, temperature.contiguous(), out, int(seed)), "gumbel_argmax")
+    return out
+
+
+def sample_uniforms(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """The uniforms ``gumbel_argmax`` draws for a [rows, vocab] batch under ``seed``: [rows, vocab] fp32 (the
+    tests' reference)."""
+    out = torch.empty(rows, vocab, dtype=torch.float32)
+    _raise(cpu_decode.load().sample_uniforms(out, int(seed)), "sample_uniforms")
     return out

@@ -1,5 +1,6 @@
 // The CPU extension's Python module: paged decode attention (paged_decode_cpu.cpp), the decoder layer's fused
-// elementwise ops (fused_ops_cpu.cpp) and the small-row linear layer (linear_cpu.cpp). Built by kernels/build.py
+// elementwise ops (fused_ops_cpu.cpp), the small-row linear layer (linear_cpu.cpp) and the sampler's one pass
+// (sample_cpu.cpp). Built by kernels/build.py
 // (pdpool build-kernels); called through the checked wrappers in kernels/cpu_decode.py, kernels/cpu_ops.py and
 // pdpool/models/cpu_linear.py. Each returns an error message, or "" on success.
 #include <torch/extension.h>
@@ -17,6 +18,8 @@ std::string rotary(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at
 std::string silu_and_mul(const at::Tensor& x, at::Tensor& out);
 std::string small_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                          at::Tensor& out);
+std::string gumbel_argmax(const at::Tensor& logits, const at::Tensor& temperature, at::Tensor& out, int64_t seed);
+std::string sample_uniforms(at::Tensor& out, int64_t seed);
 }  // namespace pdpool_cpu
 
 // Each call releases the GIL (the kernels touch no Python object): a node's front end (HTTP, detokenization) runs
@@ -31,4 +34,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &pdpool_cpu::silu_and_mul, "silu(gate) * up into out", no_gil);
   m.def("small_linear", &pdpool_cpu::small_linear, "x [M, K] @ w [N, K]^T (+ bias) into out, for few rows",
         no_gil);
+  m.def("gumbel_argmax", &pdpool_cpu::gumbel_argmax,
+        "one token per row: Gumbel-max at the row's temperature, argmax at 0, into out [R] int64", no_gil);
+  m.def("sample_uniforms", &pdpool_cpu::sample_uniforms, "the uniforms gumbel_argmax draws under a seed", no_gil);
 }
