@@ -6,6 +6,9 @@
     _run: step N+1 is submitted before N's outputs are processed, so the engine computes while the loop
           detokenizes (OutputProcessor), finds stop strings and hands deltas to each request's stream
     stop strings / disconnects -> engine.abort_request (queued behind the running step)
+    with no request running, the next step waits until requests stop arriving (ARRIVAL_QUIET_SECONDS, at most
+    ARRIVAL_MAX_WAIT_SECONDS): a burst of requests is prefilled in one step, not the first one alone while the
+    others wait out its prefill and then hold it back with theirs
 
 Every call into the engine runs on that one worker thread, so the engine needs no locks: an ``add_request``
 lands between two steps. Text never touches the engine thread.
@@ -32,6 +35,8 @@ from pdpool.frontend import Frontend, ModelFiles, Tokenizer
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_SECONDS = 0.01
+ARRIVAL_QUIET_SECONDS = 0.004  # a burst's requests reach the engine within a few ms of each other here
+ARRIVAL_MAX_WAIT_SECONDS = 0.03
 
 
 class LatencyObserver(Protocol):
@@ -204,12 +209,15 @@ class AsyncLLM:
     async def _run(self) -> None:
         assert self._work is not None
         pending: asyncio.Future | None = None
+        idle = False
         while True:
             if pending is None:
                 if not self.engine.has_unfinished_requests():
                     self._work.clear()
                     await self._work.wait()
                     continue
+                if not idle and not self.engine.scheduler.num_running:  # new requests only: a burst's first step
+                    await self._gather_arrivals()
                 pending = self._submit_step()
             try:
                 outputs = await pending
@@ -229,6 +237,20 @@ class AsyncLLM:
                     await asyncio.wait_for(self._work.wait(), IDLE_POLL_SECONDS)
                 except asyncio.TimeoutError:
                     pass
+
+    async def _gather_arrivals(self) -> None:
+        """No request running: wait while requests keep arriving (each within ARRIVAL_QUIET_SECONDS of the last,
+        for at most ARRIVAL_MAX_WAIT_SECONDS), so that requests sent together share their first step. A lone
+        request pays ARRIVAL_QUIET_SECONDS of TTFT; steps waiting on remote KV (idle) do not wait again."""
+        assert self._work is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ARRIVAL_MAX_WAIT_SECONDS
+        while (left := deadline - loop.time()) > 0:
+            self._work.clear()
+            try:
+                await asyncio.wait_for(self._work.wait(), min(ARRIVAL_QUIET_SECONDS, left))
+            except asyncio.TimeoutError:
+                return
 
     def _dispatch(self, outputs: list[EngineOutput]) -> None:
         results, stopped = self.output_processor.process(outputs)
