@@ -17,6 +17,9 @@ order (``new-unsorted``). Every output is checked against the fp32 reference (re
 ``triton.testing.do_bench`` over CUDA-graph replays (kernel time without host launch overhead); GB/s counts the
 K/V of every context token once, plus Q and O, against the device-to-device copy measured in the same run.
 
+``--skinny`` times the decode-sized GEMMs (16-256 rows; ``pdpool.kernels.skinny_gemm``): every config its
+autotuner would try against cuBLAS, per shape of the two e2e models and row count, one CUDA graph of a layer stack.
+
 ``--gemv`` times the batch-1 projections instead: the one-row GEMV kernel (``pdpool.kernels.gemv``) against
 cuBLAS (``F.linear``; for ``down`` with SiLU folded in, against ``silu_and_mul`` + ``F.linear``) on the Llama-3.1-8B
 and Qwen3-0.6B shapes, one CUDA graph of a layer stack's worth of calls on distinct weights (more than the L2), and
@@ -24,6 +27,7 @@ the fused q/k norm + rotary + KV store kernel against the separate kernels (1 an
 
     python3 benchmarks/bench_decode_kernel.py [--old .bench_base/kernels/decode_attention.py] [--cases ...]
     python3 benchmarks/bench_decode_kernel.py --gemv
+    python3 benchmarks/bench_decode_kernel.py --skinny [--skinny-rows 64,208] [--skinny-cases llama8b:gate_up]
     TRITON_INTERPRET=1 python3 benchmarks/bench_decode_kernel.py --device cpu --old ...  # CPU smoke test: small
         contexts, fp32, the checks only (no graphs, no timing that means anything)
 """
@@ -286,9 +290,72 @@ def run_gemv(copy_bw: float) -> dict:
     return dict(gemv=rows, qkv_epilogue=qkv_rows)
 
 
+# (model, projection, N, K, layers in the stack): the decode GEMMs of gpu_e2e's models
+SKINNY_CASES = [("llama8b", "qkv", 6144, 4096, 32), ("llama8b", "o", 4096, 4096, 32),
+                ("llama8b", "gate_up", 28672, 4096, 32), ("llama8b", "down", 4096, 14336, 32),
+                ("llama8b", "lm_head", 128256, 4096, 2),
+                ("qwen0.6b", "qkv", 4096, 1024, 28), ("qwen0.6b", "o", 1024, 2048, 28),
+                ("qwen0.6b", "gate_up", 6144, 1024, 28), ("qwen0.6b", "down", 1024, 3072, 28),
+                ("qwen0.6b", "lm_head", 151936, 1024, 2)]
+SKINNY_ROWS = [16, 64, 128, 192, 208, 256]
+
+
+def run_skinny(copy_bw: float, rows_list: list[int], only: str | None) -> list[dict]:
+    """The skinny-M GEMM (``pdpool.kernels.skinny_gemm``), every config that its autotuner would try for the key,
+    against cuBLAS, per decode GEMM shape and row count: one CUDA graph of a layer stack's calls on distinct
+    weights (per call time = replay / layers), as the decode graph runs them."""
+    import torch.nn.functional as F
+
+    from pdpool.kernels import skinny_gemm as sk
+
+    results = []
+    small = DEVICE != "cuda"
+    for model, proj, N, K, layers in SKINNY_CASES:
+        if only and f"{model}:{proj}" not in only.split(","):
+            continue
+        if small:
+            N, K, layers = N // 64 + 3, K // 64 + 5, 2
+        ws = [torch.randn(N, K, device=DEVICE, dtype=DTYPE) / K ** 0.5 for _ in range(layers)]
+        for M in rows_list:
+            x = torch.randn(M, K, device=DEVICE, dtype=DTYPE)
+            ref = sk.skinny_ref(x, ws[0])
+            cfgs = [c for c in sk.GPU_CONFIGS if sk._fits(c, sk.row_key(M), N)] if not small else [None]
+            times, errs = {}, {}
+
+            def stack(fn):
+                return lambda: [fn(x, w) for w in ws]
+
+            def quick(fn):  # shorter than bench_ms: many configs per shape
+                return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") if not small else \
+                    bench_ms(fn)
+
+            times["cublas"] = 1e3 * quick(captured(stack(F.linear))) / layers
+            for cfg in cfgs:
+                name = "kernel" if cfg is None else str(cfg.kwargs)[1:-1].replace("'", "") + \
+                    f", w{cfg.num_warps}, s{cfg.num_stages}"
+                run = stack(lambda a, b, c=cfg: sk.skinny_linear(a, b, config=c) if c else sk.skinny_linear(a, b))
+                errs[name] = ((run()[0].float() - ref).norm() / ref.norm()).item()
+                assert errs[name] < TOLERANCE, f"{model} {proj} M {M} {name}: error {errs[name]:.2e}"
+                sync()
+                times[name] = 1e3 * quick(captured(run)) / layers
+            best = min((k for k in times if k != "cublas"), key=times.get)
+            copy_us = N * K * 2 / copy_bw * 1e6
+            row = dict(model=model, proj=proj, M=M, N=N, K=K, copy_us=copy_us, cublas_us=times["cublas"],
+                       best_us=times[best], best=best, max_err=max(errs.values()), all_us=times)
+            results.append(row)
+            print(f"skinny {model:9s} {proj:8s} M {M:3d} {N:6d}x{K:5d} copy {copy_us:7.2f} us | cuBLAS "
+                  f"{times['cublas']:7.2f} us ({copy_us / times['cublas']:5.1%})  kernel {times[best]:7.2f} us "
+                  f"({copy_us / times[best]:5.1%}) x{times['cublas'] / times[best]:.2f}  [{best}]", flush=True)
+        del ws
+    return results
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gemv", action="store_true", help="the batch-1 projections and the qkv epilogue instead")
+    ap.add_argument("--skinny", action="store_true", help="the decode-sized GEMMs (16-256 rows) instead")
+    ap.add_argument("--skinny-rows", default=",".join(map(str, SKINNY_ROWS)))
+    ap.add_argument("--skinny-cases", default=None, help="e.g. llama8b:gate_up,llama8b:down (default: all)")
     ap.add_argument("--old", default=None, help="an older kernels/decode_attention.py, timed beside this one")
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--device", default="cuda")
@@ -301,6 +368,13 @@ def main() -> int:
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
     print(f"GPU {name}, {sms} SMs; device-to-device copy {copy_bw / 1e9:.0f} GB/s (read + write); autotune "
           f"{os.environ.get('PDPOOL_KERNEL_AUTOTUNE', '1')}", flush=True)
+    if args.skinny:
+        res = run_skinny(copy_bw, [int(r) for r in args.skinny_rows.split(",")], args.skinny_cases)
+        out = os.environ.get("OUT")
+        if out:
+            Path(out, "bench_skinny.json").write_text(json.dumps(dict(gpu=name, copy_GBps=copy_bw / 1e9,
+                                                                      cases=res), indent=1))
+        return 0
     if args.gemv:
         res = run_gemv(copy_bw)
         out = os.environ.get("OUT")

@@ -26,6 +26,7 @@ class KVCacheManager:
             raise ValueError("fingerprint.block_size differs from block_size")
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_block_ids: dict[str, list[int]] = {}  # the same tables as ids (what allocate_slots returns)
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a table already offered to the cache
 
     @property
@@ -79,7 +80,18 @@ class KVCacheManager:
         On success the hit blocks get a reference and the whole block table's ids are returned; on None
         nothing changed and the caller decides whether to preempt.
         """
-        blocks = self.req_blocks.get(request.request_id, [])
+        blocks = self.req_blocks.get(request.request_id)
+        if blocks is not None and not new_computed_blocks:  # a held table grows (decode, next chunk): per step
+            ids = self.req_block_ids[request.request_id]  # and request, so no per-block work unless it grows
+            num_needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - len(blocks)
+            if num_needed > 0:
+                if num_needed > self.pool.num_free_blocks:
+                    return None
+                new = self.pool.get_new_blocks(num_needed)
+                blocks.extend(new)
+                ids.extend(b.block_id for b in new)
+            return ids[:]
+        blocks = blocks if blocks is not None else []
         if new_computed_blocks and blocks:
             raise ValueError("new_computed_blocks are only taken at a request's first allocation")
         num_tokens = request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
@@ -94,7 +106,8 @@ class KVCacheManager:
         blocks.extend(new_computed_blocks)
         if num_needed > 0:
             blocks.extend(self.pool.get_new_blocks(num_needed))
-        return [b.block_id for b in blocks]
+        ids = self.req_block_ids[request.request_id] = [b.block_id for b in blocks]
+        return ids[:]
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Offer the request's full blocks up to ``num_computed_tokens`` to the prefix cache."""
@@ -112,11 +125,12 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Drop the request's references; its last blocks go first in the free queue (evicted first)."""
         blocks = self.req_blocks.pop(request.request_id, [])
+        self.req_block_ids.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         self.pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, [])]
+        return list(self.req_block_ids.get(request_id, ()))
 
     def take_events(self):
         return self.pool.take_events()

@@ -129,6 +129,7 @@ class BlockAccounting(RuleBasedStateMachine):
         assert set(free) == {b.block_id for b in kv.pool.blocks if b.ref_cnt == 0}
         holders = {r.request_id for r in sched.running} | set(sched.loading) | set(sched.held_blocks)
         assert set(kv.req_blocks) == holders
+        assert kv.req_block_ids == {rid: [b.block_id for b in blocks] for rid, blocks in kv.req_blocks.items()}
         for r in sched.running:
             assert len(kv.req_blocks[r.request_id]) * BLOCK >= r.num_computed_tokens
         for rid, ids in sched.held_blocks.items():
