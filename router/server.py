@@ -35,6 +35,7 @@ logger = logging.getLogger("pdpool.router")
 
 MAX_BODY = 64 * 1024 * 1024     # as aiohttp's client_max_size was
 MAX_QUEUED = 16                 # pipelined requests waiting before reading pauses
+KEEPALIVE_SECONDS = 75.0        # an idle connection is closed after this long (aiohttp's default)
 REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
            405: "Method Not Allowed", 413: "Payload Too Large", 415: "Unsupported Media Type",
            422: "Unprocessable Entity", 429: "Too Many Requests", 500: "Internal Server Error",
@@ -164,11 +165,13 @@ class HttpConnection(asyncio.Protocol):
         self._reading_paused = False
         self._writing_paused = False
         self._drain: asyncio.Future | None = None
+        self._idle_timer: asyncio.TimerHandle | None = None
 
     # ---- asyncio.Protocol ---------------------------------------------------------------------------------
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        self._idle_timer = self.loop.call_later(KEEPALIVE_SECONDS, self._idle_close)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             try:
@@ -188,6 +191,8 @@ class HttpConnection(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.closed = True
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
         if self.task is not None:
             self.task.cancel()        # the handler closes its node legs: the nodes abort
         self._wake_drain()
@@ -203,6 +208,9 @@ class HttpConnection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self.incoming = Request()
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
 
     def on_url(self, url: bytes) -> None:
         self.incoming._url += url
@@ -279,12 +287,20 @@ class HttpConnection(asyncio.Protocol):
             self.task = self.loop.create_task(self._serve(r))
         else:
             incoming = self.incoming
-            if incoming is not None and incoming.expect_continue:
+            if incoming is None:
+                self._idle_timer = self.loop.call_later(KEEPALIVE_SECONDS, self._idle_close)
+            elif incoming.expect_continue:
                 incoming.expect_continue = False
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         if self._reading_paused and len(self.queue) < MAX_QUEUED // 2:
             self._reading_paused = False
             self.transport.resume_reading()
+
+    def _idle_close(self) -> None:
+        self._idle_timer = None
+        if self.task is None and not self.queue and self.incoming is None and not self.closed:
+            self.transport.close()
+            self.closed = True
 
     def _answer_error(self, r: Request) -> None:
         status, message = r.error

@@ -285,3 +285,16 @@ def test_a_handler_bug_is_a_500_and_the_server_stays_up(app):
         assert status == 500 and json.loads(data)["error"]["message"]
         s.sendall(post("/echo", b"after"))
         echo_ok(r.response(), b"after")
+
+
+def test_an_idle_connection_is_closed_after_the_keep_alive_time(app, monkeypatch):
+    monkeypatch.setattr(server, "KEEPALIVE_SECONDS", 0.3)
+    with connect(app) as s:
+        s.sendall(post("/echo", b"x"))
+        r = Reader(s)
+        echo_ok(r.response(), b"x")
+        time.sleep(0.1)
+        s.sendall(post("/echo", b"y"))     # within the time: still served
+        echo_ok(r.response(), b"y")
+        t0 = time.monotonic()
+        assert r.closed() and time.monotonic() - t0 < 5
