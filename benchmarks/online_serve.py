@@ -52,8 +52,8 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
+        try:  # /health: 200 once the model is loaded on both servers (pdpool answers /v1/models while loading)
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
                 if r.status == 200:
                     return
         except OSError:
