@@ -156,7 +156,7 @@ def main() -> None:
             cells = "".join(f"{fmt.format(r[key]):>14}" for key, _, fmt in METRICS)
             print(f"{engine:<8}{c:>5}{cells}{r['completed']:>4}/{args.num_prompts}")
         p, v = results.get("pdpool", {}).get(c), results.get("vllm", {}).get(c)
-        if p and v:
+        if p and v and p["completed"] and v["completed"]:  # a level where every request failed has no ratio
             throughput = p["request_throughput"] / v["request_throughput"]
             tpot = v["median_tpot_ms"] / p["median_tpot_ms"]
             print(f"{'ratio':<8}{c:>5}  pdpool/vLLM: request throughput {throughput:.2f}x, TPOT p50 {tpot:.2f}x "
