@@ -207,15 +207,21 @@ class HttpConnection(asyncio.Protocol):
     # ---- llhttp callbacks ------------------------------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        if self.closing:              # after a refused request: nothing more is served
+            self.incoming = None
+            return
         self.incoming = Request()
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
 
     def on_url(self, url: bytes) -> None:
-        self.incoming._url += url
+        if self.incoming is not None:
+            self.incoming._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.incoming is None:
+            return
         key = name.decode("latin-1").lower()
         text = value.decode("latin-1")
         h = self.incoming.headers
@@ -223,6 +229,8 @@ class HttpConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         r = self.incoming
+        if r is None:
+            return
         r.method = self.parser.get_method().decode("latin-1")
         r.http_10 = self.parser.get_http_version() == "1.0"
         r.keep_alive = self.parser.should_keep_alive()
@@ -231,7 +239,7 @@ class HttpConnection(asyncio.Protocol):
         r.path = unquote(path) if "%" in path else path
         length = r.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > MAX_BODY:
-            r.error = (413, f"the request body is larger than {MAX_BODY} bytes")
+            self._refuse(413, f"the request body is larger than {MAX_BODY} bytes")   # without reading it
             return
         if r.headers.get("expect", "").lower() == "100-continue":
             if self.task is None and not self.queue:
@@ -241,22 +249,21 @@ class HttpConnection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         r = self.incoming
-        if r.error is not None:
+        if r is None:                 # refused: the rest of the bytes are dropped
             return
         r._size += len(body)
-        if r._size > MAX_BODY:
-            r.error = (413, f"the request body is larger than {MAX_BODY} bytes")
-            r._chunks.clear()
+        if r._size > MAX_BODY:        # a chunked body past the limit
+            self._refuse(413, f"the request body is larger than {MAX_BODY} bytes")
             return
         r._chunks.append(body)
 
     def on_message_complete(self) -> None:
         r = self.incoming
+        if r is None:
+            return
         self.incoming = None
         r.body = r._chunks[0] if len(r._chunks) == 1 else b"".join(r._chunks)
         r._chunks = []
-        if r.error is not None:
-            self.closing = True       # answer it in turn, then close
         self.queue.append(r)
         if self.task is None:
             self._next()
