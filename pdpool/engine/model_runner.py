@@ -24,6 +24,7 @@ import torch
 
 from pdpool.attention import AttentionMetadata, pick_backend, reset_context, set_context
 from pdpool.config import NodeConfig
+from pdpool.engine.block_tables import BlockTableRows
 from pdpool.engine.cuda_graphs import DecodeGraphs, graph_safe
 from pdpool.engine.sampler import PendingSample, Sampler, make_generator
 from pdpool.frontend import ModelFiles
@@ -141,6 +142,7 @@ class ModelRunner:
             else:
                 log.warning("attention backend %s is not CUDA-graph safe; decode runs eagerly", self.backend.name)
         self.generators: dict[str, torch.Generator] = {}
+        self.block_tables = BlockTableRows(node_config.scheduler.max_num_seqs)
         self.sampler = Sampler(eos_token_ids=info.eos_token_ids, seed=node_config.model.seed)
         if self.device.type == "cuda":  # compile the sampler's kernels now, not in the first request's step
             from pdpool.engine.sampling_params import SamplingParams
@@ -202,12 +204,12 @@ class ModelRunner:
         prev_rows = prev.rows if prev is not None and prev.pending is not None else {}
         scheduled = scheduler_output.scheduled
         width = max(1, max(len(sr.block_ids) for sr in scheduled))
-        tables = np.zeros((len(scheduled), width), dtype=np.int64)  # [R, max_blocks], padded with 0
+        rows = self.block_tables.rows_for(scheduled)  # kept rows: only the ids that changed are written
+        tables = self.block_tables.table[rows, :width]  # [R, max_blocks], padded with 0
         for r, sr in enumerate(scheduled):
             request = sr.request
             start, n = request.num_computed_tokens, sr.num_new_tokens
             tokens, blocks = request.all_token_ids, sr.block_ids
-            tables[r, :len(blocks)] = blocks
             ids += tokens[start:start + n]
             if tokens[start + n - 1] < 0:  # sampled by the step in flight: only ever a request's last token
                 row = prev_rows.get(request.request_id)
