@@ -277,7 +277,10 @@ class Sampler:
 
 def _fusable(p: SamplingParams) -> bool:
     """The fused pass does temperature or greedy only, and draws from its own stream: no seeded random row."""
-    if p.has_penalties or p.top_k > 0 or p.top_p < 1 or p.min_p > 0:
+    try:
+        if p.has_penalties or p.top_k > 0 or p.top_p < 1 or p.min_p > 0:
+            return False
+    except TypeError:  # a value validation refuses, set behind its back: the torch path fails this row alone
         return False
     return p.is_greedy or p.seed is None
 

@@ -278,3 +278,15 @@ def test_logits_in_the_model_dtype_sample_as_their_float32_copy():
     assert a.top_logprobs == b.top_logprobs
     assert all((x == y) or (math.isnan(x) and math.isnan(y)) for x, y in zip(a.logprobs, b.logprobs))
     assert a.token_ids[4] != params[4].stop_token_ids[0]
+
+
+def test_a_bad_value_fails_its_row_alone_on_the_fused_path():
+    """Random rows without seeds take the fused pass (native on the CPU); a row whose ``top_p`` is not a number
+    (set behind validation's back) must not fail its batch-mate there: it falls back and fails alone."""
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(0))
+    good = SamplingParams(temperature=0.7, max_tokens=4)
+    bad = SamplingParams(temperature=0.8, max_tokens=4)
+    bad.top_p = "0.5"
+    out = Sampler(eos_token_ids=[1]).sample(logits, [good, bad], [[2, 3], [2, 3]], [[], []], [None, None])
+    assert set(out.failed) == {1} and out.failed[1].startswith("sampling failed: ")
+    assert 0 <= out.token_ids[0] < VOCAB and out.token_ids[1] == -1
