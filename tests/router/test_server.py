@@ -119,6 +119,15 @@ class Reader:
         out, self.buf = self.buf[:n], self.buf[n:]
         return out
 
+    def chunked_body(self) -> bytes:
+        body = b""
+        while True:
+            n = int(self._line(), 16)
+            body += self._exactly(n)
+            self._exactly(2)
+            if n == 0:
+                return body
+
     def response(self) -> tuple[int, dict, bytes]:
         status = int(self._line().split()[1])
         headers = {}
@@ -133,13 +142,7 @@ class Reader:
         if "content-length" in headers:
             return status, headers, self._exactly(int(headers["content-length"]))
         if headers.get("transfer-encoding") == "chunked":
-            body = b""
-            while True:
-                n = int(self._line(), 16)
-                body += self._exactly(n)
-                self._exactly(2)
-                if n == 0:
-                    return status, headers, body
+            return status, headers, self.chunked_body()
         while self._more():
             pass
         body, self.buf = self.buf, b""
@@ -259,13 +262,7 @@ def test_streaming_is_chunked_and_sent_as_written(app):
         app.loop.call_soon_threadsafe(app.release.set)
         r = Reader(s)
         r.buf = got[got.index(b"\r\n\r\n") + 4:]
-        body = b""
-        while True:
-            n = int(r._line(), 16)
-            body += r._exactly(n)
-            r._exactly(2)
-            if n == 0:
-                break
+        body = r.chunked_body()
         assert body == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
 
 
