@@ -76,6 +76,10 @@ class SchedulerConfig:
     max_prefill_tokens_with_decodes: int | None = opt(
         None, "Most prompt tokens one step computes while other requests decode (longer prompts are chunked "
         "across steps): lower TTFT, higher TPOT (docs/performance.md); default and 0: only the step budget.", ge=0)
+    arrival_wait_ms: float | None = opt(
+        None, "With no request running, how long the next step waits for another arrival (ms of quiet, 30 ms in all "
+        "at most), so that requests sent together share their first step; a lone request pays it in TTFT. "
+        "Default: 4 on CPU, where a prefill step takes seconds; 0 on CUDA.", ge=0, le=30)
     scheduling_policy: str = opt("fcfs", "Order of the waiting queue.", choices=("fcfs", "priority"))
     max_waiting_requests: int | None = opt(1024, "Most requests waiting to be scheduled; beyond it a node answers "
                                            "429.", ge=1, crd="engine.maxWaitingRequests")

@@ -6,9 +6,9 @@
     _run: step N+1 is submitted before N's outputs are processed, so the engine computes while the loop
           detokenizes (OutputProcessor), finds stop strings and hands deltas to each request's stream
     stop strings / disconnects -> engine.abort_request (queued behind the running step)
-    with no request running, the next step waits until requests stop arriving (ARRIVAL_QUIET_SECONDS, at most
-    ARRIVAL_MAX_WAIT_SECONDS): a burst of requests is prefilled in one step, not the first one alone while the
-    others wait out its prefill and then hold it back with theirs
+    with no request running, the next step waits until requests stop arriving (``--arrival-wait-ms`` of quiet, at
+    most ARRIVAL_MAX_WAIT_SECONDS; on CPU by default): a burst of requests is prefilled in one step, not the first
+    one alone while the others wait out its prefill and then hold it back with theirs
 
 Every call into the engine runs on that one worker thread, so the engine needs no locks: an ``add_request``
 lands between two steps. Text never touches the engine thread.
@@ -35,7 +35,7 @@ from pdpool.frontend import Frontend, ModelFiles, Tokenizer
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_SECONDS = 0.01
-ARRIVAL_QUIET_SECONDS = 0.004  # a burst's requests reach the engine within a few ms of each other here
+ARRIVAL_QUIET_MS_CPU = 4.0  # a burst's requests reach the engine within a few ms of each other here
 ARRIVAL_MAX_WAIT_SECONDS = 0.03
 
 
@@ -113,6 +113,10 @@ class AsyncLLM:
         self._loop_task: asyncio.Task | None = None
         self._closed = False
         self.num_step_errors = 0
+        wait_ms = node_config.scheduler.arrival_wait_ms
+        if wait_ms is None:  # on CPU a prefill step takes seconds, so a few ms to gather a burst pay; not on CUDA
+            wait_ms = ARRIVAL_QUIET_MS_CPU if node_config.device.device == "cpu" else 0.0
+        self._arrival_quiet = wait_ms / 1000
 
     # ---- properties the server reads -------------------------------------------------------------
 
@@ -216,7 +220,7 @@ class AsyncLLM:
                     self._work.clear()
                     await self._work.wait()
                     continue
-                if not idle and not self.engine.scheduler.num_running:  # new requests only: a burst's first step
+                if self._arrival_quiet and not idle and not self.engine.scheduler.num_running:  # new requests only: a burst's first step
                     await self._gather_arrivals()
                 pending = self._submit_step()
             try:
@@ -239,16 +243,16 @@ class AsyncLLM:
                     pass
 
     async def _gather_arrivals(self) -> None:
-        """No request running: wait while requests keep arriving (each within ARRIVAL_QUIET_SECONDS of the last,
-        for at most ARRIVAL_MAX_WAIT_SECONDS), so that requests sent together share their first step. A lone
-        request pays ARRIVAL_QUIET_SECONDS of TTFT; steps waiting on remote KV (idle) do not wait again."""
+        """No request running: wait while requests keep arriving (each within the quiet time of the last, for at
+        most ARRIVAL_MAX_WAIT_SECONDS), so that requests sent together share their first step. A lone request pays
+        the quiet time in TTFT; steps waiting on remote KV (idle) do not wait again."""
         assert self._work is not None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + ARRIVAL_MAX_WAIT_SECONDS
         while (left := deadline - loop.time()) > 0:
             self._work.clear()
             try:
-                await asyncio.wait_for(self._work.wait(), min(ARRIVAL_QUIET_SECONDS, left))
+                await asyncio.wait_for(self._work.wait(), min(self._arrival_quiet, left))
             except asyncio.TimeoutError:
                 return
 

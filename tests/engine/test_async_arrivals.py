@@ -5,6 +5,7 @@ prefill; every one of them still finishes and frees its KV blocks. Real engine (
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -21,7 +22,7 @@ def llm(demo_model_dir):
 def test_a_burst_from_idle_is_prefilled_in_one_step(llm, monkeypatch):
     # Wider windows than the defaults, so that a loaded test machine's scheduling delays stay inside them; the
     # arrivals below are 5 ms apart (the defaults: 4 ms quiet, 30 ms at most).
-    monkeypatch.setattr(async_llm, "ARRIVAL_QUIET_SECONDS", 0.1)
+    monkeypatch.setattr(llm.config.scheduler, "arrival_wait_ms", 100.0)
     monkeypatch.setattr(async_llm, "ARRIVAL_MAX_WAIT_SECONDS", 2.0)
     engine = llm.engine
     scheduled: list[int] = []
@@ -54,3 +55,15 @@ def test_a_burst_from_idle_is_prefilled_in_one_step(llm, monkeypatch):
     assert scheduled[0] == 4, scheduled  # all four in the first step
     assert all(len(t) == 3 for t in tokens)
     assert engine.kv_cache_manager.num_free_blocks == free_before
+
+
+def test_the_wait_is_on_cpu_by_default_off_on_cuda_and_set_by_the_flag(llm):
+    def quiet(device: str, wait_ms: float | None) -> float:
+        cfg = dataclasses.replace(llm.config, device=dataclasses.replace(llm.config.device, device=device),
+                                  scheduler=dataclasses.replace(llm.config.scheduler, arrival_wait_ms=wait_ms))
+        return AsyncLLM(cfg, engine=llm.engine, frontend=llm.frontend)._arrival_quiet
+
+    assert quiet("cpu", None) == async_llm.ARRIVAL_QUIET_MS_CPU / 1000
+    assert quiet("cuda", None) == 0.0  # a lone request's TTFT on a GPU is a few ms: no wait unless asked for
+    assert quiet("cpu", 0.0) == 0.0
+    assert quiet("cuda", 2.5) == 0.0025
