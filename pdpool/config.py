@@ -193,6 +193,9 @@ class RouterConfig:
                                  ge=0, crd="kvTransfer.disaggMinTokens")
     approx_index_entries: int = opt(100_000, "Block hashes the approximate (router-local) prefix index remembers.",
                                     ge=1)
+    index_lookup: str = opt("mirror", "Where the precise prefix lookup runs: 'mirror' (a router-local copy of the "
+                            "nodes' block sets, fed by their Redis event stream; no network I/O per request) or "
+                            "'redis' (one Lua round trip per request).", choices=("mirror", "redis"))
     max_inflight: int = opt(0, "Requests in flight beyond which the router answers 429 (0: no limit).", ge=0)
     max_retries: int = opt(2, "Decode nodes tried after the first fails before its first byte.", ge=0)
     prefill_timeout: float = opt(60.0, "Seconds before a prefill leg is abandoned (the request goes decode-only).",

@@ -71,7 +71,7 @@ class Router:
 
             self.reader = IndexReader(connect(r.redis, r.redis_password, timeout=0.25), PoolKeys(r.namespace, r.pool))
         self.index = PrefixIndex(self.reader, ApproxIndex(r.approx_index_entries), self.run_sync, self.metrics,
-                                 recent_seconds=r.recent_seconds)
+                                 recent_seconds=r.recent_seconds, lookup=r.index_lookup)
         self.pool.listeners.append(self.index.on_change)
         self.scheduler = Scheduler(self.pool, self.index, self.inflight, profile, model_id=cfg.served_model_name,
                                    dtype=r.dtype, block_size=r.block_size, disagg_min_tokens=r.disagg_min_tokens)

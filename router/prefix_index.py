@@ -83,9 +83,10 @@ class PrefixIndex:
     """``lookup(hashes, endpoints) -> {node_id: matched leading blocks}`` in the current mode."""
 
     def __init__(self, reader, approx: ApproxIndex, run_sync, metrics=None, backoff_initial: float = 0.5,
-                 backoff_max: float = 5.0, recent_seconds: float = RECENT_SECONDS) -> None:
+                 backoff_max: float = 5.0, recent_seconds: float = RECENT_SECONDS, lookup: str = "mirror") -> None:
         self.reader = reader              # IndexReader or None (no Redis: approximate only)
-        self.async_reader = None          # AsyncIndexReader, set once the event loop runs: lookups stay on it
+        self.lookup_mode = lookup         # "mirror" (router-local copy, router/index_mirror.py) or "redis" (Lua)
+        self._async_reader = None         # AsyncIndexReader, set once the event loop runs: lookups stay on it
         self.approx = approx
         self.run_sync = run_sync
         self.metrics = metrics
@@ -97,6 +98,17 @@ class PrefixIndex:
         self.distrusted: dict[str, str | None] = {}   # node_id -> incarnation it had when it failed
         self.mode = "precise" if reader is not None else "approximate"
         self._set_mode(self.mode)
+
+    @property
+    def async_reader(self):
+        return self._async_reader
+
+    @async_reader.setter
+    def async_reader(self, reader) -> None:
+        """Set on the running event loop; in mirror mode the reader starts tailing the nodes' event stream."""
+        self._async_reader = reader
+        if reader is not None and self.lookup_mode == "mirror" and hasattr(reader, "start_mirror"):
+            reader.start_mirror()
 
     def _set_mode(self, mode: str) -> None:
         self.mode = mode
