@@ -2,6 +2,14 @@
 Redis as a pdpool node (role both) so the router's Redis discovery and precise prefix lookup run as in a pool.
 
     python benchmarks/router_stub_upstream.py --port 9001 [--redis redis://127.0.0.1:6379/0 --node-id stub-1]
+                                              [--kv-blocks 4096]
+
+With ``--redis`` the stub also keeps a prefix cache the way a node does and publishes it the way a node does:
+the engines' block hashes of every prompt the router sends with ``pdpool_prompt_token_ids`` (model "demo",
+float32, block size 16), held in an LRU of ``--kv-blocks`` blocks, each request's new and evicted blocks handed to
+``NodeIndex.publish`` after its answer is written (so Redis's sets and the index event stream the routers'
+mirrors tail change as with real nodes). A request without those ids (the direct baseline, the peers) costs
+nothing more.
 
 A raw asyncio protocol on httptools (llhttp), on uvloop when installed: every answer is a canned one, written from
 the parser's callback, so the stub costs the shared 2-core machine as little CPU as it can (it was aiohttp before
@@ -14,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from collections import OrderedDict
 
 import httptools
 
@@ -38,10 +47,45 @@ CANNED = {(method, path, keep): answer(200, body, keep) for method, table in (("
           for path, body in table.items() for keep in (True, False)}
 
 
+class PrefixCache:
+    """A node's prefix cache as the index sees it: block hashes in LRU order, ``capacity`` blocks."""
+
+    def __init__(self, index, capacity: int) -> None:
+        from pdpool.block_hash import ModelFingerprint, root_hash
+
+        self.index = index
+        self.capacity = capacity
+        self.root = root_hash(ModelFingerprint("demo", "float32", 16))
+        self.lru: OrderedDict[bytes, None] = OrderedDict()
+
+    def served(self, body: bytes) -> None:
+        if b'"pdpool_prompt_token_ids"' not in body:
+            return
+        from pdpool.block_hash import hash_prompt_blocks
+
+        lru = self.lru
+        stored, removed = [], []
+        for ids in json.loads(body)["pdpool_prompt_token_ids"]:
+            for h in hash_prompt_blocks(ids, 16, self.root):
+                if h in lru:
+                    lru.move_to_end(h)
+                else:
+                    lru[h] = None
+                    stored.append(h)
+        while len(lru) > self.capacity:
+            removed.append(lru.popitem(last=False)[0])
+        if stored or removed:
+            self.index.publish(stored, removed)
+
+
+CACHE: PrefixCache | None = None
+
+
 class Stub(asyncio.Protocol):
     def __init__(self) -> None:
         self.parser = httptools.HttpRequestParser(self)
         self.url = b""
+        self.body: list[bytes] = []
         self.transport = None
 
     def connection_made(self, transport) -> None:
@@ -55,6 +99,10 @@ class Stub(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self.url = b""
+        self.body = []
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
 
     def on_url(self, url: bytes) -> None:
         self.url += url
@@ -67,13 +115,19 @@ class Stub(asyncio.Protocol):
         self.transport.write(out if out is not None else answer(404, b'{"error": "not found"}', keep))
         if not keep:
             self.transport.close()
+        if CACHE is not None and self.body and method == "POST":
+            CACHE.served(b"".join(self.body))
 
 
 def heartbeat(args) -> None:
     from pdpool.kv_index import HeartbeatThread, NodeIndex, NodeInfo, PoolKeys, connect, new_incarnation
 
+    global CACHE
     inc = new_incarnation()
     index = NodeIndex(connect(args.redis), PoolKeys("default", "bench"), args.node_id, inc, heartbeat_ttl=3.0)
+    index.resync([])   # a new incarnation starts with an empty cache, as a node does
+    if args.kv_blocks:
+        CACHE = PrefixCache(index, args.kv_blocks)
     info = NodeInfo(args.node_id, "both", f"http://127.0.0.1:{args.port}", inc,
                     fingerprint={"model_id": "demo", "dtype": "float32", "block_size": 16})
     HeartbeatThread(index, lambda: info, 1.0).start()
@@ -90,6 +144,8 @@ def main() -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--redis")
     p.add_argument("--node-id")
+    p.add_argument("--kv-blocks", type=int, default=4096,
+                   help="blocks of the prefix cache published to Redis (0: publish nothing, heartbeats only)")
     args = p.parse_args()
     if args.redis:
         heartbeat(args)

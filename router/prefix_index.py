@@ -1,7 +1,10 @@
 """How many leading blocks of a prompt each node holds: precise from Redis, approximate from a local LRU.
 
-Precise: the nodes publish their block hashes to Redis; one Lua round trip (``IndexReader.lookup``) answers for
-every live node, so two routers share one truthful view (active-active). Approximate: the router remembers, in
+Precise: the nodes publish their block hashes to Redis, and every change to the pool's event stream. By default
+(``--index-lookup mirror``) a router-local mirror of the nodes' sets, fed by that stream
+(``router/index_mirror.py``), answers with no network I/O; when it cannot (starting, re-reading after an outage),
+or with ``--index-lookup redis``, one Lua round trip (``IndexReader.lookup``) answers for every live node. Both
+read what the nodes wrote, so two routers share one truthful view (active-active). Approximate: the router remembers, in
 an LRU of block hashes, where it sent recent prompts. It is filled on every routed request, so it is warm when
 Redis goes away; while Redis is unreachable the router uses it (logged once, ``pdpool_router_index_mode``) and
 retries Redis after a backoff, without touching the network inside the backoff window.
@@ -138,8 +141,12 @@ class PrefixIndex:
         matched = None
         if hashes and self.reader is not None and time.monotonic() >= self._retry_at:
             try:
-                if self.async_reader is not None:
-                    found = await self.async_reader.lookup(hashes)
+                reader = self._async_reader
+                if reader is not None:
+                    mirror = getattr(reader, "mirror", None)
+                    found = mirror.lookup(hashes, incarnations) if mirror is not None else None
+                    if found is None:
+                        found = await reader.lookup(hashes)
                 else:
                     found = await self.run_sync(self.reader.lookup, hashes)
                 matched = {n: found.get(n, 0) for n in incarnations}

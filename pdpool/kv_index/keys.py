@@ -16,6 +16,11 @@ key (after the prefix)                   type    value                          
                                                                                                    by every heartbeat
 ``nixl:<node_id>:<incarnation>``         STRING  the node's KV agent metadata (bytes)               ``state_ttl``, reset
                                                                                                    by every heartbeat
+``events``                               STREAM  every change of a ``blocks:`` set, appended in     none; ``MAXLEN ~``
+                                                 the MULTI that makes it: node, incarnation,       (10,000 entries by
+                                                 sequence, kind (delta or reset), stored and       default), trimmed
+                                                 removed hashes (``redis_index``'s docstring); the  by every append
+                                                 routers' index mirrors tail it
 =======================================  ======  ================================================  =====================
 
 A node is *live* while its ``hb:`` key exists. A dead node's ``blocks:`` and ``nixl:`` keys outlive its
@@ -62,6 +67,10 @@ class PoolKeys:
 
     def nixl(self, node_id: str, incarnation: str) -> str:
         return f"{self.prefix}nixl:{node_id}:{incarnation}"
+
+    @property
+    def events(self) -> str:
+        return self.prefix + "events"
 
     @property
     def scan_pattern(self) -> str:

@@ -16,6 +16,15 @@ registered) and healed the same way.
 * ``deregister()``: stop the publisher (queued events are dropped, with a log, after a short flush), DEL all the
   node's keys, SREM from ``nodes``.
 
+Change stream (``events``, for the routers' mirrors, ``router/index_mirror.py``): every MULTI that changes
+``blocks:<node>`` also appends one entry (``XADD ... MAXLEN ~ events_maxlen``), so the set and its event land
+atomically and in the same order for every reader. An entry's fields (see ``EVENT_FIELDS``): ``n`` node id,
+``i`` incarnation, ``s`` the node's sequence number (one per entry, per ``NodeIndex``), ``k`` the kind, ``+`` the
+stored and ``-`` the removed hashes (raw 16-byte hashes, concatenated). Kind ``d`` is a delta (SREM ``-`` then
+SADD ``+``, as the set got it); kind ``r`` is a reset: the set was rewritten whole (a resync, a dirty rewrite
+after an outage or a new incarnation, a deregistration), and a reader re-reads ``blocks:<node>`` instead of
+getting the whole set inline. Nothing about the stream can make a node method raise.
+
 Router side (``IndexReader``): ``lookup(block_hashes) -> {node_id: leading blocks held}`` over live nodes and
 ``live_nodes()``, each **one round trip** (a Lua script; the lookup's block hashes travel concatenated, as one
 argument). Lookup cost, run atomically inside Redis:
@@ -45,6 +54,9 @@ from pdpool.kv_index.keys import PoolKeys
 logger = logging.getLogger(__name__)
 
 _SADD_CHUNK = 10_000
+EVENTS_MAXLEN = 10_000      # about; entries of a few hundred bytes to a few kB each
+EVENT_DELTA, EVENT_RESET = b"d", b"r"
+EVENT_FIELDS = (b"n", b"i", b"s", b"k", b"+", b"-")   # node, incarnation, sequence, kind, stored, removed
 _REDIS_ERRORS = (redis.RedisError, OSError)
 
 
@@ -81,7 +93,8 @@ class NodeIndex:
 
     def __init__(self, client: redis.Redis, keys: PoolKeys, node_id: str, incarnation: str, *,
                  heartbeat_ttl: float = 6.0, state_ttl: float | None = None,
-                 backoff_initial: float = 0.2, backoff_max: float = 10.0) -> None:
+                 backoff_initial: float = 0.2, backoff_max: float = 10.0,
+                 events_maxlen: int = EVENTS_MAXLEN) -> None:
         self.client = client
         self.keys = keys
         self.node_id = node_id
@@ -91,6 +104,9 @@ class NodeIndex:
         self.state_ttl_ms = int((state_ttl if state_ttl is not None else max(60.0, 10 * heartbeat_ttl)) * 1000)
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
+        self.events_maxlen = events_maxlen
+        self._seq = 0                            # of this node's last stream entry (under _lock)
+        self._rewriting = False                  # the MULTI being built rewrites the whole set (a reset entry)
         self._lock = threading.Lock()
         self._held: set[bytes] = set()           # mirror of blocks:<node>
         self._agent_md: bytes | None = None
@@ -193,6 +209,7 @@ class NodeIndex:
                 pipe.delete(k.heartbeat(self.node_id), k.blocks(self.node_id),
                             k.nixl(self.node_id, self.incarnation))
                 pipe.srem(k.nodes, self.node_id)
+                self._queue_event(pipe, EVENT_RESET)
                 pipe.execute()
                 return True
             except _REDIS_ERRORS as exc:
@@ -245,7 +262,11 @@ class NodeIndex:
             was_dirty = self._dirty
             if was_dirty:
                 self._queue_full_state(pipe)
-            queue_fn(pipe)
+            self._rewriting = was_dirty
+            try:
+                queue_fn(pipe)
+            finally:
+                self._rewriting = False
             results = pipe.execute()
         except _REDIS_ERRORS as exc:
             self._on_error(exc)
@@ -280,6 +301,16 @@ class NodeIndex:
         for chunk in _chunks(stored, _SADD_CHUNK):
             pipe.sadd(key, *chunk)
         pipe.pexpire(key, self.state_ttl_ms)
+        if not self._rewriting and (stored or removed):  # a rewrite's reset entry covers it
+            self._queue_event(pipe, EVENT_DELTA, stored, removed)
+
+    def _queue_event(self, pipe, kind: bytes, stored: Sequence[bytes] = (), removed: Sequence[bytes] = ()) -> None:
+        """One stream entry in the MULTI being built. A MULTI that fails leaves the index dirty, and the rewrite
+        that heals it appends a reset, so a sequence number lost with a failed MULTI is never waited for."""
+        self._seq += 1
+        pipe.xadd(self.keys.events, {b"n": self.node_id, b"i": self.incarnation, b"s": self._seq, b"k": kind,
+                                     b"+": b"".join(stored), b"-": b"".join(removed)},
+                  maxlen=self.events_maxlen, approximate=True)
 
     def _queue_agent_md(self, pipe) -> None:
         if self._agent_md is not None:
@@ -300,6 +331,7 @@ class NodeIndex:
         for chunk in _chunks(list(self._held), _SADD_CHUNK):
             pipe.sadd(key, *chunk)
         pipe.pexpire(key, self.state_ttl_ms)
+        self._queue_event(pipe, EVENT_RESET)
         self._queue_agent_md(pipe)
         self._queue_heartbeat(pipe)
 

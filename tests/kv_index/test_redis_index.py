@@ -180,9 +180,9 @@ def test_pools_are_isolated_and_delete_pool_keys(redis_server):
     assert make_reader(redis_server, "p1", "other").lookup(HASHES) == {"n": 0}
 
     p1_keys = {k for k in client.scan_iter(match=PoolKeys("ns", "p1").scan_pattern)}
-    assert len(p1_keys) == 4  # nodes, hb:n, blocks:n, nixl:n:inc1
+    assert len(p1_keys) == 5  # nodes, hb:n, blocks:n, nixl:n:inc1, events
     before = set(client.scan_iter())
-    assert asyncio.run(delete_pool_keys(redis_server.url, redis_server.password, "ns", "p1", batch=2)) == 4
+    assert asyncio.run(delete_pool_keys(redis_server.url, redis_server.password, "ns", "p1", batch=2)) == 5
     assert set(client.scan_iter()) == before - p1_keys
     assert make_reader(redis_server, "p1", "ns").lookup(HASHES) == {}
     assert make_reader(redis_server, "p1x", "ns").lookup(HASHES) == {"n": 1}
@@ -196,7 +196,11 @@ def test_deregister_removes_the_node(redis_server):
     a.publish(stored=HASHES[:2])
     assert a.flush()
     assert a.deregister()
-    assert list(redis_server.client().scan_iter()) == []
+    client = redis_server.client()
+    keys = PoolKeys("ns", "p1")
+    assert list(client.scan_iter()) == [keys.events.encode()]   # the pool's stream, shared by its nodes
+    last = client.xrevrange(keys.events, count=1)[0][1]
+    assert last[b"n"] == b"a" and last[b"k"] == b"r"            # a reset: the routers' mirrors read it again
 
 
 def test_redis_outage_never_raises_and_heals(redis_server):
