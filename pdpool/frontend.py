@@ -20,6 +20,7 @@ demo model's first use, whose one-time GGUF conversion needs transformers (``pdp
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Sequence
 
-from pdpool.block_hash import BlockHash, ModelFingerprint, hash_prompt_blocks, root_hash
+from pdpool.block_hash import BlockHash, ModelFingerprint, extend_block_hashes, hash_prompt_blocks, root_hash
 
 
 class InvalidRequestError(ValueError):
@@ -142,12 +143,13 @@ class PieceEncoder:
 
     Only for the tokenizers ``TokenChunkCache.cacheable`` accepts (the same argument holds: BPE runs within
     pieces). The text is first split around the added tokens, longest match first, as ``tokenizers`` does; each
-    segment in between is cut into pieces by the GPT-2 pattern (the ``regex`` module, a dependency of
-    transformers). A piece not seen yet goes to the BPE model alone, as its UTF-8 bytes mapped to the byte-level
-    alphabet (GPT-2's ``bytes_to_unicode``), so a text of new words costs about what ``tokenizers`` does. The
-    constructor checks the whole path against the tokenizer on a probe of every byte and raises ``ValueError``
-    if they differ; a property test checks it on any Unicode text (``tests/router/test_token_cache.py``). The
-    cache is cleared when it reaches ``capacity`` pieces.
+    ASCII segment in between is cut into pieces by the GPT-2 pattern on ASCII (in C where the router's piece table
+    builds, ``router/csrc/pieces.c``, which also writes the ids' JSON; else ``re``), and a non-ASCII segment goes
+    to ``tokenizers`` whole. A piece not seen yet goes to the BPE model alone, as its UTF-8 bytes mapped to the
+    byte-level alphabet (GPT-2's ``bytes_to_unicode``). The constructor checks the whole path against the
+    tokenizer on a probe of every byte and raises ``ValueError`` if they differ (the C table is dropped, with a
+    warning, if it alone differs); property tests check it on any Unicode text
+    (``tests/router/test_token_cache.py``). The cache is cleared when it reaches ``capacity`` pieces.
     """
 
     PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -158,10 +160,11 @@ class PieceEncoder:
     ASCII_PROBE = "".join(chr(c) for c in range(128)) + " Hello  world's 42 x\t\n\n  it'll 3.14 --x  \x1c\x1f y "
     PROBE = "".join(chr(c) for c in range(1, 0x800)) + " Hello  world's 42 日本 🙂\u3000x\xa0\n\n"
 
-    def __init__(self, tokenizer: "Tokenizer", capacity: int = 200_000) -> None:
+    def __init__(self, tokenizer: "Tokenizer", capacity: int = 200_000, native: bool = True) -> None:
         import regex
 
         raw = tokenizer._tok
+        self._encode_raw = raw.encode
         self._tokenize = raw.model.tokenize
         self._byte_chars = _byte_level_alphabet()
         self._pieces = regex.compile(self.PATTERN)
@@ -173,10 +176,41 @@ class PieceEncoder:
         self._added = regex.compile("|".join(regex.escape(n) for n in names)) if names else None
         self._cache: dict[str, list[int]] = {}
         self.capacity = capacity
+        # ASCII segments in C where it builds (router/csrc/pieces.c: the ASCII pattern's cuts, a piece table and
+        # the ids' JSON in one pass); checked on the probe against this class's Python path, else not used.
+        self._table = None
+        table = _native_piece_table(self._bpe, capacity) if native else None
         probe = self.PROBE + "".join(names)
-        if self.encode(probe) != raw.encode(probe, add_special_tokens=False).ids:
+        expected = raw.encode(probe, add_special_tokens=False).ids
+        if self.encode(probe) != expected:
             raise ValueError("the piece encoder disagrees with the tokenizer")
+        if table is not None:
+            self._table = table
+            ids, ids_json = self.encode_entry(self.ASCII_PROBE)
+            if (ids != raw.encode(self.ASCII_PROBE, add_special_tokens=False).ids or self.encode(probe) != expected
+                    or ids_json != ",".join(map(str, ids)).encode()):
+                self._table = None
+                logging.getLogger("pdpool.router").warning("the native piece table disagrees with the tokenizer;"
+                                                           " not used")
+            table.clear()
         self._cache.clear()
+
+    @property
+    def native(self) -> bool:
+        return self._table is not None
+
+    def _bpe(self, piece: str) -> list[int]:
+        """The BPE model's ids of one pre-tokenizer piece."""
+        chars = self._byte_chars
+        return [t.id for t in self._tokenize("".join([chars[b] for b in piece.encode()]))]
+
+    def encode_entry(self, text: str) -> list:
+        """``[ids, their JSON without brackets]`` when the native table did the whole text (ASCII, no added
+        token) in one pass, else ``[ids, None]`` (the JSON is then made when it is needed)."""
+        table = self._table
+        if table is not None and text.isascii() and (self._added is None or self._added.search(text) is None):
+            return list(table.encode(text))
+        return [self.encode(text), None]
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
@@ -192,16 +226,32 @@ class PieceEncoder:
         return ids
 
     def _encode_segment(self, segment: str, ids: list[int]) -> None:
+        if not segment.isascii():
+            # The tokenizer itself: ``regex`` and the tokenizer's Oniguruma may classify a code point differently
+            # (Unicode versions differ: U+3D000 is a letter to one and not the other, so "\U0003d000's" split
+            # differently), so a piece split of non-ASCII text is not proven equal.
+            ids.extend(self._encode_raw(segment, add_special_tokens=False).ids)
+            return
+        if self._table is not None:
+            if segment:
+                ids.extend(self._table.encode(segment)[0])
+            return
         cache = self._cache
-        for piece in (self._ascii_pieces if segment.isascii() else self._pieces).findall(segment):
+        for piece in self._ascii_pieces.findall(segment):
             piece_ids = cache.get(piece)
             if piece_ids is None:
-                chars = self._byte_chars
-                piece_ids = [t.id for t in self._tokenize("".join([chars[b] for b in piece.encode()]))]
+                piece_ids = self._bpe(piece)
                 if len(cache) >= self.capacity:
                     cache.clear()
                 cache[piece] = piece_ids
             ids.extend(piece_ids)
+
+
+def _native_piece_table(miss, capacity: int):
+    from pdpool.router import native   # the router's C piece table, built on first use; None where it cannot be
+
+    module = native.load()
+    return module.PieceTable(miss, capacity) if module is not None else None
 
 
 def _byte_level_alphabet() -> list[str]:
@@ -242,12 +292,11 @@ class TokenChunkCache:
         self.tokenizer = tokenizer
         self.capacity = capacity
         self.chunk_chars = max(1, chunk_chars)
-        raw = tokenizer._tok
-        self._encode_batch = getattr(raw, "encode_batch_fast", raw.encode_batch)
         self._lru: OrderedDict[str, list] = OrderedDict()   # chunk text -> [ids, their JSON or None]
         self.enabled = self.cacheable(tokenizer)
         self.special_prefix = self._special_prefix() if self.enabled else None
         self.pieces = _piece_encoder(tokenizer) if self.enabled else None
+        self._native_chunks = _native_chunks() if self.pieces is not None and self.pieces.native else None
         self.hit_chunks = 0
         self.missed_chunks = 0
 
@@ -276,6 +325,11 @@ class TokenChunkCache:
         return prefix if ok else None
 
     def chunks(self, text: str) -> list[str]:
+        if self._native_chunks is not None:   # the same cuts in C (router/csrc/pieces.c; a test compares them)
+            return self._native_chunks(text, self.chunk_chars)
+        return self.chunks_re(text)
+
+    def chunks_re(self, text: str) -> list[str]:
         cuts = [0]
         pos = self.chunk_chars
         while pos < len(text):
@@ -288,64 +342,116 @@ class TokenChunkCache:
         return [text[a:b] for a, b in zip(cuts, cuts[1:])]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        entries = self._entries(text, add_special_tokens)
-        if entries is None:
-            return self.tokenizer.encode(text, add_special_tokens)
-        ids = list(self.special_prefix) if add_special_tokens else []
-        for entry in entries:
-            ids.extend(entry[0])
-        return ids
+        return self.encode_chunked(text, add_special_tokens)[0]
 
     def encode_with_json(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], bytes]:
         """The ids and ``json.dumps(ids, separators=(",", ":"))``, encoded: the router forwards the ids as JSON,
         and a cached chunk's JSON is written once, not once per request that shares it."""
-        entries = self._entries(text, add_special_tokens)
-        if entries is None:
+        ids, ids_json, _ = self.encode_chunked(text, add_special_tokens)
+        return ids, ids_json
+
+    def encode_chunked(self, text: str, add_special_tokens: bool = True
+                       ) -> tuple[list[int], bytes, tuple[int, tuple[tuple[str, int], ...]] | None]:
+        """``encode_with_json`` plus the text's leading chunks that were cached already: ``(ids before the first
+        chunk, ((chunk text, ids up to its end), ...))``, what ``BlockHashMemo`` keeps shared prefixes' block
+        hashes by; None when the text is encoded whole.
+
+        One pass over the chunks: each is looked up in the LRU, a missing one is encoded (``PieceEncoder``, else
+        ``tokenizers``) and added; the ids and the JSON parts are joined as they come."""
+        if not self.enabled or len(text) < 2 * self.chunk_chars or (add_special_tokens and
+                                                                    self.special_prefix is None):
             ids = self.tokenizer.encode(text, add_special_tokens)
-            return ids, json.dumps(ids, separators=(",", ":")).encode()
+            return ids, json.dumps(ids, separators=(",", ":")).encode(), None
         ids = list(self.special_prefix) if add_special_tokens else []
         parts = [json.dumps(ids, separators=(",", ":")).encode()[1:-1]] if ids else []
-        for entry in entries:
+        lead, shared = len(ids), []
+        lru = self._lru
+        get, move_to_end = lru.get, lru.move_to_end
+        encode_fresh = self.pieces.encode_entry if self.pieces is not None else self._encode_whole
+        in_prefix = True                  # the shared prefix ends at the first chunk not cached
+        for chunk in self.chunks(text):
+            entry = get(chunk)
+            if entry is None:
+                entry = lru[chunk] = encode_fresh(chunk)
+                if len(lru) > self.capacity:
+                    lru.popitem(last=False)
+                self.missed_chunks += 1
+                in_prefix = False
+            else:
+                move_to_end(chunk)
+                self.hit_chunks += 1
             ids.extend(entry[0])
+            if in_prefix:
+                shared.append((chunk, len(ids)))
             if entry[1] is None:   # ids are ints: str() is their JSON (2 µs less per chunk than json.dumps)
                 entry[1] = ",".join(map(str, entry[0])).encode()
             if entry[1]:
                 parts.append(entry[1])
-        return ids, b"[" + b",".join(parts) + b"]"
+        return ids, b"[" + b",".join(parts) + b"]", (lead, tuple(shared))
 
-    def _entries(self, text: str, add_special_tokens: bool) -> list[list] | None:
-        """The LRU entries ``[ids, JSON of the ids or None]`` of the text's chunks, in order; None when the text is
-        to be encoded whole."""
-        if not self.enabled or len(text) < 2 * self.chunk_chars or (add_special_tokens and
-                                                                    self.special_prefix is None):
-            return None
-        pieces = self.chunks(text)
-        lru = self._lru
-        found = [lru.get(p) for p in pieces]
-        missing = list(dict.fromkeys(p for p, entry in zip(pieces, found) if entry is None))
-        fresh = {}
-        if missing:
-            if self.pieces is not None:
-                fresh = {p: self.pieces.encode(p) for p in missing}
-            else:
-                fresh = {p: e.ids for p, e in zip(missing, self._encode_batch(missing, add_special_tokens=False))}
-            self.missed_chunks += len(missing)
-        entries = []
-        for piece, entry in zip(pieces, found):
-            if entry is None:
-                entry = lru.get(piece)   # an earlier copy of this chunk in the same text
-                if entry is None:
-                    entry = lru[piece] = [fresh[piece], None]
-                    if len(lru) > self.capacity:
-                        lru.popitem(last=False)
-            else:
-                self.hit_chunks += 1
-                try:
-                    lru.move_to_end(piece)
-                except KeyError:   # evicted by this text's own new chunks (a text longer than the cache)
-                    pass
-            entries.append(entry)
-        return entries
+    def _encode_whole(self, chunk: str) -> list:
+        return [self.tokenizer.encode(chunk, False), None]
+
+
+class BlockHashMemo:
+    """Block hashes of shared prompt prefixes, kept by token-cache chunk sequence, so that a request hashes only
+    the blocks after its shared prefix (its own question), not the whole prompt again.
+
+    A trie per (root hash, ids before the first chunk), one level per chunk, keyed by the chunk's text; the node
+    for chunks ``c0 .. cj`` keeps the hashes of the blocks that end within ``cj`` (blocks ``[e(j-1) // B,
+    e(j) // B)``, ``e`` = ids up to a chunk's end). Those depend only on the root and the ids up to ``cj``'s end,
+    which are a function of the chunk texts (a chunk's ids do not depend on its neighbours: ``TokenChunkCache``),
+    so the memo gives bit for bit what ``hash_prompt_blocks`` gives (a property test checks it). Only chunks that
+    were in the token cache before the request are added (a shared prefix, not a request's fresh question). Emptied
+    when it holds ``capacity`` nodes. One thread only.
+    """
+
+    def __init__(self, capacity: int = 8192) -> None:
+        self.capacity = capacity
+        self._tries: dict[tuple, dict] = {}
+        self._nodes = 0
+
+    def hashes(self, token_ids: Sequence[int], block_size: int, root: BlockHash,
+               shared: tuple[int, tuple[tuple[str, int], ...]] | None) -> list[BlockHash]:
+        """``hash_prompt_blocks(token_ids, block_size, root)``; ``shared``: the prompt's leading cached chunks as
+        ``TokenChunkCache.encode_chunked`` gives them (ids before the first chunk; each chunk's text and the
+        ids up to its end)."""
+        if not shared or not shared[1]:
+            return hash_prompt_blocks(token_ids, block_size, root)
+        lead, chunks = shared
+        key = (root, block_size, tuple(token_ids[:lead]))
+        hashes: list[BlockHash] = []
+        kids = self._tries.get(key)
+        depth = 0
+        if kids is not None:
+            for text, _ in chunks:
+                node = kids.get(text)
+                if node is None:
+                    break
+                hashes.extend(node[1])
+                kids = node[0]
+                depth += 1
+        extend_block_hashes(hashes, token_ids, block_size, root)
+        if depth < len(chunks):
+            if self._nodes + len(chunks) - depth > self.capacity:
+                self._tries.clear()
+                self._nodes, depth = 0, 0
+            if depth == 0:
+                kids = self._tries.setdefault(key, {})
+            done = chunks[depth - 1][1] // block_size if depth else 0
+            for text, end in chunks[depth:]:
+                node = kids[text] = [{}, hashes[done:end // block_size]]
+                kids = node[0]
+                done = end // block_size
+            self._nodes += len(chunks) - depth
+        return hashes
+
+
+def _native_chunks():
+    from pdpool.router import native
+
+    module = native.load()
+    return module.chunks if module is not None else None
 
 
 def _piece_encoder(tokenizer: "Tokenizer") -> PieceEncoder | None:
@@ -414,6 +520,7 @@ class Frontend:
         self.vocab_size = files.vocab_size
         self.eos_token_ids = files.eos_token_ids
         self.token_cache = TokenChunkCache(tokenizer, token_cache_chunks) if token_cache_chunks > 0 else None
+        self.hash_memo = BlockHashMemo(token_cache_chunks) if self.token_cache is not None else None
         self._encode_text = self.token_cache.encode if self.token_cache is not None else tokenizer.encode
 
     @classmethod
@@ -434,12 +541,19 @@ class Frontend:
     def encode_prompt_json(self, prompt: str | Sequence[int], add_special_tokens: bool = True
                            ) -> tuple[list[int], bytes | None]:
         """``encode_prompt`` plus the ids' JSON where the token cache makes it cheaply (else None)."""
+        ids, ids_json, _ = self.encode_prompt_chunked(prompt, add_special_tokens)
+        return ids, ids_json
+
+    def encode_prompt_chunked(self, prompt: str | Sequence[int], add_special_tokens: bool = True
+                              ) -> tuple[list[int], bytes | None, tuple | None]:
+        """``encode_prompt_json`` plus the prompt's shared chunks for ``block_hashes`` (None where there are
+        none: ids, or no token cache)."""
         if isinstance(prompt, str) and self.token_cache is not None:
-            ids, ids_json = self.token_cache.encode_with_json(prompt, add_special_tokens)
+            ids, ids_json, shared = self.token_cache.encode_chunked(prompt, add_special_tokens)
             if not ids:
                 raise InvalidRequestError("the prompt is empty")
-            return ids, ids_json
-        return self.encode_prompt(prompt, add_special_tokens), None
+            return ids, ids_json, shared
+        return self.encode_prompt(prompt, add_special_tokens), None, None
 
     def encode_prompt(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt (text, or ids checked against the vocabulary); raises ``InvalidRequestError``."""
@@ -452,8 +566,11 @@ class Frontend:
             raise InvalidRequestError("the prompt is empty")
         return ids
 
-    @staticmethod
-    def block_hashes(token_ids: Sequence[int], fingerprint: ModelFingerprint,
-                     cache_salt: str | None = None) -> list[BlockHash]:
-        """The engines' prefix-cache hashes of every full block of ``token_ids``."""
-        return hash_prompt_blocks(token_ids, fingerprint.block_size, root_hash(fingerprint, cache_salt))
+    def block_hashes(self, token_ids: Sequence[int], fingerprint: ModelFingerprint, cache_salt: str | None = None,
+                     shared: tuple | None = None) -> list[BlockHash]:
+        """The engines' prefix-cache hashes of every full block of ``token_ids``; with ``shared`` (from
+        ``encode_prompt_chunked``) the shared prefix's hashes come from the memo."""
+        root = root_hash(fingerprint, cache_salt)
+        if shared is not None and self.hash_memo is not None:
+            return self.hash_memo.hashes(token_ids, fingerprint.block_size, root, shared)
+        return hash_prompt_blocks(token_ids, fingerprint.block_size, root)

@@ -67,10 +67,11 @@ class RequestPath:
         n = rr.num_prompt_tokens
         bs = self.scheduler.block_size
         predicted = min(plan.matched_blocks.get(endpoint.node_id, 0) * bs, (n - 1) // bs * bs)
-        self.metrics.prompt_tokens.labels(role).inc(n)
-        self.metrics.predicted_hit_tokens.labels(role).inc(predicted)
+        prompt_tokens, predicted_hits, realized_hits = self.metrics.hit_tokens[role]
+        prompt_tokens.inc(n)
+        predicted_hits.inc(predicted)
         if realized is not None:
-            self.metrics.realized_hit_tokens.labels(role).inc(realized)
+            realized_hits.inc(realized)
 
     def _release(self, prefill, handle: dict | None, request_id: str) -> None:
         lease_id = (handle or {}).get("lease_id")
@@ -98,7 +99,7 @@ class RequestPath:
         self.metrics.decision_seconds.observe(plan.seconds)
         if "affinity_yield" in plan.events:
             self.metrics.affinity_yields.inc()
-        self.metrics.requests.labels(decision).inc()
+        self.metrics.decisions[decision].inc()
 
     async def _prefill(self, rr: RoutedRequest, plan: RoutePlan) -> dict | None:
         """The KV handle, or None when the request should go decode-only. A 4xx is the client's to see."""
@@ -147,7 +148,7 @@ class RequestPath:
         last: UpstreamError | None = None
         for attempt, d in enumerate(tries):
             if attempt:
-                self.metrics.requests.labels("retry").inc()
+                self.metrics.decisions["retry"].inc()
                 logger.info("retrying on decode node %s (attempt %d)", d.node_id, attempt + 1)
             changes = {"kv_transfer_params": handle} if handle is not None else {}
             hide_usage = False

@@ -25,8 +25,8 @@ class RouterMetrics:
         self.requests = Counter("pdpool_router_requests", "Routed requests by decision: disaggregated, decode_only, "
                                 "fallback (prefill failed, served decode-only), retry (one per extra decode try).",
                                 ["decision"], registry=r)
-        for d in DECISIONS:
-            self.requests.labels(d)
+        # labels() hashes the values and takes a lock on every call: the children a request touches are kept
+        self.decisions = {d: self.requests.labels(d) for d in DECISIONS}
         self.responses = Counter("pdpool_router_responses", "Responses by HTTP status.", ["status"], registry=r)
         self._responses: dict = {}
         self.decision_seconds = Histogram(
@@ -52,9 +52,9 @@ class RouterMetrics:
                                       "(client gone, or the decode leg failed).", registry=r)
         self.inflight = Gauge("pdpool_router_inflight_requests", "Legs in flight per node.", ["node"], registry=r,
                               multiprocess_mode="livesum")
-        for role in ("prefill", "decode"):
-            for c in (self.prompt_tokens, self.predicted_hit_tokens, self.realized_hit_tokens):
-                c.labels(role)
+        self.hit_tokens = {role: tuple(c.labels(role) for c in (self.prompt_tokens, self.predicted_hit_tokens,
+                                                                 self.realized_hit_tokens))
+                           for role in ("prefill", "decode")}   # (prompt, predicted, realized) per leg role
         if inflight is not None:
             inflight.gauge = self.inflight
             for node_id, n in inflight.requests.items():  # legs routed before the metrics existed

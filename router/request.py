@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, field
 
 from pdpool import frontend as _frontend
+from pdpool.block_hash import hash_prompt_blocks, root_hash
 from pdpool.frontend import Frontend
 from pdpool.server import protocol
 from pdpool.server.errors import APIError
@@ -29,6 +30,8 @@ class RoutedRequest:
     request_id: str
     raw: bytes = b""                  # the client's body as received (valid JSON: it parsed into ``body``)
     ids_json: list = field(default_factory=list)  # per prompt, the JSON of its ids where the front end made it
+    frontend: Frontend | None = None
+    shared: tuple | None = None       # the first prompt's shared token-cache chunks (the block-hash memo's keys)
     _hashes: dict = field(default_factory=dict)
 
     @property
@@ -45,10 +48,13 @@ class RoutedRequest:
         return len(self.prompt_token_ids) == 1 and self.parsed.n == 1
 
     def block_hashes(self, fingerprint) -> list:
-        if fingerprint not in self._hashes:
-            self._hashes[fingerprint] = Frontend.block_hashes(self.prompt_token_ids[0], fingerprint,
-                                                              self.parsed.cache_salt)
-        return self._hashes[fingerprint]
+        hashes = self._hashes.get(fingerprint)
+        if hashes is None:
+            ids, salt = self.prompt_token_ids[0], self.parsed.cache_salt
+            hashes = self._hashes[fingerprint] = (
+                self.frontend.block_hashes(ids, fingerprint, salt, self.shared) if self.frontend is not None
+                else hash_prompt_blocks(ids, fingerprint.block_size, root_hash(fingerprint, salt)))
+        return hashes
 
     def upstream_bytes(self, pdpool_node: bool | None) -> bytes:
         """``upstream_body(pdpool_node)`` serialized, built from the client's own bytes when it can be: the body
@@ -87,10 +93,11 @@ def parse(path: str, body: dict, frontend: Frontend, served_names: list[str], re
         req = protocol.parse_completion(body, served_names)
     add_special = req.kind != "chat"
     try:
-        encoded = [frontend.encode_prompt_json(p, add_special) for p in req.prompts]
+        encoded = [frontend.encode_prompt_chunked(p, add_special) for p in req.prompts]
         stop_ids = getattr(req.params, "stop_token_ids", None)
         if stop_ids:
             _frontend.check_token_ids(stop_ids, frontend.vocab_size, "stop_token_ids")
     except _REFUSED as exc:
         raise APIError(str(exc), param=exc.param) from None
-    return RoutedRequest(path, body, req, [ids for ids, _ in encoded], request_id, raw, [j for _, j in encoded])
+    return RoutedRequest(path, body, req, [e[0] for e in encoded], request_id, raw, [e[1] for e in encoded],
+                         frontend, encoded[0][2])

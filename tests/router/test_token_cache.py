@@ -118,3 +118,115 @@ def test_short_texts_and_unknown_tokenizers_are_encoded_whole(frontend):
     cache = TokenChunkCache(frontend.tokenizer, chunk_chars=256)
     assert cache.encode("short", True) == frontend.tokenizer.encode("short", True)
     assert cache.missed_chunks == 0 and cache.hit_chunks == 0
+
+
+# ---- the native piece table (router/csrc/pieces.c) and the block-hash memo -------------------------------------
+
+def test_the_native_piece_table_builds_and_is_used(frontend):
+    """CI and the image have a C compiler and Python's headers: the router's fast path must be there, not a
+    silent fallback."""
+    from pdpool.router import native
+
+    assert native.load() is not None
+    assert PieceEncoder(frontend.tokenizer).native
+    assert not PieceEncoder(frontend.tokenizer, native=False).native
+
+
+@pytest.fixture(scope="module")
+def native_module():
+    from pdpool.router import native
+
+    module = native.load()
+    assert module is not None
+    return module
+
+
+@settings(max_examples=500, deadline=None)
+@given(text=ascii_texts)
+def test_the_native_pieces_are_the_pattern_s_pieces(frontend, native_module, text):
+    python = PieceEncoder(frontend.tokenizer, capacity=50, native=False)
+    table = native_module.PieceTable(python._bpe, 50)
+    pieces = python._pieces.findall(text)
+    assert table.pieces(text) == pieces
+    ids, ids_json = table.encode(text)   # no added tokens here: PieceEncoder splits the text around them first
+    assert ids == [i for piece in pieces for i in python._bpe(piece)]
+    if python._added.search(text) is None:
+        assert ids == frontend.tokenizer.encode(text, False)
+    assert ids_json == json.dumps(ids, separators=(",", ":")).encode()[1:-1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=texts | st.text(max_size=60) | ascii_texts, capacity=st.integers(1, 8))
+def test_the_native_path_with_a_tiny_table(frontend, text, capacity):
+    """A table of a few pieces empties itself in the middle of a text: the ids stay exact (and alive)."""
+    pieces = PieceEncoder(frontend.tokenizer, capacity=capacity)
+    assert pieces.native
+    expected = frontend.tokenizer.encode(text, False)
+    for _ in range(2):
+        assert pieces.encode(text) == expected
+        ids, ids_json = pieces.encode_entry(text)
+        assert ids == expected
+        assert ids_json is None or ids_json == json.dumps(ids, separators=(",", ":")).encode()[1:-1]
+
+
+def test_the_native_table_refuses_what_it_cannot_encode(native_module):
+    table = native_module.PieceTable(lambda piece: [1], 4)
+    with pytest.raises(ValueError):
+        table.encode("日本")
+    bad = native_module.PieceTable(lambda piece: ["x"], 4)
+    with pytest.raises(TypeError):
+        bad.encode("hello world")
+    failing = native_module.PieceTable(lambda piece: 1 / 0, 4)
+    with pytest.raises(ZeroDivisionError):
+        failing.encode("hello")
+    assert table.encode("") == ([], b"")
+
+
+@settings(max_examples=200, deadline=None)
+@given(prompts=st.lists(st.tuples(st.integers(0, 3), texts), min_size=1, max_size=8),
+       block_size=st.sampled_from([1, 2, 3, 16]), salt=st.sampled_from([None, "tenant"]),
+       add_special=st.booleans(), capacity=st.integers(1, 40))
+def test_the_block_hash_memo_gives_the_engines_hashes(frontend, prompts, block_size, salt, add_special, capacity):
+    """Prompts sharing a few system prompts, chunked small: the memo's hashes are ``hash_prompt_blocks``' bit for
+    bit, cold and warm, whatever it kept or emptied."""
+    from pdpool.block_hash import ModelFingerprint, hash_prompt_blocks, root_hash
+    from pdpool.frontend import BlockHashMemo
+
+    cache = TokenChunkCache(frontend.tokenizer, capacity=64, chunk_chars=4)
+    memo = BlockHashMemo(capacity)
+    systems = ["You are helpful. " * 3, "Answer briefly, in French. " * 2, "日本 🙂 <|im_start|> tools: none. ", ""]
+    root = root_hash(ModelFingerprint("demo", "float32", block_size), salt)
+    for _ in range(2):
+        for system, question in prompts:
+            ids, _, shared = cache.encode_chunked(systems[system] + question, add_special)
+            assert memo.hashes(ids, block_size, root, shared) == hash_prompt_blocks(ids, block_size, root)
+
+
+def test_the_memo_hashes_only_the_fresh_tail(frontend, monkeypatch):
+    from pdpool import frontend as frontend_module
+    from pdpool.block_hash import ModelFingerprint, hash_prompt_blocks, root_hash
+
+    cached = Frontend(frontend.files, frontend.tokenizer, token_cache_chunks=256)
+    fp = ModelFingerprint("demo", "float32", 16)
+    system = "You are a careful assistant who answers in full sentences. " * 100
+    for i in range(2):   # the first sees the system prompt's chunks fresh, the second adds them to the memo
+        ids, _, shared = cached.encode_prompt_chunked(system + f" Question {i}: what is {i} squared?")
+        cached.block_hashes(ids, fp, None, shared)
+    hashed = []
+    real = frontend_module.extend_block_hashes
+    monkeypatch.setattr(frontend_module, "extend_block_hashes",
+                        lambda hashes, token_ids, *a: hashed.append(len(token_ids) // 16 - len(hashes))
+                        or real(hashes, token_ids, *a))
+    ids, _, shared = cached.encode_prompt_chunked(system + " Question 7: and what is 7 squared, then?")
+    assert cached.block_hashes(ids, fp, None, shared) == hash_prompt_blocks(ids, 16, root_hash(fp))
+    assert len(ids) // 16 > 40 and hashed and hashed[0] <= 3   # the fresh question's blocks (and the one the last shared chunk splits)
+    assert cached.block_hashes(ids, fp, "salt", shared) != cached.block_hashes(ids, fp, None, shared)
+
+
+@settings(max_examples=400, deadline=None)
+@given(text=texts | st.text(max_size=80) | st.text(alphabet=" \t\n\xa0\u3000\u2028\x1cab", max_size=40),
+       size=st.integers(1, 12))
+def test_the_native_cuts_are_the_pattern_s_cuts(frontend, text, size):
+    cache = TokenChunkCache(frontend.tokenizer, chunk_chars=size)
+    assert cache._native_chunks is not None
+    assert cache.chunks(text) == cache.chunks_re(text)

@@ -1,0 +1,356 @@
+/* The router's piece table: token ids of ASCII text through GPT-2's byte-level pre-tokenizer pieces, each piece's
+ * ids cached, in C (pdpool.frontend.PieceEncoder's ASCII path without a regex pass, a str per piece, a dict lookup
+ * per piece and a JSON join per chunk in Python).
+ *
+ *   PieceTable(miss, capacity)     miss(piece: str) -> list[int]: the BPE model's ids of a piece not seen yet
+ *   table.encode(text) -> (ids, b"1,2,3")   text: an ASCII str; the ids and their JSON without the brackets
+ *   chunks(text, chunk_chars) -> [str]      TokenChunkCache's cuts (pdpool/frontend.py), any str
+ *
+ * The pieces are those of the GPT-2 pattern on ASCII text (White_Space = \t \n \v \f \r and space):
+ *   's|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\s A-Za-z0-9]+|\s+(?!\S)|\s+
+ * tests/router/test_token_cache.py checks the pieces against the pattern and the ids against the tokenizer.
+ * The table holds at most `capacity` pieces; it is emptied when full (as PieceEncoder's dict is). One thread. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { OTHER = 0, LETTER = 1, DIGIT = 2, SPACE = 3 };
+static unsigned char kind[128];
+
+static void init_kinds(void) {
+    for (int c = 0; c < 128; c++) kind[c] = OTHER;
+    for (int c = 'a'; c <= 'z'; c++) kind[c] = LETTER;
+    for (int c = 'A'; c <= 'Z'; c++) kind[c] = LETTER;
+    for (int c = '0'; c <= '9'; c++) kind[c] = DIGIT;
+    kind['\t'] = kind['\n'] = kind['\v'] = kind['\f'] = kind['\r'] = kind[' '] = SPACE;
+}
+
+/* Length of the piece starting at s[i] (i < n). */
+static Py_ssize_t piece_len(const unsigned char *s, Py_ssize_t i, Py_ssize_t n) {
+    unsigned char c = s[i];
+    if (c == '\'' && i + 1 < n) {
+        unsigned char d = s[i + 1];
+        if (d == 's' || d == 't' || d == 'm' || d == 'd') return 2;
+        if (i + 2 < n && ((d == 'r' && s[i + 2] == 'e') || (d == 'v' && s[i + 2] == 'e') ||
+                          (d == 'l' && s[i + 2] == 'l')))
+            return 3;
+    }
+    Py_ssize_t j = i;
+    if (c == ' ' && i + 1 < n && kind[s[i + 1]] != SPACE) j = i + 1;   /* " ?" then a letter, digit or other run */
+    int k = kind[s[j]];
+    if (k != SPACE) {
+        Py_ssize_t e = j + 1;
+        while (e < n && kind[s[e]] == k) e++;
+        return e - i;
+    }
+    Py_ssize_t e = i + 1;                 /* whitespace: the run, less its last character when a non-space follows */
+    while (e < n && kind[s[e]] == SPACE) e++;
+    if (e == n || e - i == 1) return e - i;
+    return e - i - 1;
+}
+
+typedef struct {
+    uint64_t hash;        /* 0: empty slot */
+    char *key;            /* one allocation: key bytes, then the ids' JSON */
+    Py_ssize_t key_len, json_len, num_ids;
+    PyObject **ids;       /* owned references to the ids (ints) */
+} Slot;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *miss;
+    Slot *slots;
+    Py_ssize_t mask, count, capacity;
+    /* scratch, reused across calls */
+    PyObject **out_ids;
+    Py_ssize_t out_len, out_cap;
+    char *out_json;
+    Py_ssize_t json_len, json_cap;
+} PieceTable;
+
+static uint64_t fnv1a(const unsigned char *s, Py_ssize_t n) {
+    uint64_t h = 1469598103934665603ULL;
+    for (Py_ssize_t i = 0; i < n; i++) { h ^= s[i]; h *= 1099511628211ULL; }
+    return h ? h : 1;
+}
+
+static void free_slot(Slot *slot) {
+    for (Py_ssize_t i = 0; i < slot->num_ids; i++) Py_DECREF(slot->ids[i]);
+    PyMem_Free(slot->ids);
+    PyMem_Free(slot->key);
+    memset(slot, 0, sizeof *slot);
+}
+
+static void clear_slots(PieceTable *self) {
+    if (self->slots == NULL) return;
+    for (Py_ssize_t i = 0; i <= self->mask; i++)
+        if (self->slots[i].hash) free_slot(&self->slots[i]);
+    self->count = 0;
+}
+
+/* Fill `slot` with the ids miss(piece) returns, and their JSON; -1 with an exception set on failure. */
+static int fill_slot(PieceTable *self, Slot *slot, uint64_t h, const unsigned char *s, Py_ssize_t n) {
+    PyObject *piece = PyUnicode_FromKindAndData(PyUnicode_1BYTE_KIND, s, n);
+    if (piece == NULL) return -1;
+    PyObject *result = PyObject_CallOneArg(self->miss, piece);
+    Py_DECREF(piece);
+    if (result == NULL) return -1;
+    PyObject *seq = PySequence_Fast(result, "the miss callback must return a list of ints");
+    Py_DECREF(result);
+    if (seq == NULL) return -1;
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    char *buf = PyMem_Malloc(n + 21 * (m ? m : 1));
+    PyObject **ids = PyMem_Malloc(sizeof(PyObject *) * (m ? m : 1));
+    if (buf == NULL || ids == NULL) {
+        PyMem_Free(buf); PyMem_Free(ids); Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(buf, s, n);
+    Py_ssize_t j = n;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        PyObject *id = items[i];
+        long long v = PyLong_Check(id) && !PyBool_Check(id) ? PyLong_AsLongLong(id) : -1;
+        if (v < 0) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "the miss callback returned a non-id");
+            for (Py_ssize_t k = 0; k < i; k++) Py_DECREF(ids[k]);
+            PyMem_Free(buf); PyMem_Free(ids); Py_DECREF(seq);
+            return -1;
+        }
+        Py_INCREF(id);
+        ids[i] = id;
+        if (i) buf[j++] = ',';
+        j += snprintf(buf + j, 21, "%lld", v);
+    }
+    Py_DECREF(seq);
+    slot->hash = h;
+    slot->key = buf;
+    slot->key_len = n;
+    slot->json_len = j - n;
+    slot->ids = ids;
+    slot->num_ids = m;
+    self->count++;
+    return 0;
+}
+
+static Slot *lookup(PieceTable *self, const unsigned char *s, Py_ssize_t n) {
+    uint64_t h = fnv1a(s, n);
+    Py_ssize_t i = (Py_ssize_t)(h & (uint64_t)self->mask);
+    for (;;) {
+        Slot *slot = &self->slots[i];
+        if (slot->hash == 0) {
+            if (self->count >= self->capacity) {   /* full: start over, as PieceEncoder does */
+                clear_slots(self);
+                i = (Py_ssize_t)(h & (uint64_t)self->mask);
+                slot = &self->slots[i];
+            }
+            return fill_slot(self, slot, h, s, n) < 0 ? NULL : slot;
+        }
+        if (slot->hash == h && slot->key_len == n && memcmp(slot->key, s, n) == 0) return slot;
+        i = (i + 1) & self->mask;
+    }
+}
+
+static int reserve(PieceTable *self, Py_ssize_t ids, Py_ssize_t json) {
+    if (self->out_len + ids > self->out_cap) {
+        Py_ssize_t cap = (self->out_len + ids) * 2;
+        PyObject **p = PyMem_Realloc(self->out_ids, sizeof(PyObject *) * cap);
+        if (p == NULL) { PyErr_NoMemory(); return -1; }
+        self->out_ids = p;
+        self->out_cap = cap;
+    }
+    if (self->json_len + json > self->json_cap) {
+        Py_ssize_t cap = (self->json_len + json) * 2;
+        char *p = PyMem_Realloc(self->out_json, cap);
+        if (p == NULL) { PyErr_NoMemory(); return -1; }
+        self->out_json = p;
+        self->json_cap = cap;
+    }
+    return 0;
+}
+
+static void drop_output(PieceTable *self) {
+    for (Py_ssize_t i = 0; i < self->out_len; i++) Py_DECREF(self->out_ids[i]);
+    self->out_len = 0;
+}
+
+static PyObject *encode(PieceTable *self, PyObject *text) {
+    if (!PyUnicode_Check(text) || !PyUnicode_IS_ASCII(text)) {
+        PyErr_SetString(PyExc_ValueError, "PieceTable.encode takes an ASCII str");
+        return NULL;
+    }
+    const unsigned char *s = PyUnicode_1BYTE_DATA(text);
+    Py_ssize_t n = PyUnicode_GET_LENGTH(text);
+    self->out_len = self->json_len = 0;
+    for (Py_ssize_t i = 0; i < n;) {
+        Py_ssize_t len = piece_len(s, i, n);
+        Slot *slot = lookup(self, s + i, len);
+        if (slot == NULL || reserve(self, slot->num_ids, slot->json_len + 1) < 0) {
+            drop_output(self);
+            return NULL;
+        }
+        for (Py_ssize_t k = 0; k < slot->num_ids; k++) {   /* owned: a full table is emptied mid-text */
+            Py_INCREF(slot->ids[k]);
+            self->out_ids[self->out_len++] = slot->ids[k];
+        }
+        if (slot->num_ids) {
+            if (self->json_len) self->out_json[self->json_len++] = ',';
+            memcpy(self->out_json + self->json_len, slot->key + slot->key_len, slot->json_len);
+            self->json_len += slot->json_len;
+        }
+        i += len;
+    }
+    PyObject *ids = PyList_New(self->out_len);
+    if (ids == NULL) {
+        drop_output(self);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < self->out_len; i++) PyList_SET_ITEM(ids, i, self->out_ids[i]);   /* steals */
+    self->out_len = 0;
+    PyObject *json = PyBytes_FromStringAndSize(self->out_json, self->json_len);
+    if (json == NULL) { Py_DECREF(ids); return NULL; }
+    PyObject *pair = PyTuple_Pack(2, ids, json);
+    Py_DECREF(ids);
+    Py_DECREF(json);
+    return pair;
+}
+
+static PyObject *pieces(PieceTable *self, PyObject *text) {   /* the cuts alone, for the tests */
+    if (!PyUnicode_Check(text) || !PyUnicode_IS_ASCII(text)) {
+        PyErr_SetString(PyExc_ValueError, "PieceTable.pieces takes an ASCII str");
+        return NULL;
+    }
+    const unsigned char *s = PyUnicode_1BYTE_DATA(text);
+    Py_ssize_t n = PyUnicode_GET_LENGTH(text);
+    PyObject *out = PyList_New(0);
+    for (Py_ssize_t i = 0; out != NULL && i < n;) {
+        Py_ssize_t len = piece_len(s, i, n);
+        PyObject *p = PyUnicode_FromKindAndData(PyUnicode_1BYTE_KIND, s + i, len);
+        if (p == NULL || PyList_Append(out, p) < 0) Py_CLEAR(out);
+        Py_XDECREF(p);
+        i += len;
+    }
+    return out;
+}
+
+static PyObject *clear(PieceTable *self, PyObject *unused) {
+    clear_slots(self);
+    Py_RETURN_NONE;
+}
+
+static int init(PieceTable *self, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"miss", "capacity", NULL};
+    PyObject *miss;
+    Py_ssize_t capacity = 200000;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|n", names, &miss, &capacity)) return -1;
+    if (!PyCallable_Check(miss) || capacity < 1) {
+        PyErr_SetString(PyExc_ValueError, "PieceTable(miss: callable, capacity >= 1)");
+        return -1;
+    }
+    if (self->slots != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "PieceTable initialized twice");
+        return -1;
+    }
+    Py_ssize_t size = 16;
+    while (size < 2 * capacity) size *= 2;   /* at most half full */
+    self->slots = PyMem_Calloc(size, sizeof(Slot));
+    if (self->slots == NULL) { PyErr_NoMemory(); return -1; }
+    self->mask = size - 1;
+    self->capacity = capacity;
+    Py_INCREF(miss);
+    self->miss = miss;
+    return 0;
+}
+
+static void dealloc(PieceTable *self) {
+    clear_slots(self);
+    PyMem_Free(self->slots);
+    PyMem_Free(self->out_ids);
+    PyMem_Free(self->out_json);
+    Py_XDECREF(self->miss);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static Py_ssize_t length(PieceTable *self) { return self->count; }
+
+/* chunks(text, chunk_chars): TokenChunkCache's cuts, any str: from `chunk_chars` on, cut right before the first
+ * space whose preceding character is not whitespace (str.isspace, as re's \S), then again `chunk_chars` later. */
+static PyObject *chunks(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyUnicode_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "chunks(text: str, chunk_chars: int)");
+        return NULL;
+    }
+    PyObject *text = args[0];
+    Py_ssize_t step = PyLong_AsSsize_t(args[1]);
+    if (step == -1 && PyErr_Occurred()) return NULL;
+    if (step < 1) step = 1;
+    int ukind = PyUnicode_KIND(text);
+    const void *data = PyUnicode_DATA(text);
+    Py_ssize_t n = PyUnicode_GET_LENGTH(text), start = 0, pos = step;
+    PyObject *out = PyList_New(0);
+    while (out != NULL && pos < n) {
+        Py_ssize_t m = pos;
+        while (m < n && !(PyUnicode_READ(ukind, data, m) == ' ' &&
+                          !Py_UNICODE_ISSPACE(PyUnicode_READ(ukind, data, m - 1))))
+            m++;
+        if (m >= n) break;
+        PyObject *chunk = PyUnicode_Substring(text, start, m);
+        if (chunk == NULL || PyList_Append(out, chunk) < 0) Py_CLEAR(out);
+        Py_XDECREF(chunk);
+        start = m;
+        pos = m + step;
+    }
+    if (out != NULL) {
+        PyObject *chunk = PyUnicode_Substring(text, start, n);
+        if (chunk == NULL || PyList_Append(out, chunk) < 0) Py_CLEAR(out);
+        Py_XDECREF(chunk);
+    }
+    return out;
+}
+
+static PyMethodDef module_methods[] = {
+    {"chunks", (PyCFunction)(void (*)(void))chunks, METH_FASTCALL, "chunks(text, chunk_chars) -> list[str]"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMethodDef methods[] = {
+    {"encode", (PyCFunction)encode, METH_O, "encode(text: ASCII str) -> (ids: list[int], ids JSON without brackets)"},
+    {"pieces", (PyCFunction)pieces, METH_O, "pieces(text: ASCII str) -> the pre-tokenizer's pieces"},
+    {"clear", (PyCFunction)clear, METH_NOARGS, "forget every piece"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods as_sequence = {.sq_length = (lenfunc)length};
+
+static PyTypeObject PieceTableType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "pdpool_router_pieces.PieceTable",
+    .tp_basicsize = sizeof(PieceTable),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)init,
+    .tp_dealloc = (destructor)dealloc,
+    .tp_methods = methods,
+    .tp_as_sequence = &as_sequence,
+    .tp_doc = "Token ids of ASCII text by GPT-2 pre-tokenizer pieces, each piece's ids cached.",
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "pdpool_router_pieces", NULL, -1, module_methods,
+                                     NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit_pdpool_router_pieces(void) {
+    init_kinds();
+    if (PyType_Ready(&PieceTableType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&PieceTableType);
+    if (PyModule_AddObject(m, "PieceTable", (PyObject *)&PieceTableType) < 0) {
+        Py_DECREF(&PieceTableType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
