@@ -51,6 +51,14 @@ if last ~= '0-0' and #redis.call('XRANGE', KEYS[1], last, last) == 0 then return
 return redis.call('XRANGE', KEYS[1], '(' .. last, '+', 'COUNT', ARGV[2])
 """
 _READ_AFTER_SHA = hashlib.sha1(READ_AFTER_LUA).hexdigest().encode()
+# KEYS = hb, blocks, nodes; ARGV[1] = node id. A node whose heartbeat and set are both gone leaves ``nodes`` (what
+# the Lua lookup does on its way; with the mirror that lookup rarely runs).
+PRUNE_LUA = b"""
+if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('EXISTS', KEYS[2]) == 0 then
+  return redis.call('SREM', KEYS[3], ARGV[1])
+end
+return 0
+"""
 
 
 class _Resync(Exception):
@@ -195,6 +203,8 @@ class IndexMirror:
         if hb is None:                       # not live: counts 0, looked at again later
             self.nodes.pop(node_id, None)
             self._absent[node_id] = time.monotonic()
+            await call([b"EVAL", PRUNE_LUA, b"3", self.keys.heartbeat(node_id).encode(),
+                        self.keys.blocks(node_id).encode(), self.keys.nodes.encode(), node_id.encode()])
             return
         try:
             incarnation = json.loads(hb).get("incarnation")

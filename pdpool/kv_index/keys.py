@@ -8,7 +8,8 @@ version (bumped on an incompatible change, so old and new nodes never misread ea
 key (after the prefix)                   type    value                                             TTL
 =======================================  ======  ================================================  =====================
 ``nodes``                                SET     node ids that ever registered (pruned lazily by   none
-                                                 the lookup once a node's hb and blocks are gone)
+                                                 the Lua lookup and the routers' mirrors once a
+                                                 node's hb and blocks are gone)
 ``hb:<node_id>``                         STRING  JSON heartbeat: role, url, incarnation, protocol,  ``heartbeat_ttl``
                                                  draining, load, agent name                        (3 x period), reset
                                                                                                    by every heartbeat

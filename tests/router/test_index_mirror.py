@@ -160,14 +160,18 @@ def test_a_stale_incarnation_counts_nothing_until_its_reset_is_read(redis_server
 
 def test_unknown_and_deregistered_nodes(redis_server):
     """A node the mirror has not read sends that lookup to Redis (None) and is read in the background; a node
-    without a heartbeat counts 0; a deregistered node's set is dropped."""
-    redis_server.client().flushall()
+    without a heartbeat counts 0 (and leaves ``nodes`` once its set is gone too); a deregistered node's set is
+    dropped."""
+    client = redis_server.client()
+    client.flushall()
+    client.sadd(KEYS.nodes, "dead")   # registered once, its heartbeat and set expired since
 
     async def run():
         reader = AsyncIndexReader(redis_server.url, redis_server.password, KEYS)
         mirror = reader.start_mirror(block_ms=50)
         try:
             await wait_until(lambda: mirror.live)
+            assert client.smembers(KEYS.nodes) == set() and "dead" in mirror._absent
             assert mirror.lookup(HASHES, {"ghost": None}) is None
             await wait_until(lambda: mirror.lookup(HASHES, {"ghost": None}) == {"ghost": 0})
             pub = Publisher(redis_server, "a")
