@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import datetime
@@ -296,7 +297,7 @@ class TokenChunkCache:
         self.enabled = self.cacheable(tokenizer)
         self.special_prefix = self._special_prefix() if self.enabled else None
         self.pieces = _piece_encoder(tokenizer) if self.enabled else None
-        self._native_chunks = _native_chunks() if self.pieces is not None and self.pieces.native else None
+        self._native_chunks = _native_function("chunks") if self.pieces is not None and self.pieces.native else None
         self.hit_chunks = 0
         self.missed_chunks = 0
 
@@ -406,10 +407,26 @@ class BlockHashMemo:
     when it holds ``capacity`` nodes. One thread only.
     """
 
-    def __init__(self, capacity: int = 8192) -> None:
+    def __init__(self, capacity: int = 8192, hash_chain=None) -> None:
+        """``hash_chain``: the router's C loop of ``extend_block_hashes`` (``router/csrc/pieces.c``), or None."""
         self.capacity = capacity
         self._tries: dict[tuple, dict] = {}
         self._nodes = 0
+        self._hash_chain = hash_chain
+
+    def extend(self, hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
+               root: BlockHash) -> list[BlockHash]:
+        """``extend_block_hashes`` without extra keys, in C when the router's native module is there (a test
+        compares them bit for bit)."""
+        chain = self._hash_chain
+        if chain is None:
+            return extend_block_hashes(hashes, token_ids, block_size, root)
+        first, num_full = len(hashes), len(token_ids) // block_size
+        if num_full > first:
+            tokens = struct.pack(f"<{(num_full - first) * block_size}I",
+                                 *token_ids[first * block_size:num_full * block_size])
+            hashes.extend(chain(hashes[-1] if hashes else root, tokens, 4 * block_size, _NO_EXTRA_KEYS))
+        return hashes
 
     def hashes(self, token_ids: Sequence[int], block_size: int, root: BlockHash,
                shared: tuple[int, tuple[tuple[str, int], ...]] | None) -> list[BlockHash]:
@@ -417,7 +434,7 @@ class BlockHashMemo:
         ``TokenChunkCache.encode_chunked`` gives them (ids before the first chunk; each chunk's text and the
         ids up to its end)."""
         if not shared or not shared[1]:
-            return hash_prompt_blocks(token_ids, block_size, root)
+            return self.extend([], token_ids, block_size, root)
         lead, chunks = shared
         key = (root, block_size, tuple(token_ids[:lead]))
         hashes: list[BlockHash] = []
@@ -431,7 +448,7 @@ class BlockHashMemo:
                 hashes.extend(node[1])
                 kids = node[0]
                 depth += 1
-        extend_block_hashes(hashes, token_ids, block_size, root)
+        self.extend(hashes, token_ids, block_size, root)
         if depth < len(chunks):
             if self._nodes + len(chunks) - depth > self.capacity:
                 self._tries.clear()
@@ -447,11 +464,15 @@ class BlockHashMemo:
         return hashes
 
 
-def _native_chunks():
+def _native_function(name: str):
+    """A function of the router's native module (``router/csrc/pieces.c``), or None where it cannot be built."""
     from pdpool.router import native
 
     module = native.load()
-    return module.chunks if module is not None else None
+    return getattr(module, name) if module is not None else None
+
+
+_NO_EXTRA_KEYS = struct.pack("<I", 0)   # extend_block_hashes' framing of an empty extra-keys list
 
 
 def _piece_encoder(tokenizer: "Tokenizer") -> PieceEncoder | None:
@@ -520,7 +541,8 @@ class Frontend:
         self.vocab_size = files.vocab_size
         self.eos_token_ids = files.eos_token_ids
         self.token_cache = TokenChunkCache(tokenizer, token_cache_chunks) if token_cache_chunks > 0 else None
-        self.hash_memo = BlockHashMemo(token_cache_chunks) if self.token_cache is not None else None
+        self.hash_memo = (BlockHashMemo(token_cache_chunks, _native_function("hash_chain"))
+                          if self.token_cache is not None else None)
         self._encode_text = self.token_cache.encode if self.token_cache is not None else tokenizer.encode
 
     @classmethod
@@ -571,6 +593,6 @@ class Frontend:
         """The engines' prefix-cache hashes of every full block of ``token_ids``; with ``shared`` (from
         ``encode_prompt_chunked``) the shared prefix's hashes come from the memo."""
         root = root_hash(fingerprint, cache_salt)
-        if shared is not None and self.hash_memo is not None:
+        if self.hash_memo is not None:
             return self.hash_memo.hashes(token_ids, fingerprint.block_size, root, shared)
         return hash_prompt_blocks(token_ids, fingerprint.block_size, root)

@@ -5,6 +5,7 @@
  *   PieceTable(miss, capacity)     miss(piece: str) -> list[int]: the BPE model's ids of a piece not seen yet
  *   table.encode(text) -> (ids, b"1,2,3")   text: an ASCII str; the ids and their JSON without the brackets
  *   chunks(text, chunk_chars) -> [str]      TokenChunkCache's cuts (pdpool/frontend.py), any str
+ *   hash_chain(parent, tokens, step, tail)  the engines' chained block hashes (pdpool/block_hash.py), SHA-256 here
  *
  * The pieces are those of the GPT-2 pattern on ASCII text (White_Space = \t \n \v \f \r and space):
  *   's|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\s A-Za-z0-9]+|\s+(?!\S)|\s+
@@ -311,8 +312,101 @@ static PyObject *chunks(PyObject *module, PyObject *const *args, Py_ssize_t narg
     return out;
 }
 
+/* SHA-256 (FIPS 180-4), for hash_chain below. */
+static const uint32_t K256[64] = {
+    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
+    0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
+    0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+    0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
+    0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+    0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
+
+#define ROTR(x, n) (((x) >> (n)) | ((x) << (32 - (n))))
+
+static void sha256_compress(uint32_t st[8], const unsigned char *p) {
+    uint32_t w[64];
+    for (int i = 0; i < 16; i++)
+        w[i] = (uint32_t)p[4 * i] << 24 | (uint32_t)p[4 * i + 1] << 16 | (uint32_t)p[4 * i + 2] << 8 | p[4 * i + 3];
+    for (int i = 16; i < 64; i++) {
+        uint32_t s0 = ROTR(w[i - 15], 7) ^ ROTR(w[i - 15], 18) ^ (w[i - 15] >> 3);
+        uint32_t s1 = ROTR(w[i - 2], 17) ^ ROTR(w[i - 2], 19) ^ (w[i - 2] >> 10);
+        w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+    }
+    uint32_t a = st[0], b = st[1], c = st[2], d = st[3], e = st[4], f = st[5], g = st[6], h = st[7];
+    for (int i = 0; i < 64; i++) {
+        uint32_t t1 = h + (ROTR(e, 6) ^ ROTR(e, 11) ^ ROTR(e, 25)) + ((e & f) ^ (~e & g)) + K256[i] + w[i];
+        uint32_t t2 = (ROTR(a, 2) ^ ROTR(a, 13) ^ ROTR(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
+        h = g; g = f; f = e; e = d + t1; d = c; c = b; b = a; a = t1 + t2;
+    }
+    st[0] += a; st[1] += b; st[2] += c; st[3] += d; st[4] += e; st[5] += f; st[6] += g; st[7] += h;
+}
+
+static void sha256(const unsigned char *msg, size_t n, unsigned char out[32]) {
+    uint32_t st[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+    size_t i = 0;
+    for (; i + 64 <= n; i += 64) sha256_compress(st, msg + i);
+    unsigned char last[128] = {0};
+    size_t rest = n - i;
+    memcpy(last, msg + i, rest);
+    last[rest] = 0x80;
+    size_t blocks = rest + 9 <= 64 ? 1 : 2;
+    uint64_t bits = (uint64_t)n * 8;
+    for (int k = 0; k < 8; k++) last[blocks * 64 - 1 - k] = (unsigned char)(bits >> (8 * k));
+    for (size_t k = 0; k < blocks; k++) sha256_compress(st, last + 64 * k);
+    for (int k = 0; k < 8; k++) {
+        out[4 * k] = (unsigned char)(st[k] >> 24); out[4 * k + 1] = (unsigned char)(st[k] >> 16);
+        out[4 * k + 2] = (unsigned char)(st[k] >> 8); out[4 * k + 3] = (unsigned char)st[k];
+    }
+}
+
+/* hash_chain(parent, tokens, tail) -> [16-byte hashes]: pdpool.block_hash.extend_block_hashes' loop, bit for bit.
+ * tokens: the new full blocks' ids as <u32, len(tokens) // step blocks of `step` bytes each (step = 4 * block
+ * size, passed as the third argument); each hash is
+ *     sha256(<u32 len(parent)> parent <u32 step> tokens[i*step:(i+1)*step] tail)[:16]
+ * chained: the next block's parent is this hash. */
+static PyObject *hash_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyBytes_Check(args[0]) || !PyBytes_Check(args[1]) || !PyBytes_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "hash_chain(parent: bytes, tokens: bytes, step: int, tail: bytes)");
+        return NULL;
+    }
+    Py_ssize_t step = PyLong_AsSsize_t(args[2]);
+    if (step == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t plen = PyBytes_GET_SIZE(args[0]), tlen = PyBytes_GET_SIZE(args[1]), xlen = PyBytes_GET_SIZE(args[3]);
+    if (plen != 16 || step < 1 || step > 0xffffffffLL || tlen % step) {
+        PyErr_SetString(PyExc_ValueError, "hash_chain: a 16-byte parent and whole blocks of `step` bytes");
+        return NULL;
+    }
+    const unsigned char *tokens = (const unsigned char *)PyBytes_AS_STRING(args[1]);
+    Py_ssize_t mlen = 4 + 16 + 4 + step + xlen, count = tlen / step;
+    unsigned char *msg = PyMem_Malloc(mlen);
+    PyObject *out = PyList_New(count);
+    if (msg == NULL || out == NULL) {
+        PyMem_Free(msg); Py_XDECREF(out);
+        return PyErr_NoMemory();
+    }
+    msg[0] = 16; msg[1] = msg[2] = msg[3] = 0;
+    memcpy(msg + 4, PyBytes_AS_STRING(args[0]), 16);
+    for (int k = 0; k < 4; k++) msg[20 + k] = (unsigned char)((uint64_t)step >> (8 * k));
+    memcpy(msg + 24 + step, PyBytes_AS_STRING(args[3]), xlen);
+    unsigned char digest[32];
+    for (Py_ssize_t i = 0; i < count; i++) {
+        memcpy(msg + 24, tokens + i * step, step);
+        sha256(msg, mlen, digest);
+        PyObject *h = PyBytes_FromStringAndSize((const char *)digest, 16);
+        if (h == NULL) { Py_DECREF(out); PyMem_Free(msg); return NULL; }
+        PyList_SET_ITEM(out, i, h);
+        memcpy(msg + 4, digest, 16);
+    }
+    PyMem_Free(msg);
+    return out;
+}
+
 static PyMethodDef module_methods[] = {
     {"chunks", (PyCFunction)(void (*)(void))chunks, METH_FASTCALL, "chunks(text, chunk_chars) -> list[str]"},
+    {"hash_chain", (PyCFunction)(void (*)(void))hash_chain, METH_FASTCALL,
+     "hash_chain(parent, tokens, step, tail) -> chained 16-byte block hashes (pdpool.block_hash's, in C)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -8,7 +8,7 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from pdpool.frontend import Frontend, PieceEncoder, TokenChunkCache
+from pdpool.frontend import BlockHashMemo, Frontend, PieceEncoder, TokenChunkCache
 
 # Fragments chosen to stress the pre-tokenizer's pieces: runs of spaces, other whitespace (Unicode too), the
 # contractions, digits, punctuation runs, non-Latin letters, emoji, and the tokenizer's added tokens.
@@ -185,15 +185,15 @@ def test_the_native_table_refuses_what_it_cannot_encode(native_module):
 @settings(max_examples=200, deadline=None)
 @given(prompts=st.lists(st.tuples(st.integers(0, 3), texts), min_size=1, max_size=8),
        block_size=st.sampled_from([1, 2, 3, 16]), salt=st.sampled_from([None, "tenant"]),
-       add_special=st.booleans(), capacity=st.integers(1, 40))
-def test_the_block_hash_memo_gives_the_engines_hashes(frontend, prompts, block_size, salt, add_special, capacity):
+       add_special=st.booleans(), capacity=st.integers(1, 40), use_native=st.booleans())
+def test_the_block_hash_memo_gives_the_engines_hashes(frontend, native_module, prompts, block_size, salt,
+                                                      add_special, capacity, use_native):
     """Prompts sharing a few system prompts, chunked small: the memo's hashes are ``hash_prompt_blocks``' bit for
     bit, cold and warm, whatever it kept or emptied."""
     from pdpool.block_hash import ModelFingerprint, hash_prompt_blocks, root_hash
-    from pdpool.frontend import BlockHashMemo
 
     cache = TokenChunkCache(frontend.tokenizer, capacity=64, chunk_chars=4)
-    memo = BlockHashMemo(capacity)
+    memo = BlockHashMemo(capacity, native_module.hash_chain if use_native else None)
     systems = ["You are helpful. " * 3, "Answer briefly, in French. " * 2, "日本 🙂 <|im_start|> tools: none. ", ""]
     root = root_hash(ModelFingerprint("demo", "float32", block_size), salt)
     for _ in range(2):
@@ -203,7 +203,6 @@ def test_the_block_hash_memo_gives_the_engines_hashes(frontend, prompts, block_s
 
 
 def test_the_memo_hashes_only_the_fresh_tail(frontend, monkeypatch):
-    from pdpool import frontend as frontend_module
     from pdpool.block_hash import ModelFingerprint, hash_prompt_blocks, root_hash
 
     cached = Frontend(frontend.files, frontend.tokenizer, token_cache_chunks=256)
@@ -213,8 +212,8 @@ def test_the_memo_hashes_only_the_fresh_tail(frontend, monkeypatch):
         ids, _, shared = cached.encode_prompt_chunked(system + f" Question {i}: what is {i} squared?")
         cached.block_hashes(ids, fp, None, shared)
     hashed = []
-    real = frontend_module.extend_block_hashes
-    monkeypatch.setattr(frontend_module, "extend_block_hashes",
+    real = cached.hash_memo.extend
+    monkeypatch.setattr(cached.hash_memo, "extend",
                         lambda hashes, token_ids, *a: hashed.append(len(token_ids) // 16 - len(hashes))
                         or real(hashes, token_ids, *a))
     ids, _, shared = cached.encode_prompt_chunked(system + " Question 7: and what is 7 squared, then?")
@@ -230,3 +229,36 @@ def test_the_native_cuts_are_the_pattern_s_cuts(frontend, text, size):
     cache = TokenChunkCache(frontend.tokenizer, chunk_chars=size)
     assert cache._native_chunks is not None
     assert cache.chunks(text) == cache.chunks_re(text)
+
+
+@settings(max_examples=300, deadline=None)
+@given(token_ids=st.lists(st.integers(0, 2**32 - 1), max_size=200), block_size=st.integers(1, 40),
+       first=st.integers(0, 8), salt=st.sampled_from([None, "", "tenant-7"]), extra=st.booleans())
+def test_the_native_hash_chain_is_the_engines_hash(native_module, token_ids, block_size, first, salt, extra):
+    """``hash_chain`` (SHA-256 in C) against ``extend_block_hashes`` (hashlib), bit for bit, from any start."""
+    import struct
+
+    from pdpool.block_hash import ModelFingerprint, extend_block_hashes, hash_prompt_blocks, root_hash
+
+    root = root_hash(ModelFingerprint("demo", "float32", block_size), salt)
+    expected = hash_prompt_blocks(token_ids, block_size, root, ("img:1",) if extra else ())
+    start = min(first, len(expected))
+    tokens = struct.pack(f"<{(len(expected) - start) * block_size}I",
+                         *token_ids[start * block_size:len(expected) * block_size])
+    tail = struct.pack("<I", 9) + struct.pack("<I", 5) + b"img:1" if extra else struct.pack("<I", 0)
+    parent = expected[start - 1] if start else root
+    assert native_module.hash_chain(parent, tokens, 4 * block_size, tail) == expected[start:]
+    memo = BlockHashMemo(4, native_module.hash_chain)
+    if not extra:
+        assert memo.extend(list(expected[:start]), token_ids, block_size, root) == expected
+        assert extend_block_hashes(list(expected[:start]), token_ids, block_size, root) == expected
+
+
+def test_the_native_hash_chain_refuses_bad_framing(native_module):
+    with pytest.raises(ValueError):
+        native_module.hash_chain(b"x" * 15, b"", 4, b"\0\0\0\0")
+    with pytest.raises(ValueError):
+        native_module.hash_chain(b"x" * 16, b"abc", 4, b"\0\0\0\0")
+    with pytest.raises(TypeError):
+        native_module.hash_chain(b"x" * 16, "abcd", 4, b"\0\0\0\0")
+    assert native_module.hash_chain(b"x" * 16, b"", 4, b"\0\0\0\0") == []
