@@ -257,6 +257,143 @@ class StepTimer:
         self.steps += 1
 
 
+class StepTrace:
+    """Every launched step on the GPU's own clock: CUDA events at the start and end of ``launch`` and around the
+    forward (``run``), plus the step's shape from its packed inputs. After the run, per step: the GPU's idle time
+    before the step (its first op waited for the host), the forward's GPU span, and the step's own roofline
+    (weights + the KV its decode rows read at copy speed, its prefill FLOPs at the matmul rate). Two event records
+    per part, no sync: the run it watches is the timed one."""
+
+    def __init__(self, runner, nums: dict, ceil: dict, timer: "StepTimer | None" = None):
+        import torch
+
+        self.torch, self.nums, self.ceil, self.timer = torch, nums, ceil, timer
+        self.parts: list[dict] = []  # the timer's host totals at each launch: per-step host parts, by difference
+        self.rows: list[tuple] = []  # (host t0, ev launch start, ev run start, ev run end, ev launch end, shape)
+        self._run_evs: list = []
+        self._undo = []
+        launch, run = runner.launch, runner.run
+
+        def traced_run(inputs):
+            a = torch.cuda.Event(enable_timing=True)
+            a.record()
+            try:
+                return run(inputs)
+            finally:
+                b = torch.cuda.Event(enable_timing=True)
+                b.record()
+                self._run_evs.append((a, b))
+
+        def traced_launch(packed):
+            t0 = time.perf_counter()
+            s = torch.cuda.Event(enable_timing=True)
+            s.record()
+            self._run_evs = []
+            if self.timer is not None:
+                self.parts.append(dict(self.timer.totals))
+            try:
+                return launch(packed)
+            finally:
+                e = torch.cuda.Event(enable_timing=True)
+                e.record()
+                decode = [sl for q, sl in zip(packed.query_lens, packed.seq_lens) if q == 1]
+                prefill = [(q, sl - q) for q, sl in zip(packed.query_lens, packed.seq_lens) if q > 1]
+                self.rows.append((t0, time.perf_counter() - t0, s, self._run_evs, e,
+                                  (len(decode), sum(decode), sum(q for q, _ in prefill),
+                                   sum(q * (2 * st + q) for q, st in prefill))))
+
+        runner.launch, runner.run = traced_launch, traced_run
+        self._undo = [(runner, "launch"), (runner, "run")]
+        self.gc_ms: dict[int, list[float]] = {}  # Python's collector during the run: ms per collection, by generation
+        self.gc_events: list[tuple] = []  # (launches so far, generation, ms) of collections over 1 ms
+        self._gc_t0 = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            ms = 1e3 * (time.perf_counter() - self._gc_t0)
+            self.gc_ms.setdefault(info["generation"], []).append(ms)
+            if ms > 1:
+                self.gc_events.append((len(self.rows), info["generation"], round(ms, 2)))
+
+    def remove(self):
+        for obj, name in self._undo:
+            if name in vars(obj):
+                delattr(obj, name)
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+    BUCKETS = ((">=192", 192, 10**9), ("128-191", 128, 191), ("64-127", 64, 127), ("32-63", 32, 63),
+               ("16-31", 16, 31), ("1-15", 1, 15))
+
+    def summary(self, out_file: Path | None = None) -> dict:
+        """Per step and per bucket (prefill/mixed steps; decode steps by batch size): host ms between launches,
+        GPU idle ms before the launch, GPU ms of the launch (forward + sampler) and of the forward, roofline ms."""
+        self.torch.cuda.synchronize()
+        nums, ceil = self.nums, self.ceil
+        steps = []
+        for i, (t0, host_launch, s, runs, e, shape) in enumerate(self.rows):
+            decode_rows, ctx, prefill_tokens, attn_q_ctx = shape
+            idle = self.rows[i - 1][4].elapsed_time(s) if i else 0.0  # ms from the last step's end to here
+            roof = ((nums["weight_bytes"] if decode_rows else 0) + ctx * nums["kv_bytes_per_token"]) / ceil["copy_bw"]
+            roof += (2 * nums["matmul_params"] * prefill_tokens + 2 * nums["attn_dims"] * attn_q_ctx) / ceil[
+                "matmul_rate"]
+            host_gap = (self.rows[i + 1][0] - t0) * 1e3 if i + 1 < len(self.rows) else float("nan")
+            steps.append(dict(step=i, decode_rows=decode_rows, prefill_tokens=prefill_tokens, ctx=ctx,
+                              idle_before_ms=round(max(0.0, idle), 4), launch_gpu_ms=round(s.elapsed_time(e), 4),
+                              run_gpu_ms=round(sum(a.elapsed_time(b) for a, b in runs), 4),
+                              host_launch_ms=round(host_launch * 1e3, 4), host_cycle_ms=round(host_gap, 4),
+                              roofline_ms=round(roof * 1e3, 4)))
+        if out_file is not None:
+            out_file.write_text(json.dumps(steps))
+        buckets = {}
+
+        def add(name, st):
+            b = buckets.setdefault(name, dict(steps=0, idle_ms=0.0, launch_gpu_ms=0.0, run_gpu_ms=0.0,
+                                              host_cycle_ms=0.0, roofline_ms=0.0, host_bound_steps=0))
+            b["steps"] += 1
+            b["idle_ms"] += st["idle_before_ms"]
+            b["launch_gpu_ms"] += st["launch_gpu_ms"]
+            b["run_gpu_ms"] += st["run_gpu_ms"]
+            b["host_cycle_ms"] += 0.0 if st["host_cycle_ms"] != st["host_cycle_ms"] else st["host_cycle_ms"]
+            b["roofline_ms"] += st["roofline_ms"]
+            b["host_bound_steps"] += st["idle_before_ms"] > 0.05
+
+        for st in steps:
+            if st["prefill_tokens"]:
+                add("prefill/mixed", st)
+            else:
+                add(next(n for n, lo, hi in self.BUCKETS if lo <= st["decode_rows"] <= hi), st)
+            add("all", st)
+        for b in buckets.values():
+            for k in list(b):
+                if k.endswith("_ms"):
+                    b[k] = round(b[k], 1)
+        span = self.rows[0][2].elapsed_time(self.rows[-1][4]) if self.rows else 0.0
+        collector = {f"gen{g}": dict(count=len(v), total_ms=round(sum(v), 1), max_ms=round(max(v), 2))
+                     for g, v in sorted(self.gc_ms.items())}
+        # The steps whose launch the GPU waited for longest, with the host parts that grew before them (ms spent in
+        # each part between the two launches before the wait, against that part's median over the run).
+        waits = []
+        if self.parts:
+            deltas = [{k: 1e3 * (b.get(k, 0.0) - a.get(k, 0.0)) for k in b} for a, b in zip(self.parts, self.parts[1:])]
+            median = {k: sorted(d.get(k, 0.0) for d in deltas)[len(deltas) // 2] for k in deltas[-1]}
+            for st in sorted(steps, key=lambda x: -x["idle_before_ms"])[:12]:
+                i = st["step"]
+                if st["idle_before_ms"] < 0.5 or i < 1 or i - 1 >= len(deltas):
+                    continue
+                grew = sorted(((k, round(v - median.get(k, 0.0), 2)) for k, v in deltas[i - 1].items()
+                               if k not in ("wait", "collect", "step")), key=lambda kv: -kv[1])[:3]
+                waits.append(dict(step=i, idle_ms=st["idle_before_ms"], rows=st["decode_rows"],
+                                  host_cycle_ms=self.rows[i - 1] and round(1e3 * (self.rows[i][0] -
+                                                                                 self.rows[i - 1][0]), 2),
+                                  grew=grew, gc=[g for g in self.gc_events if g[0] in (i - 1, i)]))
+        return dict(gpu_span_ms=round(span, 1), buckets=buckets, gc=collector, longest_waits=waits,
+                    gc_over_1ms=self.gc_events[:40])
+
+
 def profile_summary(prof, num_steps: int, wall_s: float, trace_path: Path | None = None) -> dict:
     """GPU kernel time and launches per step from a torch profile, the top kernels, and the top host ops."""
     from torch.autograd import DeviceType
@@ -266,7 +403,7 @@ def profile_summary(prof, num_steps: int, wall_s: float, trace_path: Path | None
     kernels = [e for e in ka if e.device_type == DeviceType.CUDA]
     gpu_us = sum(dev(e) for e in kernels)
     launches = sum(e.count for e in kernels)
-    top = sorted(kernels, key=dev, reverse=True)[:12]
+    top = sorted(kernels, key=dev, reverse=True)[:20]
     host = sorted((e for e in ka if e.device_type == DeviceType.CPU), key=lambda e: e.self_cpu_time_total,
                   reverse=True)[:12]
     if trace_path is not None:
@@ -301,7 +438,8 @@ def release_gpu(device: str) -> None:
 
 
 def run_pdpool(llm, reqs, device: str, *, overlap: bool, profile: bool = False, temperature: float = 0.6,
-               more_windows: tuple = ()) -> dict:
+               more_windows: tuple = (), step_trace: tuple | None = None) -> dict:
+    """``step_trace``: (model numbers, ceilings, file for the per-step rows or None): a ``StepTrace`` of the run."""
     import torch
 
     from pdpool import SamplingParams
@@ -315,10 +453,19 @@ def run_pdpool(llm, reqs, device: str, *, overlap: bool, profile: bool = False, 
                  use_tqdm=False)
     timer = StepTimer(llm, (300, 320) if profile and device == "cuda" else None,
                       more_windows if profile and device == "cuda" else ())
+    trace = StepTrace(llm.engine.runner, *step_trace[:2], timer) if step_trace and device == "cuda" else None
     if device == "cuda":
         torch.cuda.synchronize()
+    collector = os.environ.get("E2E_GC", "")  # a diagnostic: "off" = no Python collector in the timed run
+    if collector == "off":
+        gc.collect()
+        gc.disable()
     t0 = time.perf_counter()
-    outs = llm.generate([p for p, _ in reqs], params, use_tqdm=False)
+    try:
+        outs = llm.generate([p for p, _ in reqs], params, use_tqdm=False)
+    finally:
+        if collector == "off":
+            gc.enable()
     seconds = time.perf_counter() - t0
     tokens = sum(len(o.output_token_ids) for o in outs)
     assert tokens == sum(o for _, o in reqs), "ignore_eos requests must produce exactly max_tokens"
@@ -334,6 +481,9 @@ def run_pdpool(llm, reqs, device: str, *, overlap: bool, profile: bool = False, 
         result["profile"] = profile_summary(timer.prof, 20, timer.prof_wall)
     for a, b, prof, wall in timer.window_profiles:  # e.g. the eager prefill chunks: GPU time against wall
         result[f"profile_steps_{a}_{b}"] = profile_summary(prof, b - a, wall)
+    if trace is not None:
+        result["step_trace"] = trace.summary(step_trace[2])
+        trace.remove()
     timer.remove()
     return result
 
@@ -516,6 +666,9 @@ def main() -> None:
                                                                      for w in v.split(",") if w],
                     help="more profiled step windows A-B[,C-D] (steps A..B-1) beside 300-320, e.g. 2-6: the first "
                          "prefill chunks; each reports wall and GPU kernel ms per step")
+    ap.add_argument("--step-trace", action="store_true",
+                    help="CUDA events around every step: GPU idle before each step, its GPU time and its own "
+                         "roofline, by bucket (prefill/mixed; decode by batch size); per-step rows to --out")
     ap.add_argument("--code", default="new",
                     help="with --hosts: comma list of NAME[=PATH][@VAR=VALUE] (PATH first on sys.path: another "
                          "checkout; VAR=VALUE set in the child's environment)")
@@ -562,9 +715,11 @@ def main() -> None:
             llm = make_llm(folder, args.device, fused, max_num_seqs=len(reqs), max_num_batched_tokens=16384,
                            max_model_len=4096)
             for v in todo:
+                trace = ((nums, ceil, Path(args.out) / f"steps_{label}_{name}_{v}.json") if args.step_trace
+                         else None)
                 res = r["pdpool"][v] = run_pdpool(llm, reqs, args.device, overlap=VARIANTS[v][1],
                                                   profile=v in ("base", variants[-1]),
-                                                  more_windows=tuple(args.profile_windows))
+                                                  more_windows=tuple(args.profile_windows), step_trace=trace)
                 res["fraction_of_roofline"] = res["tokens_per_s"] / roof["tokens_per_s"]
                 line = (summary_line(label, name, v, res) + f" (roofline {roof['tokens_per_s']:.0f} tok/s); "
                         f"launch/run per call {res['launch_calls']}; stalls (part, step, ms, alloc retries) "
@@ -573,6 +728,8 @@ def main() -> None:
                 lines.append(line)
                 if "profile" in res:
                     print(json.dumps(res["profile"]), flush=True)
+                if "step_trace" in res:
+                    print(f"{label} {name} [{v}] step trace: {json.dumps(res['step_trace'])}", flush=True)
                 for key in (k for k in res if k.startswith("profile_steps_")):
                     p = res[key]
                     print(f"{label} {name} [{v}] {key}: wall {p['wall_ms_per_step']:.1f} ms/step, GPU kernels "
