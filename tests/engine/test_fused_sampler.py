@@ -14,7 +14,7 @@ if not ON_GPU:
 
 from pdpool.engine.sampler import Sampler, _fusable  # noqa: E402
 from pdpool.engine.sampling_params import SamplingParams  # noqa: E402
-from pdpool.kernels.sample import gumbel_argmax, gumbel_argmax_ref  # noqa: E402
+from pdpool.kernels.sample import gumbel_argmax, gumbel_argmax_ref, hash_uniforms_ref  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
@@ -45,6 +45,31 @@ def test_random_rows_follow_the_tempered_softmax():
     few = logits[:40].to(DEVICE), temperature.repeat(40).to(DEVICE)
     assert not torch.equal(got[:40], gumbel_argmax(*few, seed=8).cpu())  # the seed moves the draws
     assert torch.equal(got[:40], gumbel_argmax(*few, seed=7).cpu())  # and fixes them (row i's stream is its own)
+
+
+def test_random_rows_are_the_reference_on_the_hash_uniforms():
+    """The kernel's draw is argmax(x / T - log(-log U)) on the counter-hash uniforms of (seed, row * V + col)."""
+    gen = torch.Generator().manual_seed(3)
+    V = 1000
+    logits = torch.randn(6, V, generator=gen) * 3
+    temperature = torch.tensor([0.6, 1.0, 0.0, 1.7, 0.3, 0.9])
+    for seed in (0, 5, 2**31 - 1):
+        got = gumbel_argmax(logits.to(DEVICE), temperature.to(DEVICE), seed=seed).cpu()
+        assert torch.equal(got, gumbel_argmax_ref(logits, temperature, hash_uniforms_ref(6, V, seed)))
+
+
+def test_the_hash_uniforms_are_the_cpu_passes():
+    """The same seed draws the same uniforms on the GPU (this kernel) and in the CPU pass (kernels/csrc)."""
+    from pdpool.kernels import cpu_ops
+
+    if not cpu_ops.sampler_available():
+        import pytest
+
+        pytest.skip("the CPU sampler extension is not built here")
+    for seed in (0, 7, 2**31 - 1):
+        assert torch.equal(hash_uniforms_ref(3, 5000, seed), cpu_ops.sample_uniforms(3, 5000, seed))
+    u = hash_uniforms_ref(64, 4096, 11)
+    assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 5e-3
 
 
 def test_a_row_draws_by_its_own_row_and_the_seed_only():
