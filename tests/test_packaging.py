@@ -2,7 +2,13 @@
 
 import importlib
 import pathlib
+import shutil
+import subprocess
+import sys
 import tomllib
+import zipfile
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -43,15 +49,57 @@ def test_operator_is_only_pdpool_operator():
     assert pathlib.Path(mod.__file__).parent == ROOT / "operator"
 
 
-def test_non_editable_wheel_carries_every_subpackage(tmp_path):
-    import subprocess
-    import sys
-    import zipfile
-
+@pytest.fixture(scope="module")
+def wheel_names(tmp_path_factory) -> set[str]:
+    """The file names in a non-editable wheel of the checkout (what ``pip install .`` in the image installs)."""
+    # built from a copy of the checkout's files, so a stale build/ folder of the checkout cannot fill a gap
+    source = tmp_path_factory.mktemp("source")
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "--",
+                             "pyproject.toml", "README.md", *set(_pyproject()["package-dir"].values())],
+                            cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for name in listed:
+        if (ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
+    out = tmp_path_factory.mktemp("wheel")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path), str(ROOT)], check=True, cwd=tmp_path)
-    (wheel,) = tmp_path.glob("pdpool-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
+                    "-w", str(out), str(source)], check=True, cwd=out)
+    (wheel,) = out.glob("pdpool-*.whl")
+    return set(zipfile.ZipFile(wheel).namelist())
+
+
+def test_non_editable_wheel_carries_every_subpackage(wheel_names):
     for pkg in _pyproject()["packages"]:
-        assert f"{pkg.replace('.', '/')}/__init__.py" in names, pkg
-    assert not any(n.startswith("operator/") for n in names), "operator/ must ship only as pdpool/operator"
+        assert f"{pkg.replace('.', '/')}/__init__.py" in wheel_names, pkg
+    assert not any(n.startswith("operator/") for n in wheel_names), "operator/ must ship only as pdpool/operator"
+
+
+def _tracked_data_files() -> dict[str, pathlib.Path]:
+    """``{name in the wheel: path in the checkout}`` for every tracked file of a package folder that is not Python."""
+    st = _pyproject()
+    wanted = {}
+    for pkg in st["packages"]:
+        folder = _folder_of(pkg, st["package-dir"])
+        listed = subprocess.run(["git", "ls-files", "--", "."], cwd=folder, capture_output=True, text=True,
+                                check=True).stdout.split()
+        for name in listed:
+            path = folder / name
+            if path.suffix in (".py", ".pyc") or (len(pathlib.Path(name).parts) > 1
+                                                  and (folder / pathlib.Path(name).parts[0] / "__init__.py").exists()):
+                continue   # code, or a file of a subpackage (counted under that one)
+            wanted[f"{pkg.replace('.', '/')}/{name}"] = path
+    return wanted
+
+
+def test_the_wheel_carries_every_file_the_package_reads(wheel_names):
+    """The native builders' sources and headers (the CPU kernel's header was left out of the wheel until 2026-11-24,
+    so ``pdpool build-kernels`` could not have built it in the image), the CRD's rendering, py.typed: every tracked non-Python file
+    of a package folder is in the wheel under its import path."""
+    from pdpool.kernels import build
+    from pdpool.router import native
+
+    wanted = _tracked_data_files()
+    for source in [*build.SOURCES, *build.HEADERS, native.SOURCE]:
+        assert source.resolve() in {p.resolve() for p in wanted.values()}, f"{source} is not tracked"
+    missing = sorted(name for name in wanted if name not in wheel_names)
+    assert not missing, f"not in the wheel (list them in [tool.setuptools.package-data]): {missing}"
