@@ -92,9 +92,9 @@ def _tracked_data_files() -> dict[str, pathlib.Path]:
 
 
 def test_the_wheel_carries_every_file_the_package_reads(wheel_names):
-    """The native builders' sources and headers (the CPU kernel's header was left out of the wheel until 2026-11-24,
-    so ``pdpool build-kernels`` could not have built it in the image), the CRD's rendering, py.typed: every tracked non-Python file
-    of a package folder is in the wheel under its import path."""
+    """The native builders' sources and headers (the CPU kernel's header was left out of the wheel until
+    2026-11-24, so ``pdpool build-kernels`` could not have built it in the image), the CRD's rendering, py.typed:
+    every tracked non-Python file of a package folder is in the wheel under its import path."""
     from pdpool.kernels import build
     from pdpool.router import native
 
