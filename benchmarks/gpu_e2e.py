@@ -21,8 +21,9 @@ loop on/off) in one process; HF transformers runs the first ``--hf-requests`` re
     python3 benchmarks/gpu_e2e.py [--models Qwen3-0.6B,Llama-3.1-8B] [--variants base,both] [--single-stream]
     python3 benchmarks/gpu_e2e.py --device cpu --tiny --num-requests 8 --hf-requests 4  # CPU smoke test
 
-Every run reports wall ms per step, GPU kernel ms per step (torch profiler over steps 300-320) and host ms per step
-by part (``StepTimer.PARTS``), so a number shows whether it is GPU-bound or host-bound. Host sensitivity:
+Every run reports wall ms per step, GPU kernel ms per step (torch profiler over steps 300-320 of a second, untimed
+run of the same workload; ``E2E_PROFILE=inline`` profiles inside the timed run instead) and host ms per step by
+part (``StepTimer.PARTS``), so a number shows whether it is GPU-bound or host-bound. Host sensitivity:
 ``--hosts unpinned,pinned`` runs each configuration in a child process, the pinned one under
 ``taskset -c 0,1`` (``--pin-cpus``); ``--code new,old=PATH`` also runs an older checkout (PATH first on
 sys.path) in the same call, so old and new code meet on the same machine.
@@ -455,6 +456,10 @@ def run_pdpool(llm, reqs, device: str, *, overlap: bool, profile: bool = False, 
     from pdpool import SamplingParams
 
     llm.engine.overlap_steps = overlap and device == "cuda"
+    # A second timed run in this process (another variant) gets prompts it has not seen: the first id of each is
+    # one no earlier run used (random ids are 0..10000), so nothing hits the prefix cache and the shapes are equal.
+    runs = llm.e2e_runs = getattr(llm, "e2e_runs", -1) + 1
+    reqs = [([10000 + 2 * runs, *p[1:]], o) for p, o in reqs] if runs else reqs
     params = [SamplingParams(temperature=temperature, max_tokens=o, ignore_eos=True) for _, o in reqs]
     # Warm-up on other prompts of the same length distribution (no prefix-cache hits for the timed run): the
     # prefill kernels tune and compile for the workload's chunk shapes here, not inside the timed run.
@@ -497,7 +502,8 @@ def run_pdpool(llm, reqs, device: str, *, overlap: bool, profile: bool = False, 
         # The same workload again, untimed, profiled: each prompt's first id changed, so nothing hits the prefix
         # cache and the steps have the timed run's shapes.
         timer = StepTimer(llm, (300, 320), more_windows)
-        again = [([p[0] ^ 1, *p[1:]], o) for p, o in reqs]  # ids stay in 0..10001
+        llm.e2e_runs += 1
+        again = [([10000 + 2 * llm.e2e_runs, *p[1:]], o) for p, o in reqs]
         t1 = time.perf_counter()
         llm.generate([p for p, _ in again], params, use_tqdm=False)
         result["profile_pass_seconds"] = round(time.perf_counter() - t1, 3)
