@@ -77,7 +77,7 @@ async def main_async(args) -> None:
             port = ro.free_port()
             p = spawn([sys.executable, "-m", "pdpool.cli", "router", "--model", "demo", "--host", "127.0.0.1",
                        "--port", str(port), "--redis", redis_url, "--pool", "bench", "--dtype", "float32",
-                       "--index-lookup", mode], f"router-{mode}")
+                       "--index-lookup", mode, "--workers", str(args.workers)], f"router-{mode}")
             routers[mode] = (p, f"http://127.0.0.1:{port}")
         for mode, (p, url) in routers.items():
             await ro.wait_http(url + "/health/ready")
@@ -147,6 +147,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=6)
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--kv-blocks", type=int, default=4096)
+    p.add_argument("--workers", type=int, default=1, help="the routers' --workers")
     args = p.parse_args()
     ro.CLIENTS = args.clients
     try:
