@@ -17,7 +17,6 @@ both lookups saw the stubs' blocks.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shutil
@@ -149,13 +148,7 @@ def main() -> None:
     p.add_argument("--kv-blocks", type=int, default=4096)
     p.add_argument("--workers", type=int, default=1, help="the routers' --workers")
     args = p.parse_args()
-    ro.CLIENTS = args.clients
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main_async(args))
-    else:
-        uvloop.run(main_async(args))
+    ro.run(main_async(args), args.clients)
 
 
 if __name__ == "__main__":

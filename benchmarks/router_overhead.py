@@ -278,14 +278,19 @@ def main() -> None:
     ap.add_argument("--distinct-prompts", type=int, default=0,
                     help="cycle this many prompts (0: every request has its own question)")
     args = ap.parse_args()
+    run(main_async(args), args.clients)
+
+
+def run(coro, clients: int) -> None:
+    """Run a measurement on uvloop where it is installed (asyncio's loop otherwise), over ``clients`` sessions."""
     global CLIENTS
-    CLIENTS = args.clients
+    CLIENTS = clients
     try:
         import uvloop
     except ImportError:
-        asyncio.run(main_async(args))
+        asyncio.run(coro)
     else:
-        uvloop.run(main_async(args))
+        uvloop.run(coro)
 
 
 if __name__ == "__main__":

@@ -145,7 +145,7 @@ class PieceEncoder:
     Only for the tokenizers ``TokenChunkCache.cacheable`` accepts (the same argument holds: BPE runs within
     pieces). The text is first split around the added tokens, longest match first, as ``tokenizers`` does; each
     ASCII segment in between is cut into pieces by the GPT-2 pattern on ASCII (in C where the router's piece table
-    builds, ``router/csrc/pieces.c``, which also writes the ids' JSON; else ``re``), and a non-ASCII segment goes
+    builds, ``pdpool/csrc/pieces.c``, which also writes the ids' JSON; else ``re``), and a non-ASCII segment goes
     to ``tokenizers`` whole. A piece not seen yet goes to the BPE model alone, as its UTF-8 bytes mapped to the
     byte-level alphabet (GPT-2's ``bytes_to_unicode``). The constructor checks the whole path against the
     tokenizer on a probe of every byte and raises ``ValueError`` if they differ (the C table is dropped, with a
@@ -177,7 +177,7 @@ class PieceEncoder:
         self._added = regex.compile("|".join(regex.escape(n) for n in names)) if names else None
         self._cache: dict[str, list[int]] = {}
         self.capacity = capacity
-        # ASCII segments in C where it builds (router/csrc/pieces.c: the ASCII pattern's cuts, a piece table and
+        # ASCII segments in C where it builds (pdpool/csrc/pieces.c: the ASCII pattern's cuts, a piece table and
         # the ids' JSON in one pass); checked on the probe against this class's Python path, else not used.
         self._table = None
         table = _native_piece_table(self._bpe, capacity) if native else None
@@ -249,7 +249,7 @@ class PieceEncoder:
 
 
 def _native_piece_table(miss, capacity: int):
-    from pdpool.router import native   # the router's C piece table, built on first use; None where it cannot be
+    from pdpool import native_text as native   # the router's C piece table, built on first use; None where it cannot be
 
     module = native.load()
     return module.PieceTable(miss, capacity) if module is not None else None
@@ -326,7 +326,7 @@ class TokenChunkCache:
         return prefix if ok else None
 
     def chunks(self, text: str) -> list[str]:
-        if self._native_chunks is not None:   # the same cuts in C (router/csrc/pieces.c; a test compares them)
+        if self._native_chunks is not None:   # the same cuts in C (pdpool/csrc/pieces.c; a test compares them)
             return self._native_chunks(text, self.chunk_chars)
         return self.chunks_re(text)
 
@@ -408,7 +408,7 @@ class BlockHashMemo:
     """
 
     def __init__(self, capacity: int = 8192, hash_chain=None) -> None:
-        """``hash_chain``: the router's C loop of ``extend_block_hashes`` (``router/csrc/pieces.c``), or None."""
+        """``hash_chain``: the router's C loop of ``extend_block_hashes`` (``pdpool/csrc/pieces.c``), or None."""
         self.capacity = capacity
         self._tries: dict[tuple, dict] = {}
         self._nodes = 0
@@ -465,8 +465,8 @@ class BlockHashMemo:
 
 
 def _native_function(name: str):
-    """A function of the router's native module (``router/csrc/pieces.c``), or None where it cannot be built."""
-    from pdpool.router import native
+    """A function of the router's native module (``pdpool/csrc/pieces.c``), or None where it cannot be built."""
+    from pdpool import native_text as native
 
     module = native.load()
     return getattr(module, name) if module is not None else None

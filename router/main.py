@@ -110,7 +110,7 @@ def _main_workers(cfg, profile) -> int:
     from prometheus_client import multiprocess
 
     from pdpool.frontend import Frontend
-    from pdpool.router import native
+    from pdpool import native_text as native
 
     native.load()   # built (once) before the fork, not by every worker at once
     try:  # the tokenizer is read once here for a clear error; each worker reads its own after the fork

@@ -96,7 +96,7 @@ def test_the_wheel_carries_every_file_the_package_reads(wheel_names):
     2026-11-24, so ``pdpool build-kernels`` could not have built it in the image), the CRD's rendering, py.typed:
     every tracked non-Python file of a package folder is in the wheel under its import path."""
     from pdpool.kernels import build
-    from pdpool.router import native
+    from pdpool import native_text as native
 
     wanted = _tracked_data_files()
     for source in [*build.SOURCES, *build.HEADERS, native.SOURCE]:

@@ -120,12 +120,12 @@ def test_short_texts_and_unknown_tokenizers_are_encoded_whole(frontend):
     assert cache.missed_chunks == 0 and cache.hit_chunks == 0
 
 
-# ---- the native piece table (router/csrc/pieces.c) and the block-hash memo -------------------------------------
+# ---- the native piece table (pdpool/csrc/pieces.c) and the block-hash memo -------------------------------------
 
 def test_the_native_piece_table_builds_and_is_used(frontend):
     """CI and the image have a C compiler and Python's headers: the router's fast path must be there, not a
     silent fallback."""
-    from pdpool.router import native
+    from pdpool import native_text as native
 
     assert native.load() is not None
     assert PieceEncoder(frontend.tokenizer).native
@@ -134,7 +134,7 @@ def test_the_native_piece_table_builds_and_is_used(frontend):
 
 @pytest.fixture(scope="module")
 def native_module():
-    from pdpool.router import native
+    from pdpool import native_text as native
 
     module = native.load()
     assert module is not None

@@ -1,7 +1,8 @@
-"""The router's native piece table (``router/csrc/pieces.c``): built with the C compiler and Python's headers, once
+"""The front end's native piece table and block-hash chain (``pdpool/csrc/pieces.c``), used by the router's token
+cache: built with the C compiler and Python's headers, once
 per source and Python, and loaded by path; no torch, no build tool beyond ``cc``.
 
-    python -m pdpool.router.native        # build ahead of time (the image, CI); prints the module's path
+    python -m pdpool.native_text        # build ahead of time (the image, CI); prints the module's path
 
 ``load()`` returns the module, building it first when it is missing, or None (with one warning) where it cannot
 be built: no compiler, no ``Python.h``, no writable folder. The front end then keeps its Python path, which
