@@ -7,6 +7,12 @@ Conditions: prompts of about 1k tokens, pdpool with its default scorers and Redi
 Redis as pdpool nodes, so every request does the precise prefix lookup), the peers with ``cache_aware``. Each peer
 is installed benchmark-only in its own venv under /tmp/router-bench-venvs (pip, once). Added latency = latency
 through the router minus latency straight to a stub, percentile by percentile, in the same run.
+
+CPU: every row gives ``cpu_ms_per_request`` for every part of the harness, from ``/proc`` over the timed run:
+the router (its process group; ``router_split``: the supervisor's and each worker's share with ``--workers N``),
+the two stubs, Redis, and the load generator (this process), so a saturated machine shows who takes the cores.
+The stubs' index work (hashing a request's blocks and publishing them) runs only for requests that carry
+pdpool's token ids, so it is in pdpool's rows and not in the peers' or the direct baseline's.
 """
 
 from __future__ import annotations
@@ -49,10 +55,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of every process in ``pid``'s process group (each router is spawned as a group leader:
-    with ``--workers N`` that is the supervisor and its N workers; a thread's time is its process's)."""
-    total = 0
+def group_cpu(pgid: int) -> dict[int, float]:
+    """User + system CPU seconds of every process in process group ``pgid``, by pid (each router, stub and Redis
+    is spawned as a group leader: with ``--workers N`` that is the supervisor and its N workers; a thread's time
+    is its process's)."""
+    out = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -61,9 +68,39 @@ def cpu_seconds(pid: int) -> float:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[2]) == pid:   # pgrp
-            total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+        if int(fields[2]) == pgid:   # pgrp
+            out[int(entry)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    return sum(group_cpu(pid).values())
+
+
+class Parts:
+    """CPU of every part of the harness over one measurement: the router (its process group), the stubs, Redis
+    and the load generator (this process, all its threads), so a saturated machine shows who takes the cores."""
+
+    def __init__(self, stubs: list[int], redis: int) -> None:
+        self.stubs = stubs
+        self.redis = redis
+
+    def snapshot(self, router: int | None) -> dict:
+        return {"router": group_cpu(router) if router else {}, "stubs": sum(cpu_seconds(p) for p in self.stubs),
+                "redis": cpu_seconds(self.redis), "loadgen": time.process_time()}
+
+    @staticmethod
+    def per_request(before: dict, after: dict, requests: int) -> dict:
+        """ms of CPU per request of each part; ``router_split``: each router process's share (supervisor and
+        workers, by pid order), which shows whether ``--workers N`` splits the load evenly."""
+        ms = 1000 / max(1, requests)
+        out = {k: round((after[k] - before[k]) * ms, 3) for k in ("stubs", "redis", "loadgen")}
+        if after["router"]:
+            per_pid = {pid: after["router"][pid] - before["router"].get(pid, 0.0) for pid in after["router"]}
+            out["router"] = round(sum(per_pid.values()) * ms, 3)
+            out["router_split"] = [round(per_pid[pid] * ms, 3) for pid in sorted(per_pid)]
+        out["total"] = round(sum(v for k, v in out.items() if k != "router_split"), 3)
+        return out
 
 
 def peer_python(name: str) -> str:
@@ -179,18 +216,20 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000 if xs else float("nan")
 
 
-async def measure(name: str, url: str, pid: int | None, rates, seconds, make_bodies, direct) -> list[dict]:
+async def measure(name: str, url: str, pid: int | None, rates, seconds, make_bodies, direct, parts: Parts
+                  ) -> list[dict]:
     rows = []
     for rate in rates:
         await load(url, rate, 2, make_bodies(int(rate * 2), -int(rate)))  # warm-up, its own questions
         bodies = make_bodies(int(rate * seconds), int(rate))
-        c0 = cpu_seconds(pid) if pid else 0.0
+        before = parts.snapshot(pid)
         lat = await load(url, rate, seconds, bodies)
-        cpu = (cpu_seconds(pid) - c0) / seconds if pid else float("nan")
+        cpu = parts.per_request(before, parts.snapshot(pid), len(bodies))
         base = direct[rate]
         rows.append({"router": name, "rate": rate, "p50_added_ms": pct(lat, 0.5) - pct(base, 0.5),
                      "p99_added_ms": pct(lat, 0.99) - pct(base, 0.99), "p99_ms": pct(lat, 0.99),
-                     "cpu_per_100rps": cpu / rate * 100, "ok": len(lat)})
+                     "cpu_per_100rps": cpu.get("router", float("nan")) / 10,   # cores per 100 req/s
+                     "cpu_ms_per_request": cpu, "ok": len(lat)})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -210,26 +249,31 @@ async def main_async(args) -> None:
 
     try:
         redis_port = free_port()
-        spawn([shutil.which("redis-server") or "/usr/bin/redis-server", "--port", str(redis_port), "--save", "",
-               "--appendonly", "no"], "redis")
+        redis = spawn([shutil.which("redis-server") or "/usr/bin/redis-server", "--port", str(redis_port),
+                       "--save", "", "--appendonly", "no"], "redis")
         redis_url = f"redis://127.0.0.1:{redis_port}/0"
         time.sleep(0.5)
-        stubs = []
+        stubs, stub_pids = [], []
         for i in range(2):
             port = free_port()
-            spawn([sys.executable, str(ROOT / "benchmarks/router_stub_upstream.py"), "--port", str(port),
-                   "--redis", redis_url, "--node-id", f"stub-{i}"], f"stub-{i}")
+            stub_pids.append(spawn([sys.executable, str(ROOT / "benchmarks/router_stub_upstream.py"), "--port", str(port),
+                   "--redis", redis_url, "--node-id", f"stub-{i}"], f"stub-{i}").pid)
             stubs.append(f"http://127.0.0.1:{port}")
         for s in stubs:
             await wait_http(s + "/health")
         def make_bodies(n: int, seed: int) -> list[bytes]:
             return bodies_for(n, seed, args.distinct_prompts)
 
-        direct = {r: await load(stubs[0] + "/v1/completions", r, args.seconds, make_bodies(int(r * args.seconds), 7))
-                  for r in args.rates}
+        parts = Parts(stub_pids, redis.pid)
+        direct = {}
         for r in args.rates:
+            bodies = make_bodies(int(r * args.seconds), 7)
+            before = parts.snapshot(None)
+            direct[r] = await load(stubs[0] + "/v1/completions", r, args.seconds, bodies)
             print(json.dumps({"router": "direct", "rate": r, "p50_ms": pct(direct[r], 0.5),
-                              "p99_ms": pct(direct[r], 0.99)}), flush=True)
+                              "p99_ms": pct(direct[r], 0.99),
+                              "cpu_ms_per_request": parts.per_request(before, parts.snapshot(None), len(bodies))}),
+                  flush=True)
         results = []
         for workers in args.workers:
             port = free_port()
@@ -240,7 +284,7 @@ async def main_async(args) -> None:
             await wait_http(f"http://127.0.0.1:{port}/health/ready")
             await wait_completion(f"http://127.0.0.1:{port}/v1/completions", 60)
             results += await measure(name, f"http://127.0.0.1:{port}/v1/completions", ours.pid, args.rates,
-                                     args.seconds, make_bodies, direct)
+                                     args.seconds, make_bodies, direct, parts)
             os.killpg(ours.pid, signal.SIGTERM)  # idle, it would still poll Redis during the peers' turns
             ours.wait(30)
         for name in args.peers:
@@ -254,7 +298,7 @@ async def main_async(args) -> None:
                 print(f"  {name} did not come up; its log: {LOGS / name}.log", file=sys.stderr)
                 continue
             results += await measure(name, f"http://127.0.0.1:{port}/v1/completions", p.pid, args.rates,
-                                     args.seconds, make_bodies, direct)
+                                     args.seconds, make_bodies, direct, parts)
             os.killpg(p.pid, signal.SIGTERM)
             p.wait(30)
         print(json.dumps(results, indent=1))

@@ -2,14 +2,16 @@
 Redis as a pdpool node (role both) so the router's Redis discovery and precise prefix lookup run as in a pool.
 
     python benchmarks/router_stub_upstream.py --port 9001 [--redis redis://127.0.0.1:6379/0 --node-id stub-1]
-                                              [--kv-blocks 4096]
+                                              [--pool bench] [--kv-blocks 4096] [--step-ms 10]
 
 With ``--redis`` the stub also keeps a prefix cache the way a node does and publishes it the way a node does:
 the engines' block hashes of every prompt the router sends with ``pdpool_prompt_token_ids`` (model "demo",
 float32, block size 16), held in an LRU of ``--kv-blocks`` blocks, each request's new and evicted blocks handed to
-``NodeIndex.publish`` after its answer is written (so Redis's sets and the index event stream the routers'
-mirrors tail change as with real nodes). A request without those ids (the direct baseline, the peers) costs
-nothing more.
+``NodeIndex.publish`` once per ``--step-ms`` (10 ms), as an engine publishes once per step, not once per request
+(so Redis's sets and the index event stream the routers' mirrors tail change as with real nodes; before round 6
+of the overhead work each request's blocks went out in a MULTI of their own, 5x the Redis transactions of a
+node at 1000 req/s). A request without those ids (the direct baseline, the peers) costs nothing more: what the
+stubs cost per request under each router is in ``router_overhead.py``'s output.
 
 A raw asyncio protocol on httptools (llhttp), on uvloop when installed: every answer is a canned one, written from
 the parser's callback, so the stub costs the shared 2-core machine as little CPU as it can (it was aiohttp before
@@ -48,15 +50,20 @@ CANNED = {(method, path, keep): answer(200, body, keep) for method, table in (("
 
 
 class PrefixCache:
-    """A node's prefix cache as the index sees it: block hashes in LRU order, ``capacity`` blocks."""
+    """A node's prefix cache as the index sees it: block hashes in LRU order, ``capacity`` blocks. Its changes are
+    published once per ``step`` seconds, as an engine publishes once per step (``KVConnector.after_step``); 0
+    publishes each request's changes on their own."""
 
-    def __init__(self, index, capacity: int) -> None:
+    def __init__(self, index, capacity: int, step: float = 0.0) -> None:
         from pdpool.block_hash import ModelFingerprint, root_hash
 
         self.index = index
         self.capacity = capacity
+        self.step = step
         self.root = root_hash(ModelFingerprint("demo", "float32", 16))
         self.lru: OrderedDict[bytes, None] = OrderedDict()
+        self.touched: set[bytes] = set()      # stored or evicted since the last publish
+        self.flush_at: asyncio.TimerHandle | None = None
 
     def served(self, body: bytes) -> None:
         if b'"pdpool_prompt_token_ids"' not in body:
@@ -64,18 +71,31 @@ class PrefixCache:
         from pdpool.block_hash import hash_prompt_blocks
 
         lru = self.lru
-        stored, removed = [], []
+        touched = self.touched
         for ids in json.loads(body)["pdpool_prompt_token_ids"]:
             for h in hash_prompt_blocks(ids, 16, self.root):
                 if h in lru:
                     lru.move_to_end(h)
                 else:
                     lru[h] = None
-                    stored.append(h)
+                    touched.add(h)
         while len(lru) > self.capacity:
-            removed.append(lru.popitem(last=False)[0])
-        if stored or removed:
-            self.index.publish(stored, removed)
+            touched.add(lru.popitem(last=False)[0])
+        if not touched:
+            return
+        if not self.step:
+            self.publish()
+        elif self.flush_at is None:
+            self.flush_at = asyncio.get_running_loop().call_later(self.step, self.publish)
+
+    def publish(self) -> None:
+        """The net change since the last publish: a block stored and evicted meanwhile goes out as removed."""
+        self.flush_at = None
+        lru = self.lru
+        stored = [h for h in self.touched if h in lru]
+        removed = [h for h in self.touched if h not in lru]
+        self.touched = set()
+        self.index.publish(stored, removed)
 
 
 CACHE: PrefixCache | None = None
@@ -124,10 +144,10 @@ def heartbeat(args) -> None:
 
     global CACHE
     inc = new_incarnation()
-    index = NodeIndex(connect(args.redis), PoolKeys("default", "bench"), args.node_id, inc, heartbeat_ttl=3.0)
+    index = NodeIndex(connect(args.redis), PoolKeys("default", args.pool), args.node_id, inc, heartbeat_ttl=3.0)
     index.resync([])   # a new incarnation starts with an empty cache, as a node does
     if args.kv_blocks:
-        CACHE = PrefixCache(index, args.kv_blocks)
+        CACHE = PrefixCache(index, args.kv_blocks, args.step_ms / 1000)
     info = NodeInfo(args.node_id, "both", f"http://127.0.0.1:{args.port}", inc,
                     fingerprint={"model_id": "demo", "dtype": "float32", "block_size": 16})
     HeartbeatThread(index, lambda: info, 1.0).start()
@@ -144,8 +164,12 @@ def main() -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--redis")
     p.add_argument("--node-id")
+    p.add_argument("--pool", default="bench")
     p.add_argument("--kv-blocks", type=int, default=4096,
                    help="blocks of the prefix cache published to Redis (0: publish nothing, heartbeats only)")
+    p.add_argument("--step-ms", type=float, default=10.0,
+                   help="publish the cache's changes at most once per this many ms, as an engine does once per "
+                        "step (0: every request's on its own)")
     args = p.parse_args()
     if args.redis:
         heartbeat(args)
