@@ -32,6 +32,7 @@ class StepPlan:
     max_prefill_len: int
     num_splits: int
     workspace: tuple | None = None  # decode partials, shared by the layers of the step
+    replay_seq_lens: list | None = None  # a graph bucket's plan: the lengths its decode_rows were last ordered by
 
 
 ORDER_MIN_ROWS = 16  # smaller graph buckets keep their planned order: all their programs run in one wave
@@ -76,6 +77,9 @@ class TritonAttentionBackend(AttentionBackend):
         plan = graph_meta.plan.get("triton")
         if plan is None or plan.decode_rows is None or plan.decode_rows.numel() < ORDER_MIN_ROWS:
             return
+        last, plan.replay_seq_lens = plan.replay_seq_lens, seq_lens_cpu
+        if last is not None and len(last) == len(seq_lens_cpu) and seq_lens_cpu == [n + 1 for n in last]:
+            return  # every row one token longer: the same order (it depends on the lengths only), on the device
         bucket = plan.decode_rows.numel()
         order = longest_first(list(range(len(seq_lens_cpu))), seq_lens_cpu) + list(range(len(seq_lens_cpu), bucket))
         host = torch.tensor(order, dtype=torch.int32)

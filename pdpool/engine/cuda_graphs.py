@@ -71,6 +71,7 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
         self.num_replays = 0
+        self._dirty = 0  # rows >= this hold padding (slot -1, seq_len 1); rows below may hold a batch's values
 
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(query_start_loc=self.query_start_loc[:b + 1], seq_lens=self.seq_lens[:b],
@@ -101,6 +102,7 @@ class DecodeGraphs:
                 self.pool = graph.pool()
             self.graphs[b] = graph
         self.seq_lens.fill_(1)
+        self._dirty = 0
         torch.cuda.synchronize()
         log.info("captured %d decode CUDA graphs (batch %s) in %.1f s", len(self.graphs), self.buckets,
                  time.perf_counter() - t0)
@@ -119,9 +121,10 @@ class DecodeGraphs:
         self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
         self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
         self.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
-        if b > n:
-            self.slot_mapping[n:b].fill_(-1)
-            self.seq_lens[n:b].fill_(1)
+        if self._dirty > n:  # rows an earlier, larger batch wrote: padding again (two launches saved otherwise)
+            self.slot_mapping[n:self._dirty].fill_(-1)
+            self.seq_lens[n:self._dirty].fill_(1)
+        self._dirty = n
         if self.prepare_replay is not None:
             self.prepare_replay(self.metas[b], meta.seq_lens_cpu)
         self.graphs[b].replay()

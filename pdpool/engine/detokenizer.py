@@ -21,9 +21,13 @@ PROMPT_CONTEXT_TOKENS = 5  # prompt ids decoded as context for the first output 
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams,
+                 token_texts: dict[int, str] | None = None):
+        """``token_texts``: the text of single ids decoded alone, shared by the requests of one tokenizer and
+        ``skip_special_tokens`` setting (``OutputProcessor`` keeps one per setting)."""
         self.tokenizer = tokenizer
         self.params = params
+        self._token_texts = {} if token_texts is None else token_texts
         self.token_ids: list[int] = []  # output ids taken; ids after a stop string are not taken
         self.output_text = ""
         self.finished = False
@@ -54,8 +58,14 @@ class IncrementalDetokenizer:
 
     def _decode_new(self, final: bool) -> str:
         skip = self.params.skip_special_tokens
-        prefix_text = self.tokenizer.decode(self._ids[self._prefix_offset:self._read_offset],
-                                            skip_special_tokens=skip)
+        if self._read_offset - self._prefix_offset == 1:  # the common case: the one id emitted last time
+            token = self._ids[self._prefix_offset]
+            prefix_text = self._token_texts.get(token)
+            if prefix_text is None:
+                prefix_text = self._token_texts[token] = self.tokenizer.decode([token], skip_special_tokens=skip)
+        else:
+            prefix_text = self.tokenizer.decode(self._ids[self._prefix_offset:self._read_offset],
+                                                skip_special_tokens=skip)
         full_text = self.tokenizer.decode(self._ids[self._prefix_offset:], skip_special_tokens=skip)
         if len(full_text) <= len(prefix_text) or (full_text.endswith("\ufffd") and not final):
             return ""

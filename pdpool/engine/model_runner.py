@@ -26,7 +26,7 @@ from pdpool.attention import AttentionMetadata, pick_backend, reset_context, set
 from pdpool.config import NodeConfig
 from pdpool.engine.block_tables import BlockTableRows
 from pdpool.engine.cuda_graphs import DecodeGraphs, graph_safe
-from pdpool.engine.sampler import PendingSample, Sampler, make_generator
+from pdpool.engine.sampler import PendingSample, Sampler, SamplingPlan, make_generator
 from pdpool.frontend import ModelFiles
 from pdpool.kernels.cpu_features import default_cpu_dtype
 from pdpool.models.demo import resolve_model
@@ -91,13 +91,27 @@ class PackedStep:
     sampling: list  # ScheduledRequest of each sampling row
     holes: list  # (offset in host, request, token index): placeholders with no device source, read at upload
     prev: "LaunchedStep | None" = None  # the step whose samples fill gather_from
+    ids_are_prev: bool = False  # every id is the previous step's sample of the same row: its samples are the ids
 
 
 @dataclass
 class LaunchedStep:
     inputs: StepInputs
     pending: PendingSample | None  # the sampled ids on the device; None when no row samples
-    rows: dict  # request id -> its row in the samples
+    rows: dict  # request id -> its row in the samples (shared by the steps of one batch: read only)
+    sampling_rows: "SamplingRows | None" = None
+
+
+@dataclass
+class SamplingRows:
+    """One batch's sampling rows as the sampler takes them, kept while the batch keeps its rows."""
+    requests: list
+    params: list
+    prompts: list
+    outputs: list
+    generators: list
+    index: dict  # request id -> row
+    plan: SamplingPlan | None = None
 
 
 class ModelRunner:
@@ -142,6 +156,7 @@ class ModelRunner:
             else:
                 log.warning("attention backend %s is not CUDA-graph safe; decode runs eagerly", self.backend.name)
         self.generators: dict[str, torch.Generator] = {}
+        self._rows: SamplingRows | None = None  # the last launched step's sampling rows
         self.block_tables = BlockTableRows(node_config.scheduler.max_num_seqs)
         self.sampler = Sampler(eos_token_ids=info.eos_token_ids, seed=node_config.model.seed)
         if self.device.type == "cuda":  # compile the sampler's kernels now, not in the first request's step
@@ -206,6 +221,8 @@ class ModelRunner:
         width = max(1, max(len(sr.block_ids) for sr in scheduled))
         rows = self.block_tables.rows_for(scheduled)  # kept rows: only the ids that changed are written
         tables = self.block_tables.table[rows, :width]  # [R, max_blocks], padded with 0
+        if all(sr.num_new_tokens == 1 for sr in scheduled):
+            return self._pack_decode(scheduled, tables, prev, prev_rows)
         for r, sr in enumerate(scheduled):
             request = sr.request
             start, n = request.num_computed_tokens, sr.num_new_tokens
@@ -237,8 +254,47 @@ class ModelRunner:
         host = np.concatenate([np.asarray(ids + positions + slots + sample_rows + gather_to + gather_from,
                                           dtype=np.int64), starts, np.asarray(seq_lens, dtype=np.int64),
                                tables.ravel()])
-        return PackedStep(host, T, R, len(sample_rows), len(gather_to), width, query_lens, seq_lens, sampling,
-                          holes, prev if gather_to else None)
+        G = len(gather_to)
+        # a steady decode batch: row r's one id is row r's sample of the step in flight, for every row
+        ids_are_prev = G == T == len(prev_rows) and gather_to == gather_from == list(range(G))
+        return PackedStep(host, T, R, len(sample_rows), G, width, query_lens, seq_lens, sampling,
+                          holes, prev if gather_to else None, ids_are_prev)
+
+    def _pack_decode(self, scheduled, tables: np.ndarray, prev: LaunchedStep | None, prev_rows: dict
+                     ) -> PackedStep:
+        """``pack`` of a step whose every row computes one token (the same buffer, column by column instead of
+        request by request). Row r's token sits at offset r; its id is a placeholder when the step in flight
+        samples it, gathered from that step's row of the same request."""
+        bs, R = self.block_size, len(scheduled)
+        requests = [sr.request for sr in scheduled]
+        start_list = [r.num_computed_tokens for r in requests]
+        starts = np.array(start_list, dtype=np.int64)  # [R] each row's position
+        token_lists = [r.all_token_ids for r in requests]
+        ids = np.array([t[s] for t, s in zip(token_lists, start_list)], dtype=np.int64)
+        samples = np.flatnonzero(starts + 1 == np.array([len(t) for t in token_lists], dtype=np.int64))
+        slots = tables[np.arange(R), starts // bs] * bs + starts % bs
+        gather_to = np.flatnonzero(ids < 0)  # sampled by the step in flight
+        holes, ids_are_prev = [], False
+        if gather_to.size:
+            kept = prev.sampling_rows if prev is not None and prev.pending is not None else None
+            if kept is not None and gather_to.size == R and kept.requests == requests:
+                gather_from, ids_are_prev = gather_to, True  # the same rows in the same order
+            else:
+                found = [prev_rows.get(requests[r].request_id) for r in gather_to.tolist()]
+                holes = [(r, requests[r], start_list[r]) for r, row in zip(gather_to.tolist(), found) if row is None]
+                gather_to = np.array([r for r, row in zip(gather_to.tolist(), found) if row is not None],
+                                     dtype=np.int64)
+                gather_from = np.array([row for row in found if row is not None], dtype=np.int64)
+            ids[gather_to] = 0
+        else:
+            gather_from = gather_to
+        G = len(gather_to)
+        seq_lens = starts + 1
+        host = np.concatenate([ids, starts, slots, samples, gather_to, gather_from,
+                               np.arange(R + 1, dtype=np.int64), seq_lens, tables.ravel()])
+        sample_list = samples.tolist()
+        return PackedStep(host, R, R, len(sample_list), G, tables.shape[1], [1] * R, seq_lens.tolist(),
+                          [scheduled[r] for r in sample_list], holes, prev if G else None, ids_are_prev)
 
     def upload(self, packed: PackedStep) -> StepInputs:
         """One pinned host-to-device copy of the packed step; placeholder ids gathered on the device from the
@@ -254,7 +310,9 @@ class ModelRunner:
         at = 3 * T + S + 2 * G
         small = dev[at:].to(torch.int32)  # starts, seq_lens, tables
         input_ids = dev[:T]
-        if G:
+        if packed.ids_are_prev:  # the gather below would copy them in order: read them where they are
+            input_ids = packed.prev.pending.token_ids
+        elif G:
             to, frm = dev[3 * T + S:3 * T + S + G], dev[3 * T + S + G:at]
             input_ids = input_ids.clone() if self.device.type != "cuda" else input_ids  # the CPU view is `host`
             input_ids.index_copy_(0, to, packed.prev.pending.token_ids.index_select(0, frm))
@@ -300,13 +358,26 @@ class ModelRunner:
         logits = self.run(inputs)
         if not inputs.sampling:
             return LaunchedStep(inputs, None, {})
-        requests = [sr.request for sr in inputs.sampling]
+        rows = self._sampling_rows([sr.request for sr in inputs.sampling])
         # The sampler reads the token lists (penalties, min_tokens) and does not keep them: no copies.
-        pending = self.sampler.sample_async(logits, [r.sampling_params for r in requests],
-                                            [r.prompt_token_ids for r in requests],
-                                            [r.output_token_ids for r in requests],
-                                            [self._generator(r) for r in requests])
-        return LaunchedStep(inputs, pending, {r.request_id: i for i, r in enumerate(requests)})
+        pending = self.sampler.sample_async(logits, rows.params, rows.prompts, rows.outputs, rows.generators,
+                                            rows.plan)
+        return LaunchedStep(inputs, pending, rows.index, rows)
+
+    def _sampling_rows(self, requests: list) -> "SamplingRows":
+        """The sampler's per-row lists of these requests: the last step's, when its sampling rows were the same
+        requests in the same order (a request's lists are its own, appended to in place; its params and
+        generator do not change), else built anew. So a steady decode batch pays one list compare per step
+        instead of five per-row passes and the sampler's plan."""
+        kept = self._rows
+        if kept is not None and kept.requests == requests:  # identity per element: Request has no __eq__
+            return kept
+        self._rows = SamplingRows(requests, [r.sampling_params for r in requests],
+                                  [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests],
+                                  [self._generator(r) for r in requests],
+                                  {r.request_id: i for i, r in enumerate(requests)})
+        self._rows.plan = SamplingPlan(self._rows.params)
+        return self._rows
 
     def wait(self, step: LaunchedStep) -> None:
         """Until the step's sampled ids are on the host (not for any step queued after it)."""
@@ -337,6 +408,8 @@ class ModelRunner:
     def forget(self, request_id: str) -> None:
         """Drop per-request state (the seeded generator) of a finished or aborted request."""
         self.generators.pop(request_id, None)
+        if self._rows is not None and request_id in self._rows.index:  # no kept rows hold a finished request
+            self._rows = None
 
 
 def _model_info(path: Path, hf_config, model, dtype: torch.dtype) -> ModelInfo:

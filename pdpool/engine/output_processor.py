@@ -41,11 +41,12 @@ class RequestOutput:
 class _State:
     __slots__ = ("prompt", "prompt_token_ids", "params", "detokenizer", "output_token_ids", "logprobs")
 
-    def __init__(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, tokenizer) -> None:
+    def __init__(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, tokenizer,
+                 token_texts: dict[int, str]) -> None:
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params, token_texts)
         self.output_token_ids: list[int] = []
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
 
@@ -54,9 +55,13 @@ class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._states: dict[str, _State] = {}
+        # one id's text decoded alone, by skip_special_tokens: the detokenizers' context decode of the id they
+        # emitted last, a dict lookup instead of a tokenizer call per request per step
+        self._token_texts: dict[bool, dict[int, str]] = {True: {}, False: {}}
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self._states[request_id] = _State(prompt, prompt_token_ids, params, self.tokenizer)
+        texts = self._token_texts[bool(params.skip_special_tokens)]
+        self._states[request_id] = _State(prompt, prompt_token_ids, params, self.tokenizer, texts)
 
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)

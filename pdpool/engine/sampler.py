@@ -149,15 +149,19 @@ class Sampler:
         """One token per row. A row whose own work raises is reported in ``failed`` (see the module docstring)."""
         return self.sample_async(logits, params, prompt_token_ids, output_token_ids, generators).result()
 
-    def sample_async(self, logits, params, prompt_token_ids, output_token_ids, generators) -> PendingSample:
+    def sample_async(self, logits, params, prompt_token_ids, output_token_ids, generators,
+                     plan: "SamplingPlan | None" = None) -> PendingSample:
         """``sample`` without waiting: queues the device work (no host sync on the common path: random or greedy
         rows, seeded or not, logprobs) and returns the samples on the device. Rows with penalties or unmet
-        ``min_tokens`` read the token lists now, so the caller passes real ids for them."""
+        ``min_tokens`` read the token lists now, so the caller passes real ids for them. ``plan``: a
+        ``SamplingPlan`` of these same ``params`` that the caller keeps while its batch keeps its rows."""
         failed: dict[int, str] = {}
         raw = logits  # on CUDA in the model dtype: the fused pass reads it as it is, without a float32 copy
         device = logits.device
         rows_all = len(params)
-        processed = self._mask_min_tokens(raw, params, output_token_ids, failed)
+        if plan is None:
+            plan = SamplingPlan(params)
+        processed = self._mask_min_tokens(raw, params, output_token_ids, failed, plan.min_token_rows)
         # On the CPU a batch with random rows takes the native pass (``kernels/cpu_ops.py``: the torch path's
         # exponentials alone were 8.5 of its 12 ms at 8 x 49152); a greedy-only batch keeps torch.argmax.
         on_cpu = device.type == "cpu" and not all(p.is_greedy for p in params)
@@ -165,17 +169,15 @@ class Sampler:
             from pdpool.kernels import cpu_ops
 
             on_cpu = cpu_ops.sampler_available()  # the extension loaded (else the torch path)
-        if self.fused and (device.type == "cuda" or on_cpu) and processed is raw and not failed and all(
-                _fusable(p) for p in params):
+        if self.fused and (device.type == "cuda" or on_cpu) and processed is raw and not failed and plan.fusable:
             if on_cpu:
                 from pdpool.kernels.cpu_ops import gumbel_argmax
             else:
                 from pdpool.kernels.sample import gumbel_argmax
 
-            temperature = column([0.0 if p.is_greedy else p.temperature for p in params], torch.float32, device)
-            token_ids = gumbel_argmax(raw, temperature, self._seeds.getrandbits(31))
+            token_ids = gumbel_argmax(raw, plan.temperature(params, device), self._seeds.getrandbits(31))
             logprob_parts, top_n = None, None
-            if any(p.logprobs is not None for p in params):
+            if plan.any_logprobs:
                 logprob_parts, top_n = self._logprobs(raw.float(), params, token_ids)
             return PendingSample(token_ids, logprob_parts, top_n, failed)
         logits = raw.float()  # every other path works in float32 (exact from bf16/fp16), as before
@@ -215,7 +217,7 @@ class Sampler:
         if failed:
             token_ids[column(sorted(failed), torch.long, device)] = 0
         logprob_parts, top_n = None, None
-        if any(p.logprobs is not None for p in params):
+        if plan.any_logprobs:
             logprob_parts, top_n = self._logprobs(logits, params, token_ids)
         return PendingSample(token_ids, logprob_parts, top_n, failed)
 
@@ -231,10 +233,13 @@ class Sampler:
         values, indices = logits.topk(max_n, dim=-1)  # [R, max_n]
         return (sampled, values - lse[:, None], indices), top_n
 
-    def _mask_min_tokens(self, logits, params, output_token_ids, failed: dict[int, str]) -> torch.Tensor:
+    def _mask_min_tokens(self, logits, params, output_token_ids, failed: dict[int, str],
+                         rows: list[int]) -> torch.Tensor:
+        """``rows``: those whose ``min_tokens`` is above 0 (no other row can be short of it)."""
         masked = logits
         vocab = logits.shape[1]
-        for i, p in enumerate(params):
+        for i in rows:
+            p = params[i]
             if len(output_token_ids[i]) >= p.min_tokens:
                 continue
             stop_ids = list(p.stop_token_ids)
@@ -273,6 +278,28 @@ class Sampler:
                     failed[rows[i]] = _reason(exc)
                     q[i] = 1.0
         return q.clamp_min_(torch.finfo(q.dtype).tiny)
+
+
+class SamplingPlan:
+    """What sampling a batch needs from its params alone, worked out once per batch composition: the runner keeps
+    one while its sampling rows are the same requests in the same order (every decode step between a request's
+    arrival and the next one's finish), so a step pays no per-row Python for it. The params must not change
+    while a plan of them is in use (the engine never changes a request's params)."""
+
+    __slots__ = ("min_token_rows", "fusable", "any_logprobs", "_temperature")
+
+    def __init__(self, params: list[SamplingParams]):
+        self.min_token_rows = [i for i, p in enumerate(params) if p.min_tokens > 0]
+        self.fusable = all(_fusable(p) for p in params)
+        self.any_logprobs = any(p.logprobs is not None for p in params)
+        self._temperature: torch.Tensor | None = None  # [R] float32 on the logits' device, 0 for greedy rows
+
+    def temperature(self, params: list[SamplingParams], device: torch.device) -> torch.Tensor:
+        """The fused pass's temperature column, uploaded once (the pass only reads it)."""
+        if self._temperature is None or self._temperature.device != device:
+            self._temperature = column([0.0 if p.is_greedy else p.temperature for p in params], torch.float32,
+                                       device)
+        return self._temperature
 
 
 def _fusable(p: SamplingParams) -> bool:

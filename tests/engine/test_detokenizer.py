@@ -116,3 +116,16 @@ def test_streamed_text_equals_the_one_shot_text(tokenizer, text, stop, include, 
     assert "".join(deltas) == detok.output_text == expected
     assert detok.stop_reason == (stop if stop in full else None)
     assert not any("\ufffd" in d for d in deltas)  # streaming is append-only: a stop string is never half-sent
+
+
+def test_detokenizers_sharing_token_texts_give_the_one_shot_text(tokenizer):
+    """``OutputProcessor`` hands every request of one ``skip_special_tokens`` setting the same cache of single
+    ids' text; requests with other prompts and outputs still stream exactly their one-shot text."""
+    shared: dict[int, str] = {}
+    texts = ["Ünïcödé 🙂 and spaces  here", "1, 2, 3, 4, five", "日本語のテキスト, again 🙂"]
+    for text in texts * 2:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        detok = IncrementalDetokenizer(tokenizer, tokenizer.encode(PROMPT), SamplingParams(), shared)
+        streamed = "".join(detok.add_tokens([t]) for t in ids) + detok.flush()
+        assert streamed == detok.output_text == tokenizer.decode(ids)
+    assert shared

@@ -139,3 +139,50 @@ def test_pending_sample_equals_the_synchronous_result():
     pending = Sampler(seed=0).sample_async(logits, params, [[1]] * 4, [[]] * 4, gens())
     assert pending.token_ids.tolist() == sync.token_ids
     assert pending.result() == sync
+
+
+def test_kept_sampling_rows_follow_the_batch(llm):
+    """The runner keeps a batch's sampling rows (params, token lists, generators, the sampler's plan) while its
+    rows are the same requests in the same order, and builds them anew on any change: another order, a request
+    gone, or a new request that reuses a finished one's id with other params."""
+    from pdpool.engine.request import Request
+
+    runner = llm.engine.runner
+    greedy, hot = SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=4, min_tokens=2, logprobs=1)
+    a, b = Request("a", [1, 2], greedy), Request("b", [3], hot)
+    first = runner._sampling_rows([a, b])
+    assert runner._sampling_rows([a, b]) is first
+    assert first.params == [greedy, hot] and first.outputs[1] is b.output_token_ids and first.index == {"a": 0, "b": 1}
+    assert first.plan.min_token_rows == [1] and first.plan.any_logprobs and not first.plan.fusable
+    swapped = runner._sampling_rows([b, a])
+    assert swapped is not first and swapped.index == {"b": 0, "a": 1} and swapped.plan.min_token_rows == [0]
+    again = Request("a", [1, 2], hot)  # the id of a finished request, other params
+    reused = runner._sampling_rows([again, b])
+    assert reused is not swapped and reused.params == [hot, hot] and reused.requests[0] is again
+    assert runner._sampling_rows([b]).index == {"b": 0}
+    runner.forget("b")
+    assert runner._rows is None
+
+
+def test_a_reused_request_id_samples_with_its_new_params(llm):
+    """Engine level: the second request of an id (greedy first, then seeded random with logprobs) gets what it
+    gets when it runs in a fresh batch of its own."""
+    engine = llm.engine
+    ids = llm.frontend.encode_prompt(PROMPTS[0])
+    first = SamplingParams(max_tokens=4, temperature=0.0)
+    second = SamplingParams(max_tokens=6, temperature=1.0, seed=21, logprobs=1)
+
+    def generate(pairs):
+        for rid, p in pairs:
+            engine.add_request(rid, ids, p)
+        out: dict[str, list] = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return out
+
+    for overlap in (False, True):
+        engine.overlap_steps = overlap
+        alone = generate([("x", second)])["x"]
+        generate([("x", first), ("y", first)])
+        assert generate([("x", second), ("y", first)])["x"] == alone

@@ -187,3 +187,17 @@ def test_backend_orders_decode_rows_longest_first():
         backend.forward(queries(graph_meta, 4, 16, torch.float32), cache, cache.clone(), graph_meta, 0.25)  # plans
         backend.prepare_replay(graph_meta, [7, 90, 12])  # a batch of 3 in the bucket
         assert graph_meta.plan["triton"].decode_rows.tolist() == want
+
+
+def test_graph_replay_keeps_its_order_only_while_every_row_grows_by_one():
+    """``prepare_replay`` skips the upload when each row is one token longer than at the last replay (the order
+    depends on the lengths only); any other change orders the rows again."""
+    backend = get_backend("triton")
+    graph_meta = AttentionMetadata.build([1] * 16, [1] * 16, [[0]] * 16, BLOCK, device=DEVICE)
+    cache = torch.zeros(1, BLOCK, 2, 16, device=DEVICE)
+    backend.forward(queries(graph_meta, 4, 16, torch.float32), cache, cache.clone(), graph_meta, 0.25)  # plans
+    rows = graph_meta.plan["triton"].decode_rows
+    for lens, first in (([7, 90, 12], [1, 2, 0]), ([8, 91, 13], [1, 2, 0]), ([9, 92, 100], [2, 1, 0]),
+                        ([10, 93, 101], [2, 1, 0]), ([10, 93, 101, 5], [2, 1, 0, 3]), ([90, 1, 2], [0, 2, 1])):
+        backend.prepare_replay(graph_meta, lens)
+        assert rows.tolist() == first + list(range(len(lens), 16))
