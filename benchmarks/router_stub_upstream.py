@@ -6,7 +6,8 @@ Redis as a pdpool node (role both) so the router's Redis discovery and precise p
 
 With ``--redis`` the stub also keeps a prefix cache the way a node does and publishes it the way a node does:
 the engines' block hashes of every prompt the router sends with ``pdpool_prompt_token_ids`` (model "demo",
-float32, block size 16), held in an LRU of ``--kv-blocks`` blocks, each request's new and evicted blocks handed to
+float32, block size 16; a block already seen under the same parent is looked up by its ids' text, not parsed
+and hashed again: ``BlockHasher``), held in an LRU of ``--kv-blocks`` blocks, each request's new and evicted blocks handed to
 ``NodeIndex.publish`` once per ``--step-ms`` (10 ms), as an engine publishes once per step, not once per request
 (so Redis's sets and the index event stream the routers' mirrors tail change as with real nodes; before round 6
 of the overhead work each request's blocks went out in a MULTI of their own, 5x the Redis transactions of a
@@ -49,6 +50,53 @@ CANNED = {(method, path, keep): answer(200, body, keep) for method, table in (("
           for path, body in table.items() for keep in (True, False)}
 
 
+IDS_KEY = b'"pdpool_prompt_token_ids":'
+
+
+class BlockHasher:
+    """The engines' block hashes of a forwarded body's token ids, memoized by each block's ids as they appear in
+    the JSON text (with the parent hash), so the shared system prompt's ids are neither parsed nor hashed again
+    for every request: what a node's prefix cache does for a prefix it holds. Exact: a block not in the memo is
+    hashed by ``extend_block_hashes`` from its parsed ids; a body that is not one flat list of ids (several
+    prompts, other spacing) goes through ``json`` and ``hash_prompt_blocks``."""
+
+    def __init__(self, block_size: int, root: bytes, capacity: int = 200_000) -> None:
+        self.block_size = block_size
+        self.root = root
+        self.capacity = capacity
+        self.memo: dict[tuple[bytes, bytes], bytes] = {}
+
+    def prompts(self, body: bytes) -> list[list[bytes]]:
+        from pdpool.block_hash import hash_prompt_blocks
+
+        text = body[body.rfind(IDS_KEY) + len(IDS_KEY):].rstrip().rstrip(b"}").strip()
+        if text.startswith(b"[[") and text.endswith(b"]]") and b"]" not in text[2:-2] and b" " not in text:
+            return [self.hashes(text[2:-2].split(b","))]
+        return [hash_prompt_blocks(ids, self.block_size, self.root)
+                for ids in json.loads(body)["pdpool_prompt_token_ids"]]
+
+    def hashes(self, parts: list[bytes]) -> list[bytes]:
+        from pdpool.block_hash import extend_block_hashes
+
+        bs, memo = self.block_size, self.memo
+        out: list[bytes] = []
+        parent = self.root
+        end = len(parts) // bs * bs
+        for start in range(0, end, bs):
+            h = memo.get((parent, b",".join(parts[start:start + bs])))
+            if h is None:   # this block and every later one: from their ids (bs leading dummies stand for ``out``)
+                new = extend_block_hashes([parent], [0] * bs + [int(p) for p in parts[start:end]], bs, self.root)[1:]
+                if len(memo) + len(new) > self.capacity:
+                    memo.clear()
+                for j, h in enumerate(new):
+                    memo[(parent, b",".join(parts[start + j * bs:start + (j + 1) * bs]))] = h
+                    parent = h
+                return out + new
+            out.append(h)
+            parent = h
+        return out
+
+
 class PrefixCache:
     """A node's prefix cache as the index sees it: block hashes in LRU order, ``capacity`` blocks. Its changes are
     published once per ``step`` seconds, as an engine publishes once per step (``KVConnector.after_step``); 0
@@ -62,18 +110,17 @@ class PrefixCache:
         self.step = step
         self.root = root_hash(ModelFingerprint("demo", "float32", 16))
         self.lru: OrderedDict[bytes, None] = OrderedDict()
+        self.hasher = BlockHasher(16, self.root)
         self.touched: set[bytes] = set()      # stored or evicted since the last publish
         self.flush_at: asyncio.TimerHandle | None = None
 
     def served(self, body: bytes) -> None:
-        if b'"pdpool_prompt_token_ids"' not in body:
+        if IDS_KEY not in body:
             return
-        from pdpool.block_hash import hash_prompt_blocks
-
         lru = self.lru
         touched = self.touched
-        for ids in json.loads(body)["pdpool_prompt_token_ids"]:
-            for h in hash_prompt_blocks(ids, 16, self.root):
+        for hashes in self.hasher.prompts(body):
+            for h in hashes:
                 if h in lru:
                     lru.move_to_end(h)
                 else:
