@@ -113,6 +113,15 @@ class DecodeGraphs:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """hidden [R, H] of a pure-decode step (R = meta.num_requests <= max_batch), by graph replay."""
+        b = self.stage(input_ids, positions, meta)
+        if self.prepare_replay is not None:
+            self.prepare_replay(self.metas[b], meta.seq_lens_cpu)
+        self.graphs[b].replay()
+        self.num_replays += 1
+        return self.outputs[b][:meta.num_requests]
+
+    def stage(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> int:
+        """Fill the static buffers for a step of R rows (padding in rows R..B-1); returns its bucket B."""
         n = meta.num_requests
         b = next(size for size in self.buckets if size >= n)
         width = meta.block_tables.shape[1]
@@ -125,8 +134,4 @@ class DecodeGraphs:
             self.slot_mapping[n:self._dirty].fill_(-1)
             self.seq_lens[n:self._dirty].fill_(1)
         self._dirty = n
-        if self.prepare_replay is not None:
-            self.prepare_replay(self.metas[b], meta.seq_lens_cpu)
-        self.graphs[b].replay()
-        self.num_replays += 1
-        return self.outputs[b][:n]
+        return b
