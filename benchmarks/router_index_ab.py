@@ -19,12 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -48,21 +46,10 @@ def metric_sum(url: str, name: str) -> float:
 
 
 async def main_async(args) -> None:
-    LOGS.mkdir(exist_ok=True)
     procs: list[subprocess.Popen] = []
-
-    def spawn(argv, name: str) -> subprocess.Popen:
-        with open(LOGS / f"{name}.log", "wb") as log:
-            p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd="/tmp")
-        procs.append(p)
-        return p
-
+    spawn = ro.spawner(procs, LOGS)
     try:
-        redis_port = ro.free_port()
-        redis = spawn([shutil.which("redis-server") or "/usr/bin/redis-server", "--port", str(redis_port),
-                       "--save", "", "--appendonly", "no"], "redis")
-        redis_url = f"redis://127.0.0.1:{redis_port}/0"
-        time.sleep(0.5)
+        redis, redis_url = ro.start_redis(spawn)
         stubs = []
         for i in range(2):
             port = ro.free_port()

@@ -234,25 +234,35 @@ async def measure(name: str, url: str, pid: int | None, rates, seconds, make_bod
     return rows
 
 
-async def main_async(args) -> None:
-    procs: list[subprocess.Popen] = []
-
-    LOGS.mkdir(exist_ok=True)
+def spawner(procs: list[subprocess.Popen], logs: Path = LOGS):
+    """spawn(argv, name): a process in its own session, its output in <logs>/<name>.log, appended to ``procs``."""
+    logs.mkdir(exist_ok=True)
 
     def spawn(argv, name: str) -> subprocess.Popen:
         # cwd outside the checkout: `python -m` puts the cwd first on sys.path, and the checkout's operator/
         # folder would shadow the standard library's operator module in the peers' Pythons
-        with open(LOGS / f"{name}.log", "wb") as log:
+        with open(logs / f"{name}.log", "wb") as log:
             p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd="/tmp")
         procs.append(p)
         return p
 
+    return spawn
+
+
+def start_redis(spawn) -> tuple[subprocess.Popen, str]:
+    """A throwaway redis-server on a free port, without persistence: (process, URL)."""
+    port = free_port()
+    redis = spawn([shutil.which("redis-server") or "/usr/bin/redis-server", "--port", str(port),
+                   "--save", "", "--appendonly", "no"], "redis")
+    time.sleep(0.5)
+    return redis, f"redis://127.0.0.1:{port}/0"
+
+
+async def main_async(args) -> None:
+    procs: list[subprocess.Popen] = []
+    spawn = spawner(procs)
     try:
-        redis_port = free_port()
-        redis = spawn([shutil.which("redis-server") or "/usr/bin/redis-server", "--port", str(redis_port),
-                       "--save", "", "--appendonly", "no"], "redis")
-        redis_url = f"redis://127.0.0.1:{redis_port}/0"
-        time.sleep(0.5)
+        redis, redis_url = start_redis(spawn)
         stubs, stub_pids = [], []
         for i in range(2):
             port = free_port()
