@@ -210,12 +210,6 @@ class ModelRunner:
     def pack(self, scheduler_output, prev: LaunchedStep | None = None) -> PackedStep:
         """The step's tokens packed request after request, with their attention metadata (see attention.py).
         ``prev``: the step in flight, whose device samples fill this step's placeholder ids."""
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens, seq_lens, sample_rows, sampling, holes = [], [], [], [], []
-        gather_to, gather_from = [], []
         prev_rows = prev.rows if prev is not None and prev.pending is not None else {}
         scheduled = scheduler_output.scheduled
         width = max(1, max(len(sr.block_ids) for sr in scheduled))
@@ -223,6 +217,17 @@ class ModelRunner:
         tables = self.block_tables.table[rows, :width]  # [R, max_blocks], padded with 0
         if all(sr.num_new_tokens == 1 for sr in scheduled):
             return self._pack_decode(scheduled, tables, prev, prev_rows)
+        return self._pack_rows(scheduled, tables, prev, prev_rows)
+
+    def _pack_rows(self, scheduled, tables: np.ndarray, prev: LaunchedStep | None, prev_rows: dict
+                   ) -> PackedStep:
+        """``pack`` of any step, request by request."""
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens, seq_lens, sample_rows, sampling, holes = [], [], [], [], []
+        gather_to, gather_from = [], []
         for r, sr in enumerate(scheduled):
             request = sr.request
             start, n = request.num_computed_tokens, sr.num_new_tokens
@@ -254,11 +259,8 @@ class ModelRunner:
         host = np.concatenate([np.asarray(ids + positions + slots + sample_rows + gather_to + gather_from,
                                           dtype=np.int64), starts, np.asarray(seq_lens, dtype=np.int64),
                                tables.ravel()])
-        G = len(gather_to)
-        # a steady decode batch: row r's one id is row r's sample of the step in flight, for every row
-        ids_are_prev = G == T == len(prev_rows) and gather_to == gather_from == list(range(G))
-        return PackedStep(host, T, R, len(sample_rows), G, width, query_lens, seq_lens, sampling,
-                          holes, prev if gather_to else None, ids_are_prev)
+        return PackedStep(host, T, R, len(sample_rows), len(gather_to), tables.shape[1], query_lens, seq_lens,
+                          sampling, holes, prev if gather_to else None)
 
     def _pack_decode(self, scheduled, tables: np.ndarray, prev: LaunchedStep | None, prev_rows: dict
                      ) -> PackedStep:

@@ -186,3 +186,42 @@ def test_a_reused_request_id_samples_with_its_new_params(llm):
         alone = generate([("x", second)])["x"]
         generate([("x", first), ("y", first)])
         assert generate([("x", second), ("y", first)])["x"] == alone
+
+
+def test_decode_steps_pack_as_the_general_path_packs(llm):
+    """``pack``'s column-wise path for steps whose every row computes one token builds exactly the buffer and
+    fields of the request-by-request path, in both loops: steady batches, rows that finish, a request that joins
+    (its prefill is a mixed step) and then decodes with the others."""
+    engine, runner = llm.engine, llm.engine.runner
+    fast = runner._pack_decode
+    compared = []
+
+    def both(scheduled, tables, prev, prev_rows):
+        got = fast(scheduled, tables, prev, prev_rows)
+        want = runner._pack_rows(scheduled, tables, prev, prev_rows)
+        assert got.host.tolist() == want.host.tolist()
+        assert (got.T, got.R, got.S, got.G, got.width) == (want.T, want.R, want.S, want.G, want.width)
+        assert got.query_lens == want.query_lens and got.seq_lens == want.seq_lens
+        assert [id(sr) for sr in got.sampling] == [id(sr) for sr in want.sampling]
+        assert [(o, id(r), i) for o, r, i in got.holes] == [(o, id(r), i) for o, r, i in want.holes]
+        assert got.prev is want.prev
+        compared.append(got.ids_are_prev)
+        return got
+
+    runner._pack_decode = both
+    try:
+        for overlap in (False, True):
+            engine.overlap_steps = overlap
+            for i, prompt in enumerate(PROMPTS[:3]):
+                engine.add_request(f"p{overlap}{i}", llm.frontend.encode_prompt(prompt),
+                                   SamplingParams(max_tokens=4 + 3 * i, temperature=0.0))
+            steps = 0
+            while engine.has_unfinished_requests():
+                engine.step()
+                steps += 1
+                if steps == 3:
+                    engine.add_request(f"late{overlap}", llm.frontend.encode_prompt(PROMPTS[3]),
+                                       SamplingParams(max_tokens=5, temperature=0.8, seed=3))
+    finally:
+        del runner._pack_decode
+    assert len(compared) > 10 and any(compared)  # steady batches read their ids in place
