@@ -5,7 +5,8 @@ router's CPU per 100 req/s, at fixed open-loop rates, for pdpool router, vllm-ro
 
 Conditions: prompts of about 1k tokens, pdpool with its default scorers and Redis on (the stubs heartbeat into
 Redis as pdpool nodes, so every request does the precise prefix lookup), the peers with ``cache_aware``. Each peer
-is installed benchmark-only in its own venv under /tmp/router-bench-venvs (pip, once). Added latency = latency
+is installed benchmark-only in its own venv under /tmp/router-bench-venvs (pip, once; ``--venvs`` for another
+folder, e.g. venvs made offline on a lent machine by ``benchmarks/router_device.sh``). Added latency = latency
 through the router minus latency straight to a stub, percentile by percentile, in the same run.
 
 CPU: every row gives ``cpu_ms_per_request`` for every part of the harness, from ``/proc`` over the timed run:
@@ -103,8 +104,10 @@ class Parts:
         return out
 
 
-def peer_python(name: str) -> str:
-    venv = VENVS / name
+def peer_python(name: str, venvs: Path = VENVS) -> str:
+    """The peer's venv under ``venvs`` (``--venvs``), created with pip on first use; where it exists already (made
+    offline by ``benchmarks/router_device.sh`` on a lent machine) it is used as it is."""
+    venv = venvs / name
     py = venv / "bin" / "python"
     if not py.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
@@ -236,7 +239,7 @@ async def measure(name: str, url: str, pid: int | None, rates, seconds, make_bod
 
 def spawner(procs: list[subprocess.Popen], logs: Path = LOGS):
     """spawn(argv, name): a process in its own session, its output in <logs>/<name>.log, appended to ``procs``."""
-    logs.mkdir(exist_ok=True)
+    logs.mkdir(parents=True, exist_ok=True)
 
     def spawn(argv, name: str) -> subprocess.Popen:
         # cwd outside the checkout: `python -m` puts the cwd first on sys.path, and the checkout's operator/
@@ -249,10 +252,11 @@ def spawner(procs: list[subprocess.Popen], logs: Path = LOGS):
     return spawn
 
 
-def start_redis(spawn) -> tuple[subprocess.Popen, str]:
-    """A throwaway redis-server on a free port, without persistence: (process, URL)."""
+def start_redis(spawn, server: str | None = None) -> tuple[subprocess.Popen, str]:
+    """A throwaway redis-server on a free port, without persistence: (process, URL). ``server``: the binary
+    (``--redis-server``; default the one on PATH)."""
     port = free_port()
-    redis = spawn([shutil.which("redis-server") or "/usr/bin/redis-server", "--port", str(port),
+    redis = spawn([server or shutil.which("redis-server") or "/usr/bin/redis-server", "--port", str(port),
                    "--save", "", "--appendonly", "no"], "redis")
     time.sleep(0.5)
     return redis, f"redis://127.0.0.1:{port}/0"
@@ -260,9 +264,9 @@ def start_redis(spawn) -> tuple[subprocess.Popen, str]:
 
 async def main_async(args) -> None:
     procs: list[subprocess.Popen] = []
-    spawn = spawner(procs)
+    spawn = spawner(procs, args.logs)
     try:
-        redis, redis_url = start_redis(spawn)
+        redis, redis_url = start_redis(spawn, args.redis_server)
         stubs, stub_pids = [], []
         for i in range(2):
             port = free_port()
@@ -298,14 +302,14 @@ async def main_async(args) -> None:
             os.killpg(ours.pid, signal.SIGTERM)  # idle, it would still poll Redis during the peers' turns
             ours.wait(30)
         for name in args.peers:
-            py = peer_python(name)
+            py = peer_python(name, args.venvs)
             port = free_port()
             p = spawn(PEERS[name][1](py, port, stubs), name)
             try:  # a router that answers /health may still have no worker: one real request must pass
                 await wait_http(f"http://127.0.0.1:{port}/health", 120)
                 await wait_completion(f"http://127.0.0.1:{port}/v1/completions", 60)
             except TimeoutError:
-                print(f"  {name} did not come up; its log: {LOGS / name}.log", file=sys.stderr)
+                print(f"  {name} did not come up; its log: {args.logs / name}.log", file=sys.stderr)
                 continue
             results += await measure(name, f"http://127.0.0.1:{port}/v1/completions", p.pid, args.rates,
                                      args.seconds, make_bodies, direct, parts)
@@ -331,6 +335,10 @@ def main() -> None:
                     help="run pdpool router once per value, with --workers N (e.g. 1 2)")
     ap.add_argument("--distinct-prompts", type=int, default=0,
                     help="cycle this many prompts (0: every request has its own question)")
+    ap.add_argument("--venvs", type=Path, default=VENVS,
+                    help="folder of the peers' venvs, one per peer named as the peer (made here with pip if missing)")
+    ap.add_argument("--redis-server", default=None, help="redis-server binary (default: the one on PATH)")
+    ap.add_argument("--logs", type=Path, default=LOGS, help="folder for every process's log")
     args = ap.parse_args()
     run(main_async(args), args.clients)
 
