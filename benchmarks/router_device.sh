@@ -30,6 +30,10 @@ SGLANG_ROUTER=0.3.2     # as in /tmp/router-bench-venvs/sglang-router (pip freez
 VLLM_ROUTER=0.1.17      # as in /tmp/router-bench-venvs/vllm-router
 BENCH_ARGS=(--rates 200 1000 --seconds 20 --workers 1 2 --clients 32)
 
+sources() {   # one hash of the code that runs, to tie a device run to this machine's tree
+    (cd "$1" && find pdpool router benchmarks -name '*.py' -o -name '*.c' | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16)
+}
+
 prepare() {
     local root d py plat model
     root=$(git rev-parse --show-toplevel)
@@ -116,6 +120,8 @@ run() {
     nvidia-smi -L 2>/dev/null || true
     echo "python: $py $("$py" -c 'import sys; print(sys.version.split()[0], sys.prefix, sys.base_prefix)')"
     echo "cc: $(command -v cc || echo none)"
+    echo "sources (sha256 of pdpool/, router/ and benchmarks/ *.py and *.c, as \`benchmarks/router_device.sh sources\`" \
+         "prints here): $(sources "$root")"
 
     echo "== redis"
     for f in "$d"/debs/*.deb; do dpkg -x "$f" "$w/redis"; done
@@ -138,8 +144,8 @@ run() {
     pip_install vllm-router "vllm-router==$VLLM_ROUTER" & a=$!
     pip_install sglang-router "sglang-router==$SGLANG_ROUTER" & b=$!
     pip_install pdpool httptools 'redis>=5' 'aiohttp>=3.9' 'uvloop>=0.18' tokenizers jinja2 pyyaml prometheus-client
-    wait $a
-    wait $b
+    wait $a || echo "vllm-router NOT installed: its rows will be missing"
+    wait $b || echo "sglang-router NOT installed: its rows will be missing"
     p=$w/venvs/pdpool/bin/python
     "$p" -m pip install -q --no-index --no-deps --no-build-isolation --disable-pip-version-check -e "$root"
     "$p" -c 'import importlib.metadata as m
