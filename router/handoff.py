@@ -16,6 +16,7 @@ import json
 import logging
 
 from pdpool.logs import HEADER as REQUEST_ID_HEADER
+from pdpool.router import log_lines
 from pdpool.router.request import RoutedRequest
 from pdpool.router.scheduler import NoNodeError, RoutePlan
 from pdpool.router.sse import SSERelay
@@ -89,8 +90,8 @@ class RequestPath:
             raise APIError(f"no ready node can serve the request: {exc}", status=503, code="no_ready_node") from None
         if plan.prefill is None:  # decode-only: its bookkeeping runs once the decode leg is on the wire
             return await self._decode(exchange, rr, plan, None, "decode_only")
-        logger.info("route: prefill %s -> decode %s (matched blocks %s)", plan.prefill.node_id,
-                    plan.decode[0].node_id, plan.matched_blocks)
+        log_lines.info(logger, "route: prefill %s -> decode %s (matched blocks %s)", plan.prefill.node_id,
+                       plan.decode[0].node_id, plan.matched_blocks)
         handle = await self._prefill(rr, plan)
         self._note(plan, "disaggregated" if handle is not None else "fallback")
         return await self._decode(exchange, rr, plan, handle, None)
@@ -163,7 +164,7 @@ class RequestPath:
             self.index.record(plan.block_hashes, d)
             if decode_only is not None and not attempt:
                 self._note(plan, decode_only)
-                logger.info("route: decode-only %s (matched blocks %s)", d.node_id, plan.matched_blocks)
+                log_lines.info(logger, "route: decode-only %s (matched blocks %s)", d.node_id, plan.matched_blocks)
             try:
                 return await self._decode_on(exchange, rr, plan, d, opened, hide_usage, ticket)
             except UpstreamError as err:

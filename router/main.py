@@ -9,7 +9,7 @@ import sys
 import time
 
 from pdpool import logs as log
-from pdpool.router import settings
+from pdpool.router import log_lines, settings
 from pdpool.utils import wait_for_stop_signal
 
 logger = logging.getLogger("pdpool.router")
@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     log.configure()
     _lean_log_records()
+    log_lines.buffer_root_handlers()   # a line per request: written in batches (router/log_lines.py)
     if r.workers > 1:
         return _main_workers(cfg, profile)
     from pdpool.frontend import Frontend  # tokenizers + jinja2; never torch

@@ -25,6 +25,8 @@ import sys
 import time
 from typing import Callable
 
+from pdpool.router import log_lines
+
 logger = logging.getLogger("pdpool.router")
 
 _SIGNALS = {signal.SIGTERM, signal.SIGINT}
@@ -74,6 +76,7 @@ def _fork(index: int, run_worker: Callable[[int], int]) -> int:
     except BaseException:  # noqa: BLE001 - report, then exit the child whatever happened
         logger.exception("router worker %d failed", index)
     finally:
+        log_lines.flush_all()      # buffered log lines (router/log_lines.py): os._exit skips logging.shutdown
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
