@@ -530,6 +530,17 @@ def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model
     return max_tokens
 
 
+
+def block_hashes(token_ids: Sequence[int], fingerprint: ModelFingerprint, cache_salt: str | None = None,
+                 memo: BlockHashMemo | None = None, shared: tuple | None = None) -> list[BlockHash]:
+    """The engines' prefix-cache hashes of every full block of ``token_ids``; with a ``memo`` and ``shared`` (from
+    ``Frontend.encode_prompt_chunked``) the shared prefix's hashes come from the memo."""
+    root = root_hash(fingerprint, cache_salt)
+    if memo is not None:
+        return memo.hashes(token_ids, fingerprint.block_size, root, shared)
+    return hash_prompt_blocks(token_ids, fingerprint.block_size, root)
+
+
 class Frontend:
     """Turns requests into validated token ids and block hashes; see the module docstring."""
 
@@ -592,7 +603,4 @@ class Frontend:
                      shared: tuple | None = None) -> list[BlockHash]:
         """The engines' prefix-cache hashes of every full block of ``token_ids``; with ``shared`` (from
         ``encode_prompt_chunked``) the shared prefix's hashes come from the memo."""
-        root = root_hash(fingerprint, cache_salt)
-        if self.hash_memo is not None:
-            return self.hash_memo.hashes(token_ids, fingerprint.block_size, root, shared)
-        return hash_prompt_blocks(token_ids, fingerprint.block_size, root)
+        return block_hashes(token_ids, fingerprint, cache_salt, self.hash_memo, shared)

@@ -11,7 +11,6 @@ import json
 from dataclasses import dataclass, field
 
 from pdpool import frontend as _frontend
-from pdpool.block_hash import hash_prompt_blocks, root_hash
 from pdpool.frontend import Frontend
 from pdpool.server import protocol
 from pdpool.server.errors import APIError
@@ -51,9 +50,8 @@ class RoutedRequest:
         hashes = self._hashes.get(fingerprint)
         if hashes is None:
             ids, salt = self.prompt_token_ids[0], self.parsed.cache_salt
-            hashes = self._hashes[fingerprint] = (
-                self.frontend.block_hashes(ids, fingerprint, salt, self.shared) if self.frontend is not None
-                else hash_prompt_blocks(ids, fingerprint.block_size, root_hash(fingerprint, salt)))
+            memo = self.frontend.hash_memo if self.frontend is not None else None
+            hashes = self._hashes[fingerprint] = _frontend.block_hashes(ids, fingerprint, salt, memo, self.shared)
         return hashes
 
     def upstream_bytes(self, pdpool_node: bool | None) -> bytes:
