@@ -54,21 +54,29 @@ def test_fast_line_is_the_formatters_line(node, matched, rid, created):
     logger = logging.getLogger("pdpool.router")
     token = logs.request_id_var.set(rid)
     real_time = time.time
+    written = []
+
+    def text_of(write) -> None:
+        write()
+        handler.flush()
+        written.append(handler.stream.getvalue())
+        handler.stream.seek(0)
+        handler.stream.truncate()
+
     try:
         time.time = lambda: created      # logging's LogRecord and log_lines both read time.time()
-        logger.info("route: decode-only %s (matched blocks %s)", node, matched)
-        log_lines.info(logger, "route: decode-only %s (matched blocks %s)", node, matched)
-        log_lines.info(logger, "no arguments: 100% plain")
-        logger.info("no arguments: 100% plain")
+        text_of(lambda: logger.info("route: decode-only %s (matched blocks %s)", node, matched))
+        text_of(lambda: log_lines.info(logger, "route: decode-only %s (matched blocks %s)", node, matched))
+        text_of(lambda: logger.info("no arguments: 100% plain"))
+        text_of(lambda: log_lines.info(logger, "no arguments: 100% plain"))
     finally:
         time.time = real_time
         logs.request_id_var.reset(token)
-        handler.flush()
         handler.close()
         root.handlers[:], root.level = saved
         log_lines._fast = None
-    lines = handler.stream.getvalue().split("\n")
-    assert lines[0] == lines[1] and lines[2] == lines[3] and lines[4] == "", lines
+    assert written[0] == written[1] and written[2] == written[3], written
+    assert written[0].endswith("\n") and written[2].endswith(" no arguments: 100% plain\n")
 
 
 def test_other_setups_go_through_logging(router_logging, caplog):
