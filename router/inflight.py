@@ -31,7 +31,7 @@ class Ticket:
             self._done = True
             self.tracker.requests[self.node_id] -= 1
             if self.tracker.gauge is not None:
-                self.tracker.gauge.labels(self.node_id).dec()
+                self.tracker.gauge_child(self.node_id).dec()
 
 
 class InflightTracker:
@@ -40,15 +40,22 @@ class InflightTracker:
         self.pending_tokens: dict[str, int] = defaultdict(int)
         self.avg_prompt_tokens = 0.0     # of uncached prompt work, to price a heartbeat's waiting requests
         self._ema = ema
-        self.gauge = None                # pdpool_router_inflight_requests{node}, set by RouterMetrics
+        self.gauge = None                # pdpool_router_inflight_requests{node}, set by RouterMetrics in
+        self._gauge_children: dict = {}  # multiprocess mode (one process: the scrape reads ``requests``)
 
     def add(self, node_id: str, uncached_tokens: int) -> Ticket:
         self.requests[node_id] += 1
         if self.gauge is not None:
-            self.gauge.labels(node_id).inc()
+            self.gauge_child(node_id).inc()
         self.pending_tokens[node_id] += uncached_tokens
         self.avg_prompt_tokens += self._ema * (uncached_tokens - self.avg_prompt_tokens)
         return Ticket(self, node_id, uncached_tokens)
+
+    def gauge_child(self, node_id: str):
+        child = self._gauge_children.get(node_id)
+        if child is None:   # labels() hashes and locks on every call
+            child = self._gauge_children[node_id] = self.gauge.labels(node_id)
+        return child
 
     def total(self) -> int:
         return sum(self.requests.values())
