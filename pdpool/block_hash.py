@@ -14,6 +14,7 @@ Python's ``hash()`` is never used: it is salted per process.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from dataclasses import dataclass
@@ -43,7 +44,10 @@ def _digest(*fields: bytes) -> BlockHash:
     return BlockHash(hashlib.sha256(_encode_fields(fields)).digest()[:HASH_BYTES])
 
 
+@functools.lru_cache(maxsize=1024)
 def root_hash(fingerprint: ModelFingerprint, cache_salt: str | None = None) -> BlockHash:
+    """Kept per (fingerprint, salt): the router asks for it once per request, and a SHA-256 object costs more
+    than the lookup (4.5% of the router's CPU per request, docs/performance.md, router overhead round 7)."""
     salt = b"" if cache_salt is None else b"\x01" + cache_salt.encode()
     return _digest(_VERSION, fingerprint.encode(), salt)
 

@@ -49,6 +49,7 @@ class Scheduler:
         self.block_size = block_size
         self.disagg_min_tokens = disagg_min_tokens
         self._refused: set[tuple[str, str | None]] = set()
+        self._fingerprint: ModelFingerprint | None = None
 
     # ---- fingerprint ----------------------------------------------------------------------------------
 
@@ -63,7 +64,10 @@ class Scheduler:
                     break
             else:
                 return None
-        return ModelFingerprint(self.model_id, self.dtype, self.block_size)
+        fp = self._fingerprint
+        if fp is None or fp.dtype != self.dtype:   # one object while the dtype stands (it is a memo key)
+            fp = self._fingerprint = ModelFingerprint(self.model_id, self.dtype, self.block_size)
+        return fp
 
     def compatible(self, e: Endpoint, fp: ModelFingerprint | None) -> bool:
         if e.fingerprint is None or fp is None or e.fingerprint == fp:

@@ -144,3 +144,12 @@ def test_one_buffer_path_refuses_what_the_block_path_refuses():
             hash_prompt_blocks(bad, 16, root)
         with pytest.raises(struct.error):
             hash_block_tokens(root, bad)
+
+
+@given(model=st.text(max_size=20), dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
+       block_size=st.integers(1, 256), salt=st.none() | st.text(max_size=20))
+def test_root_hash_kept_per_fingerprint_and_salt_is_the_computed_one(model, dtype, block_size, salt):
+    fp = ModelFingerprint(model, dtype, block_size)
+    computed = root_hash.__wrapped__(fp, salt)
+    assert root_hash(fp, salt) == computed
+    assert root_hash(ModelFingerprint(model, dtype, block_size), salt) == computed   # an equal fingerprint
