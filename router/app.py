@@ -10,6 +10,7 @@ client that disconnects cancels its request's task, which closes the upstream le
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -48,6 +49,23 @@ ROUTES = {("POST", "/v1/completions"): "generate", ("POST", "/v1/chat/completion
 _ALLOWED: dict[str, list[str]] = {}
 for _method, _path in ROUTES:
     _ALLOWED.setdefault(_path, []).extend([_method, "HEAD"] if _method == "GET" else [_method])
+
+
+_ids = [os.urandom(8).hex(), itertools.count()]   # this process's random prefix and counter
+
+
+def new_request_id() -> str:
+    """A fresh request id: 32 hex digits, as ``pdpool.logs.request_id_from``'s uuid4, from a random per-process
+    prefix (drawn again in a forked worker) and a counter: no system call and no ``UUID`` object per request."""
+    prefix, count = _ids
+    return f"{prefix}{next(count):016x}"
+
+
+def _new_id_prefix() -> None:
+    _ids[:] = [os.urandom(8).hex(), itertools.count()]
+
+
+os.register_at_fork(after_in_child=_new_id_prefix)
 
 
 def _json(value, status: int = 200) -> tuple[int, bytes, str]:
@@ -144,7 +162,8 @@ class Router:
 
     async def handle(self, request: Request, exchange: Exchange) -> None:
         """Request id, authentication, routing and OpenAI errors; counts every response by status."""
-        rid = request_id_from(request.headers.get(REQUEST_ID_HEADER))
+        header = request.headers.get(REQUEST_ID_HEADER)
+        rid = request_id_from(header) if header else new_request_id()
         request_id_var.set(rid)       # this request's task has its own context
         try:
             if not request.path.startswith(PUBLIC):

@@ -286,3 +286,23 @@ def test_the_router_runs_on_uvloop_when_installed_and_on_asyncio_without(monkeyp
     monkeypatch.setitem(sys.modules, "uvloop", None)   # import uvloop -> ImportError
     run(record())
     assert seen[0].startswith("uvloop") and seen[1].startswith("asyncio")
+
+
+def test_fresh_request_ids_are_unique_hex_and_differ_across_a_fork():
+    import os
+    import re
+
+    from pdpool.router.app import new_request_id
+
+    ids = [new_request_id() for _ in range(1000)]
+    assert len(set(ids)) == 1000 and all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:   # a forked worker draws its own prefix
+        os.write(write, new_request_id().encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = os.read(read, 64).decode()
+    os.close(read)
+    os.close(write)
+    assert re.fullmatch(r"[0-9a-f]{32}", child) and child[:16] != ids[0][:16]
