@@ -15,6 +15,8 @@ Concatenating every `add_tokens(...)` and the final `flush()` gives exactly `out
 
 from __future__ import annotations
 
+import json
+
 from pdpool.engine.sampling_params import SamplingParams
 
 PROMPT_CONTEXT_TOKENS = 5  # prompt ids decoded as context for the first output token (as vLLM)
@@ -108,6 +110,58 @@ def _partial_stop_len(text: str, stops: list[str]) -> int:
                 longest = k
                 break
     return longest
+
+
+def detokenize_once(tokenizer, prompt_token_ids: list[int], token_ids: list[int], params: SamplingParams,
+                    token_texts: dict[int, str] | None = None, local: bool = False) -> str:
+    """The text of a whole output at once, for a request without stop strings that streams nothing: exactly the
+    ``output_text`` of an ``IncrementalDetokenizer`` fed ``token_ids`` and flushed.
+
+    With ``local`` (``decodes_locally(tokenizer)``), that is one decode of context + output, cut after the
+    context's text: two tokenizer calls per request instead of about two per token. Such a decoder gives every
+    token the same text in any window that does not start at it, so the incremental windows' pieces add up to the
+    one-shot text wherever the bytes are valid UTF-8. Where they are not (U+FFFD anywhere), the incremental
+    hold-back may cut a byte group that a decoder judges as a whole (``ByteFallback``), so the incremental pass
+    runs here instead, as it would have step by step.
+    """
+    if params.stop:
+        raise ValueError("detokenize_once: stop strings need the incremental pass")
+    if local:
+        skip = params.skip_special_tokens
+        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        context_text = tokenizer.decode(context, skip_special_tokens=skip)
+        full_text = tokenizer.decode(context + list(token_ids), skip_special_tokens=skip)
+        if "\ufffd" not in full_text and full_text.startswith(context_text):
+            return full_text[len(context_text):]
+    detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params, token_texts)
+    detok.add_tokens(token_ids)
+    detok.flush()
+    return detok.output_text
+
+
+# Decoders (``tokenizers``' types) whose text of a token does not depend on the tokens after it, nor on those
+# before it beyond "is it the window's first token" and the joint UTF-8 decoding of bytes. Not listed, so not
+# local: BPEDecoder (the last token differs), CTC (merges repeats), WordPiece with its own clean-up.
+_LOCAL_DECODERS = {"ByteLevel", "Metaspace", "ByteFallback", "Fuse", "Strip", "Replace"}
+
+
+def decodes_locally(tokenizer) -> bool:
+    """Whether ``detokenize_once`` may decode this tokenizer's outputs in one call: no clean-up of spaces after
+    decoding (it looks across tokens) and a decoder made only of local steps. A tokenizer it cannot inspect
+    (pdpool's ``frontend.Tokenizer`` and HF fast tokenizers are inspected) gets the incremental pass."""
+    if getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return False
+    backend = getattr(tokenizer, "_tok", None) or getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    if decoder is None:
+        return False
+    try:
+        spec = json.loads(decoder.__getstate__())
+    except Exception:  # noqa: BLE001 - not a tokenizers decoder: take the incremental pass
+        return False
+    steps = spec.get("decoders", [spec]) if spec.get("type") == "Sequence" else [spec]
+    return all(step.get("type") in _LOCAL_DECODERS
+               or (step.get("type") == "WordPiece" and not step.get("cleanup", True)) for step in steps)
 
 
 Detokenizer = IncrementalDetokenizer  # the name the architecture table uses

@@ -111,9 +111,11 @@ class LLM:
             for prompt, params, add_special_tokens in requests:
                 rid = f"offline-{next(self._ids)}"
                 token_ids = self.frontend.encode_prompt(prompt, add_special_tokens)
-                self.engine.add_request(rid, token_ids, params)
+                # only the finished outputs are read here: no per-step outputs or text (see OutputProcessor)
+                self.engine.add_request(rid, token_ids, params, final_only=True)
                 ids.append(rid)
-                self.output_processor.add(rid, prompt if isinstance(prompt, str) else None, token_ids, params)
+                self.output_processor.add(rid, prompt if isinstance(prompt, str) else None, token_ids, params,
+                                          final_only=True)
             return self._drain(ids, use_tqdm)
         except BaseException:
             for rid in ids:

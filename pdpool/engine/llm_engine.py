@@ -92,6 +92,7 @@ class _State:
     request: Request
     kv_transfer_params: dict | None
     num_emitted_tokens: int = 0
+    final_only: bool = False  # one output, when it finishes (see ``add_request``)
 
 
 @dataclass
@@ -139,9 +140,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
-                    kv_transfer_params: dict | None = None) -> Request:
+                    kv_transfer_params: dict | None = None, final_only: bool = False) -> Request:
         """Validate and queue one request of token ids (``pdpool.frontend`` made them); raises
-        ``InvalidRequestError``, ``SamplingParamsError`` or ``QueueFullError``."""
+        ``InvalidRequestError``, ``SamplingParamsError`` or ``QueueFullError``.
+
+        ``final_only``: the caller reads only the finished output (the offline ``LLM``). Where nothing else needs
+        its steps (no stop strings, which the output processor finds in the growing text; no logprobs; no KV
+        connector), the request then gets one ``EngineOutput``, when it finishes, holding all its ids, instead of
+        one per step; ``generation_tokens`` in ``stats()`` counts its ids then."""
         params.validate(self.vocab_size)
         if request_id in self._states:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", param=None)
@@ -158,7 +164,8 @@ class LLMEngine:
         request = Request(request_id, prompt_ids, params, eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
                           priority=priority, cache_salt=cache_salt)
         self.scheduler.add_request(request)
-        state = _State(request, kv_transfer_params)
+        final_only = final_only and not params.stop and params.logprobs is None and self.connector is None
+        state = _State(request, kv_transfer_params, final_only=final_only)
         self._states[request_id] = state
         self.num_prompt_tokens += len(prompt_ids)
         if self.connector is not None:
@@ -308,9 +315,10 @@ class LLMEngine:
 
     def _make_outputs(self, touched: list[Request], sampled: dict) -> list[EngineOutput]:
         outputs = []
+        states = self._states
         for request in touched:
-            state = self._states.get(request.request_id)
-            if state is None:
+            state = states.get(request.request_id)
+            if state is None or (state.final_only and not request.status.is_finished):
                 continue
             outputs.append(self._make_output(state, sampled.get(request.request_id)))
         return outputs

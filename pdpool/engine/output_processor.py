@@ -6,13 +6,18 @@ when asked for, the logprobs; it finds stop strings and returns the ids the engi
 
 Every ``RequestOutput`` is a delta (this step's tokens, text and logprobs), so a slow streaming client costs
 O(its tokens), never a copy of everything so far per step. The final output also carries the totals.
+
+A request added with ``final_only`` (the offline ``LLM``'s) gets one output, when it finishes: its delta is then
+everything (all ids, text and logprobs). Its ids are appended as they come and, unless it has stop strings (which
+need the text as it grows), its text is decoded once at the end (``detokenize_once``): the same text, without a
+tokenizer call and an output object per token. Streaming requests are processed exactly as before.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdpool.engine.detokenizer import IncrementalDetokenizer
+from pdpool.engine.detokenizer import IncrementalDetokenizer, decodes_locally, detokenize_once
 from pdpool.engine.llm_engine import EngineOutput, TokenLogprobs
 from pdpool.engine.sampling_params import SamplingParams
 
@@ -39,14 +44,17 @@ class RequestOutput:
 
 
 class _State:
-    __slots__ = ("prompt", "prompt_token_ids", "params", "detokenizer", "output_token_ids", "logprobs")
+    __slots__ = ("prompt", "prompt_token_ids", "params", "detokenizer", "output_token_ids", "logprobs", "final_only")
 
     def __init__(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, tokenizer,
-                 token_texts: dict[int, str]) -> None:
+                 token_texts: dict[int, str], final_only: bool = False) -> None:
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params, token_texts)
+        self.final_only = final_only
+        # None: the text is decoded once, at the end (final only, no stop strings)
+        self.detokenizer = (IncrementalDetokenizer(tokenizer, prompt_token_ids, params, token_texts)
+                            if not final_only or params.stop else None)
         self.output_token_ids: list[int] = []
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
 
@@ -58,10 +66,13 @@ class OutputProcessor:
         # one id's text decoded alone, by skip_special_tokens: the detokenizers' context decode of the id they
         # emitted last, a dict lookup instead of a tokenizer call per request per step
         self._token_texts: dict[bool, dict[int, str]] = {True: {}, False: {}}
+        self._decodes_locally = decodes_locally(tokenizer)
 
-    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, *,
+            final_only: bool = False) -> None:
+        """``final_only``: the consumer reads only the finished output (no deltas before it)."""
         texts = self._token_texts[bool(params.skip_special_tokens)]
-        self._states[request_id] = _State(prompt, prompt_token_ids, params, self.tokenizer, texts)
+        self._states[request_id] = _State(prompt, prompt_token_ids, params, self.tokenizer, texts, final_only)
 
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)
@@ -77,7 +88,9 @@ class OutputProcessor:
             state = self._states.get(out.request_id)
             if state is None:  # finished here already (a stop string), or aborted
                 continue
-            result = self._process_one(state, out)
+            result = self._process_final_only(state, out) if state.final_only else self._process_one(state, out)
+            if result is None:  # final only, not finished
+                continue
             if result.finished:
                 del self._states[out.request_id]
                 if not out.finished:
@@ -111,3 +124,35 @@ class OutputProcessor:
             result.text = detok.output_text
             result.logprobs = state.logprobs
         return result
+
+    def _process_final_only(self, state: _State, out: EngineOutput) -> RequestOutput | None:
+        """``_process_one`` for a consumer of the finished output only: None until the request finishes, then one
+        output whose delta is everything (what the concatenated deltas of ``_process_one`` would be)."""
+        params, detok = state.params, state.detokenizer
+        new_ids = out.new_token_ids
+        state.output_token_ids += new_ids
+        if state.logprobs is not None and out.new_logprobs:
+            state.logprobs += out.new_logprobs
+        stopped_by_token = out.finish_reason == "stop"
+        finished, finish_reason, stop_reason = out.finished, out.finish_reason, out.stop_reason
+        if detok is not None:  # stop strings: the text as it grows
+            detok.add_tokens(new_ids[:-1] if stopped_by_token and new_ids and not params.include_stop_str_in_output
+                             else new_ids)
+            if detok.stop_reason is not None:
+                finished, finish_reason, stop_reason = True, "stop", detok.stop_reason
+        if not finished:
+            return None
+        ids = state.output_token_ids
+        if detok is not None:
+            detok.flush()
+            text = detok.output_text
+        else:
+            to_text = ids[:-1] if stopped_by_token and ids and not params.include_stop_str_in_output else ids
+            text = detokenize_once(self.tokenizer, state.prompt_token_ids, to_text, params,
+                                   self._token_texts[bool(params.skip_special_tokens)], self._decodes_locally)
+        return RequestOutput(
+            request_id=out.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
+            new_token_ids=list(ids), new_text=text, new_logprobs=state.logprobs, num_output_tokens=len(ids),
+            finished=True, finish_reason=finish_reason, stop_reason=stop_reason,
+            num_cached_tokens=out.num_cached_tokens, kv_transfer_params=out.kv_transfer_params, error=out.error,
+            output_token_ids=ids, text=text, logprobs=state.logprobs)
