@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from pdpool.engine.pinned import PinnedPool
 from pdpool.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, SamplingParamsError
 
 
@@ -46,15 +47,23 @@ class PendingSample:
     for that event only, never for work queued after it."""
 
     def __init__(self, token_ids: torch.Tensor, logprob_parts: tuple | None, top_n: list[int] | None,
-                 failed: dict[int, str]):
+                 failed: dict[int, str], pool: "PinnedPool | None" = None):
+        """``pool``: where the pinned host buffers come from and go back to once ``result()`` read them."""
         self.token_ids = token_ids
         self.failed = failed
         self._top_n = top_n
         parts = (token_ids,) + (logprob_parts or ())
+        self._pool, self._pooled = None, None
         if token_ids.device.type == "cuda":
-            self._host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                               for t in parts)
-            self._ready = torch.cuda.Event()
+            if pool is not None:
+                key, self._host, self._ready = pool.take(parts)
+                self._pool, self._pooled = pool, (key, self._host, self._ready)
+                for host, t in zip(self._host, parts):
+                    host.copy_(t, non_blocking=True)
+            else:
+                self._host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                                   for t in parts)
+                self._ready = torch.cuda.Event()
             self._ready.record()
         else:
             self._host, self._ready = parts, None
@@ -65,7 +74,18 @@ class PendingSample:
             self._ready = None
 
     def result(self) -> SamplerOutput:
+        """The samples on the host (waits for their copy). Read once: the pinned buffers then go back to the pool,
+        and a second call returns the same output."""
+        if self._pooled is None and self._pool is not None:
+            return self._out
         self.wait()
+        out = self._read()
+        if self._pool is not None:
+            self._pool.give_back(*self._pooled)
+            self._pooled, self._host, self._out = None, None, out
+        return out
+
+    def _read(self) -> SamplerOutput:
         token_ids = self._host[0].tolist()
         if len(self._host) == 1:  # a full pass over [R, V] saved: nobody asked for logprobs
             out = SamplerOutput(token_ids, [float("nan")] * len(token_ids), None)
@@ -137,6 +157,7 @@ class Sampler:
         # (``pdpool.kernels.sample``); PDPOOL_FUSED_SAMPLER=0 keeps the torch path.
         self.fused = os.environ.get("PDPOOL_FUSED_SAMPLER", "1") != "0"
         self._seeds = random.Random(seed)  # one Philox seed per fused call
+        self._pinned = PinnedPool()  # the samples' host buffers on CUDA, reused once read
 
     def sample(
         self,
@@ -179,7 +200,7 @@ class Sampler:
             logprob_parts, top_n = None, None
             if plan.any_logprobs:
                 logprob_parts, top_n = self._logprobs(raw.float(), params, token_ids)
-            return PendingSample(token_ids, logprob_parts, top_n, failed)
+            return PendingSample(token_ids, logprob_parts, top_n, failed, self._pinned)
         logits = raw.float()  # every other path works in float32 (exact from bf16/fp16), as before
         processed = logits if processed is raw else processed.float()
         penalized = [i for i, p in enumerate(params) if p.has_penalties]
@@ -219,7 +240,7 @@ class Sampler:
         logprob_parts, top_n = None, None
         if plan.any_logprobs:
             logprob_parts, top_n = self._logprobs(logits, params, token_ids)
-        return PendingSample(token_ids, logprob_parts, top_n, failed)
+        return PendingSample(token_ids, logprob_parts, top_n, failed, self._pinned)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, params: list[SamplingParams], token_ids: torch.Tensor):
