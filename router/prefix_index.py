@@ -43,16 +43,17 @@ class ApproxIndex:
     def record(self, hashes: Sequence[BlockHash], node_id: str, incarnation: str | None,
                now: float | None = None) -> None:
         lru = self._lru
+        get, move_to_end, capacity = lru.get, lru.move_to_end, self.capacity
         entry = (incarnation, time.monotonic() if now is None else now)
         for h in hashes:
-            owners = lru.get(h)
+            owners = get(h)
             if owners is None:
                 lru[h] = {node_id: entry}
-                if len(lru) > self.capacity:
+                if len(lru) > capacity:
                     lru.popitem(last=False)
             else:
                 owners[node_id] = entry
-                lru.move_to_end(h)
+                move_to_end(h)
 
     def lookup(self, hashes: Sequence[BlockHash], incarnations: dict[str, str | None],
                since: float | None = None) -> dict[str, int]:
@@ -65,9 +66,9 @@ class ApproxIndex:
         one hit, instead of a walk over every block of it."""
         matched = {n: 0 for n in incarnations}
         pending = len(matched)
-        lru = self._lru
+        get = self._lru.get
         for i in range(len(hashes) - 1, -1, -1):
-            owners = lru.get(hashes[i])
+            owners = get(hashes[i])
             if not owners:
                 continue
             for n, (incarnation, recorded) in owners.items():

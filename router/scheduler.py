@@ -70,7 +70,8 @@ class Scheduler:
         return fp
 
     def compatible(self, e: Endpoint, fp: ModelFingerprint | None) -> bool:
-        if e.fingerprint is None or fp is None or e.fingerprint == fp:
+        theirs = e.fingerprint
+        if theirs is None or fp is None or theirs is fp or theirs == fp:
             return True
         key = (e.node_id, e.incarnation)
         if key not in self._refused:
@@ -109,5 +110,7 @@ class Scheduler:
             for node_id, value in scorer.score(ctx, kept).items():
                 totals[node_id] += weight * value
         ranked = self.profile.picker.rank(ctx, [(e, totals[e.node_id]) for e in kept])
+        if len(ranked) == len(endpoints):   # nothing filtered out (the common case)
+            return ranked
         dropped = [e for e in endpoints if e not in ranked]  # filtered out: still retry candidates, last
         return ranked + dropped
