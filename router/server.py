@@ -166,11 +166,13 @@ class HttpConnection(asyncio.Protocol):
         self._writing_paused = False
         self._drain: asyncio.Future | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._idle_since: float | None = None   # when the connection last became idle; None while it serves
 
     # ---- asyncio.Protocol ---------------------------------------------------------------------------------
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        self._idle_since = self.loop.time()
         self._idle_timer = self.loop.call_later(KEEPALIVE_SECONDS, self._idle_close)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -211,9 +213,7 @@ class HttpConnection(asyncio.Protocol):
             self.incoming = None
             return
         self.incoming = Request()
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
+        self._idle_since = None       # busy: the idle timer, left armed, finds that when it fires
 
     def on_url(self, url: bytes) -> None:
         if self.incoming is not None:
@@ -295,7 +295,9 @@ class HttpConnection(asyncio.Protocol):
         else:
             incoming = self.incoming
             if incoming is None:
-                self._idle_timer = self.loop.call_later(KEEPALIVE_SECONDS, self._idle_close)
+                self._idle_since = self.loop.time()
+                if self._idle_timer is None:
+                    self._idle_timer = self.loop.call_later(KEEPALIVE_SECONDS, self._idle_close)
             elif incoming.expect_continue:
                 incoming.expect_continue = False
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -304,7 +306,17 @@ class HttpConnection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def _idle_close(self) -> None:
+        """Closes a connection idle for ``KEEPALIVE_SECONDS``. One timer per connection, not one per request: a
+        request that arrives meanwhile leaves it armed, and when it fires early (the connection became idle
+        again since) it is set again for the rest of the new idle period."""
         self._idle_timer = None
+        since = self._idle_since
+        if since is None or self.closed:   # serving: _next sets the timer when the connection is idle again
+            return
+        rest = since + KEEPALIVE_SECONDS - self.loop.time()
+        if rest > 0:
+            self._idle_timer = self.loop.call_later(rest, self._idle_close)
+            return
         if self.task is None and not self.queue and self.incoming is None and not self.closed:
             self.transport.close()
             self.closed = True
