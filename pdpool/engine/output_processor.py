@@ -147,12 +147,14 @@ class OutputProcessor:
             detok.flush()
             text = detok.output_text
         else:
-            to_text = ids[:-1] if stopped_by_token and ids and not params.include_stop_str_in_output else ids
+            # the stop token is the last id of the output that finished it (as _process_one leaves it out)
+            to_text = ids[:-1] if stopped_by_token and new_ids and not params.include_stop_str_in_output else ids
             text = detokenize_once(self.tokenizer, state.prompt_token_ids, to_text, params,
                                    self._token_texts[bool(params.skip_special_tokens)], self._decodes_locally)
         return RequestOutput(
             request_id=out.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
-            new_token_ids=list(ids), new_text=text, new_logprobs=state.logprobs, num_output_tokens=len(ids),
+            new_token_ids=list(ids), new_text=text,
+            new_logprobs=list(state.logprobs) if state.logprobs is not None else None, num_output_tokens=len(ids),
             finished=True, finish_reason=finish_reason, stop_reason=stop_reason,
             num_cached_tokens=out.num_cached_tokens, kv_transfer_params=out.kv_transfer_params, error=out.error,
             output_token_ids=ids, text=text, logprobs=state.logprobs)

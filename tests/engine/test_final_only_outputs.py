@@ -151,7 +151,8 @@ def request_strategy(byte_level):
         text=pieces, stop=st.one_of(st.none(), st.sampled_from(["b", "c,", " the", "STOP", "😀", "世", "zz"])),
         include=st.booleans(), final_only=st.booleans(), logprobs=st.booleans(),
         end=st.sampled_from(["length", "eos", "stop_token"]), min_tokens=st.sampled_from([0, 0, 2]),
-        chunks=st.lists(st.integers(1, 3), min_size=1, max_size=30), deferred=st.booleans(), skip=st.booleans()))
+        chunks=st.lists(st.integers(1, 3), min_size=1, max_size=30), deferred=st.booleans(), skip=st.booleans(),
+        empty_final=st.booleans()))
 
 
 STOP_TOKEN_TEXT = " Xq"  # a stop_token_ids token: finish_reason "stop", kept in the ids, not in the text
@@ -170,6 +171,8 @@ def engine_outputs(byte_level, spec, rid):
             break
         steps.append(ids[i:i + n])
         i += n
+    if spec["empty_final"] or not steps:  # the finish comes in an output of its own, with no new ids
+        steps.append([])
     outs = []
     for k, chunk in enumerate(steps):
         last = k == len(steps) - 1
@@ -221,8 +224,10 @@ def test_mixed_batch_equals_all_streamed(byte_level, data):
         new.add(rid, PROMPT, prompt_ids, params, final_only=spec["final_only"])
         outs = engine_outputs(byte_level, spec, rid)
         old_in[rid] = outs
-        # what the engine sends a final-only request without stop strings or logprobs: one output, all ids
-        defer = spec["final_only"] and spec["deferred"] and not spec["stop"] and not spec["logprobs"]
+        # what the engine sends a final-only request without stop strings or logprobs: one output, all ids (its
+        # finish never comes alone, without the ids of its last step)
+        defer = (spec["final_only"] and spec["deferred"] and not spec["stop"] and not spec["logprobs"]
+                 and not spec["empty_final"])
         new_in[rid] = ([None] * (len(outs) - 1) + [EngineOutput(
             rid, [t for o in outs for t in o.new_token_ids], None, True, outs[-1].finish_reason,
             outs[-1].stop_reason, num_cached_tokens=3)]) if defer else outs
