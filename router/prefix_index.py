@@ -34,26 +34,44 @@ RECENT_SECONDS = 5.0
 
 
 class ApproxIndex:
-    """block hash -> {node_id: (incarnation, time recorded)}, LRU-bounded to ``capacity`` hashes."""
+    """block hash -> {node_id: (incarnation, time recorded)}, LRU-bounded to ``capacity`` hashes.
+
+    Stored compactly: a hash that one node holds (the common case) maps to the recording call's one
+    ``(node_id, incarnation, time)`` tuple, shared by every hash of that call, so a routed prompt adds no object
+    per block; a hash that several nodes hold maps to the dict. ``owner(h, node_id)`` reads either form."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._lru: OrderedDict[bytes, dict[str, tuple[str | None, float]]] = OrderedDict()
+        self._lru: OrderedDict[bytes, tuple | dict[str, tuple[str | None, float]]] = OrderedDict()
 
     def record(self, hashes: Sequence[BlockHash], node_id: str, incarnation: str | None,
                now: float | None = None) -> None:
         lru = self._lru
         get, move_to_end, capacity = lru.get, lru.move_to_end, self.capacity
-        entry = (incarnation, time.monotonic() if now is None else now)
+        recorded = time.monotonic() if now is None else now
+        single = (node_id, incarnation, recorded)
+        entry = (incarnation, recorded)
         for h in hashes:
             owners = get(h)
             if owners is None:
-                lru[h] = {node_id: entry}
+                lru[h] = single
                 if len(lru) > capacity:
                     lru.popitem(last=False)
+                continue
+            if type(owners) is tuple:
+                lru[h] = single if owners[0] == node_id else {owners[0]: owners[1:], node_id: entry}
             else:
                 owners[node_id] = entry
-                move_to_end(h)
+            move_to_end(h)
+
+    def owner(self, h: BlockHash, node_id: str) -> tuple[str | None, float] | None:
+        """(incarnation, time recorded) of ``node_id``'s entry for ``h``, or None."""
+        owners = self._lru.get(h)
+        if owners is None:
+            return None
+        if type(owners) is tuple:
+            return owners[1:] if owners[0] == node_id else None
+        return owners.get(node_id)
 
     def lookup(self, hashes: Sequence[BlockHash], incarnations: dict[str, str | None],
                since: float | None = None) -> dict[str, int]:
@@ -71,10 +89,16 @@ class ApproxIndex:
             owners = get(hashes[i])
             if not owners:
                 continue
-            for n, (incarnation, recorded) in owners.items():
+            if type(owners) is tuple:
+                n, incarnation, recorded = owners
                 if matched.get(n) == 0 and incarnation == incarnations[n] and (since is None or recorded >= since):
                     matched[n] = i + 1
                     pending -= 1
+            else:
+                for n, (incarnation, recorded) in owners.items():
+                    if matched.get(n) == 0 and incarnation == incarnations[n] and (since is None or recorded >= since):
+                        matched[n] = i + 1
+                        pending -= 1
             if not pending:
                 break
         return matched

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import hypothesis
 import pytest
 from hypothesis import given, strategies as st
 
@@ -90,7 +91,7 @@ def _walk_forward(idx: ApproxIndex, hashes, incarnations, since=None) -> dict[st
     for n, inc in incarnations.items():
         run = 0
         while run < len(hashes):
-            entry = idx._lru.get(hashes[run], {}).get(n)
+            entry = idx.owner(hashes[run], n)
             if entry is None or entry[0] != inc or (since is not None and entry[1] < since):
                 break
             run += 1
@@ -306,3 +307,64 @@ def test_fresh_request_ids_are_unique_hex_and_differ_across_a_fork():
     os.close(read)
     os.close(write)
     assert re.fullmatch(r"[0-9a-f]{32}", child) and child[:16] != ids[0][:16]
+
+
+class _DictApprox:
+    """The approximate index as it was before its compact form (every hash -> {node: (incarnation, time)}): the
+    reference the compact one must agree with, LRU order included."""
+
+    def __init__(self, capacity: int) -> None:
+        from collections import OrderedDict
+
+        self.capacity = capacity
+        self.lru = OrderedDict()
+
+    def record(self, hashes, node_id, incarnation, now) -> None:
+        for h in hashes:
+            owners = self.lru.get(h)
+            if owners is None:
+                self.lru[h] = {node_id: (incarnation, now)}
+                if len(self.lru) > self.capacity:
+                    self.lru.popitem(last=False)
+            else:
+                owners[node_id] = (incarnation, now)
+                self.lru.move_to_end(h)
+
+    def lookup(self, hashes, incarnations, since=None) -> dict[str, int]:
+        matched = {n: 0 for n in incarnations}
+        for i in range(len(hashes) - 1, -1, -1):
+            for n, (incarnation, recorded) in (self.lru.get(hashes[i]) or {}).items():
+                if matched.get(n) == 0 and incarnation == incarnations[n] and (since is None or recorded >= since):
+                    matched[n] = i + 1
+        return matched
+
+
+@hypothesis.settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 8), st.sampled_from("abc"), st.booleans()),
+                max_size=30),
+       st.integers(1, 20), st.integers(0, 3), st.integers(0, 30))
+def test_compact_approx_index_is_the_dict_of_owners(records, capacity, path, since):
+    chained = {}
+
+    def hashes_of(nodes):
+        out, parent = [], b""
+        for b in nodes:
+            parent = chained.setdefault((parent, b), bytes([len(chained)]) * 16)
+            out.append(parent)
+        return out
+
+    idx, ref = ApproxIndex(capacity), _DictApprox(capacity)
+    incarnations = {"a": 0, "b": 0, "c": 0}
+    for t, (p, length, node, restart) in enumerate(records):
+        if restart:
+            incarnations[node] += 1
+        idx.record(hashes_of(PATHS[p][:length]), node, incarnations[node], now=float(t))
+        ref.record(hashes_of(PATHS[p][:length]), node, incarnations[node], float(t))
+        assert list(idx._lru) == list(ref.lru)           # the same hashes in the same LRU order
+        for h, owners in ref.lru.items():
+            for n in "abc":
+                assert idx.owner(h, n) == owners.get(n)
+    for p in range(len(PATHS)):
+        hashes = hashes_of(PATHS[p])
+        for window in (None, float(since)):
+            assert idx.lookup(hashes, incarnations, since=window) == ref.lookup(hashes, incarnations, window)
