@@ -34,7 +34,6 @@ import io
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -206,17 +205,7 @@ async def main_async(args) -> None:
                 "range_us": [round(min(diffs), 1), round(max(diffs), 1)]}
         print(json.dumps(summary, indent=1), flush=True)
     finally:
-        for p in reversed(procs):
-            try:
-                os.killpg(p.pid, signal.SIGCONT)
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        ro.stop_all(procs)
 
 
 def main() -> None:

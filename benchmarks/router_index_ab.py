@@ -113,17 +113,7 @@ async def main_async(args) -> None:
                               "mirror_minus_redis": [round(d, 3) for d in diffs],
                               "median_diff": round(statistics.median(diffs), 3)}), flush=True)
     finally:
-        for p in reversed(procs):
-            try:
-                os.killpg(p.pid, signal.SIGCONT)
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        ro.stop_all(procs)
 
 
 def main() -> None:

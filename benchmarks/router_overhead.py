@@ -252,6 +252,23 @@ def spawner(procs: list[subprocess.Popen], logs: Path = LOGS):
     return spawn
 
 
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    """Stop every spawned process group (resumed first, in case a measurement left one stopped), newest first,
+    and reap them; one that does not exit in 10 s is killed."""
+    for p in reversed(procs):
+        try:
+            os.killpg(p.pid, signal.SIGCONT)
+            os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
 def start_redis(spawn, server: str | None = None) -> tuple[subprocess.Popen, str]:
     """A throwaway redis-server on a free port, without persistence: (process, URL). ``server``: the binary
     (``--redis-server``; default the one on PATH)."""
@@ -317,11 +334,7 @@ async def main_async(args) -> None:
             p.wait(30)
         print(json.dumps(results, indent=1))
     finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+        stop_all(procs)
 
 
 def main() -> None:
