@@ -58,6 +58,17 @@ class _State:
         self.output_token_ids: list[int] = []
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
 
+    def take(self, out: EngineOutput) -> list[int]:
+        """Append one engine output's ids (and logprobs); return those of its ids that go into the text. A stop
+        token (EOS or stop_token_ids) stays in the token ids but not in the text, as in vLLM."""
+        new_ids = out.new_token_ids
+        self.output_token_ids += new_ids
+        if self.logprobs is not None and out.new_logprobs:
+            self.logprobs += out.new_logprobs
+        if out.finish_reason == "stop" and new_ids and not self.params.include_stop_str_in_output:
+            return new_ids[:-1]
+        return new_ids
+
 
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
@@ -99,15 +110,9 @@ class OutputProcessor:
         return results, stopped
 
     def _process_one(self, state: _State, out: EngineOutput) -> RequestOutput:
-        params, detok = state.params, state.detokenizer
+        detok = state.detokenizer
         new_ids = out.new_token_ids
-        state.output_token_ids += new_ids
-        if state.logprobs is not None and out.new_logprobs:
-            state.logprobs += out.new_logprobs
-        # A stop token (EOS or stop_token_ids) stays in the token ids but not in the text, as in vLLM.
-        stopped_by_token = out.finish_reason == "stop"
-        to_text = new_ids[:-1] if stopped_by_token and new_ids and not params.include_stop_str_in_output else new_ids
-        new_text = detok.add_tokens(to_text)
+        new_text = detok.add_tokens(state.take(out))
         finished, finish_reason, stop_reason = out.finished, out.finish_reason, out.stop_reason
         if detok.stop_reason is not None:  # a stop string: the text is cut, the request ends
             finished, finish_reason, stop_reason = True, "stop", detok.stop_reason
@@ -129,15 +134,10 @@ class OutputProcessor:
         """``_process_one`` for a consumer of the finished output only: None until the request finishes, then one
         output whose delta is everything (what the concatenated deltas of ``_process_one`` would be)."""
         params, detok = state.params, state.detokenizer
-        new_ids = out.new_token_ids
-        state.output_token_ids += new_ids
-        if state.logprobs is not None and out.new_logprobs:
-            state.logprobs += out.new_logprobs
-        stopped_by_token = out.finish_reason == "stop"
+        to_text = state.take(out)
         finished, finish_reason, stop_reason = out.finished, out.finish_reason, out.stop_reason
         if detok is not None:  # stop strings: the text as it grows
-            detok.add_tokens(new_ids[:-1] if stopped_by_token and new_ids and not params.include_stop_str_in_output
-                             else new_ids)
+            detok.add_tokens(to_text)
             if detok.stop_reason is not None:
                 finished, finish_reason, stop_reason = True, "stop", detok.stop_reason
         if not finished:
@@ -148,8 +148,8 @@ class OutputProcessor:
             text = detok.output_text
         else:
             # the stop token is the last id of the output that finished it (as _process_one leaves it out)
-            to_text = ids[:-1] if stopped_by_token and new_ids and not params.include_stop_str_in_output else ids
-            text = detokenize_once(self.tokenizer, state.prompt_token_ids, to_text, params,
+            dropped = len(out.new_token_ids) - len(to_text)
+            text = detokenize_once(self.tokenizer, state.prompt_token_ids, ids[:len(ids) - dropped], params,
                                    self._token_texts[bool(params.skip_special_tokens)], self._decodes_locally)
         return RequestOutput(
             request_id=out.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
