@@ -151,12 +151,7 @@ async def main_async(args) -> None:
     spawn = ro.spawner(procs, work / "logs")
     try:
         redis, redis_url = ro.start_redis(spawn)
-        stubs = []
-        for i in range(2):
-            port = ro.free_port()
-            spawn([sys.executable, str(ROOT / "benchmarks/router_stub_upstream.py"), "--port", str(port),
-                   "--redis", redis_url, "--node-id", f"stub-{i}", "--pool", "replay"], f"stub-{i}")
-            stubs.append(f"http://127.0.0.1:{port}")
+        stubs, _ = ro.start_stubs(spawn, redis_url, "--pool", "replay")
         for s in stubs:
             await ro.wait_http(s + "/health")
         routers = {}

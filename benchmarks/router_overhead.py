@@ -279,17 +279,24 @@ def start_redis(spawn, server: str | None = None) -> tuple[subprocess.Popen, str
     return redis, f"redis://127.0.0.1:{port}/0"
 
 
+def start_stubs(spawn, redis_url: str, *extra: str, count: int = 2) -> tuple[list[str], list[int]]:
+    """``count`` stub upstreams (``router_stub_upstream.py``) publishing into ``redis_url``, each with ``extra``
+    arguments: (their URLs, their pids). Wait for them with ``wait_http(url + "/health")``."""
+    urls, pids = [], []
+    for i in range(count):
+        port = free_port()
+        pids.append(spawn([sys.executable, str(ROOT / "benchmarks/router_stub_upstream.py"), "--port", str(port),
+                           "--redis", redis_url, "--node-id", f"stub-{i}", *extra], f"stub-{i}").pid)
+        urls.append(f"http://127.0.0.1:{port}")
+    return urls, pids
+
+
 async def main_async(args) -> None:
     procs: list[subprocess.Popen] = []
     spawn = spawner(procs, args.logs)
     try:
         redis, redis_url = start_redis(spawn, args.redis_server)
-        stubs, stub_pids = [], []
-        for i in range(2):
-            port = free_port()
-            stub_pids.append(spawn([sys.executable, str(ROOT / "benchmarks/router_stub_upstream.py"), "--port", str(port),
-                   "--redis", redis_url, "--node-id", f"stub-{i}"], f"stub-{i}").pid)
-            stubs.append(f"http://127.0.0.1:{port}")
+        stubs, stub_pids = start_stubs(spawn, redis_url)
         for s in stubs:
             await wait_http(s + "/health")
         def make_bodies(n: int, seed: int) -> list[bytes]:

@@ -3,9 +3,9 @@ nothing lost (a warning at once, the rest within the flush interval and at exit,
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
-import os
 import subprocess
 import sys
 import time
@@ -18,8 +18,8 @@ from pdpool.router import log_lines
 from pdpool.router.main import _lean_log_records
 
 
-@pytest.fixture
-def router_logging():
+@contextlib.contextmanager
+def _router_logging():
     """The router's setup (``main``'s three calls) with the handler's stream swapped for a StringIO."""
     root = logging.getLogger()
     saved = root.handlers[:], root.level
@@ -28,10 +28,18 @@ def router_logging():
     log_lines.buffer_root_handlers()
     handler = root.handlers[0]
     handler.stream = io.StringIO()
-    yield handler
-    handler.close()
-    root.handlers[:], root.level = saved
-    log_lines._fast = None
+    try:
+        yield handler
+    finally:
+        handler.close()
+        root.handlers[:], root.level = saved
+        log_lines._fast = None
+
+
+@pytest.fixture
+def router_logging():
+    with _router_logging() as handler:
+        yield handler
 
 
 def test_the_router_setup_takes_the_fast_path(router_logging):
@@ -44,37 +52,28 @@ def test_the_router_setup_takes_the_fast_path(router_logging):
        rid=st.from_regex(r"[A-Za-z0-9._:@/+=-]{1,40}", fullmatch=True),
        created=st.floats(1.6e9, 2.0e9, allow_nan=False))
 def test_fast_line_is_the_formatters_line(node, matched, rid, created):
-    root = logging.getLogger()
-    saved = root.handlers[:], root.level
-    logs.configure()
-    _lean_log_records()
-    log_lines.buffer_root_handlers()
-    handler = root.handlers[0]
-    handler.stream = io.StringIO()
     logger = logging.getLogger("pdpool.router")
-    token = logs.request_id_var.set(rid)
     real_time = time.time
     written = []
+    with _router_logging() as handler:
+        token = logs.request_id_var.set(rid)
 
-    def text_of(write) -> None:
-        write()
-        handler.flush()
-        written.append(handler.stream.getvalue())
-        handler.stream.seek(0)
-        handler.stream.truncate()
+        def text_of(write) -> None:
+            write()
+            handler.flush()
+            written.append(handler.stream.getvalue())
+            handler.stream.seek(0)
+            handler.stream.truncate()
 
-    try:
-        time.time = lambda: created      # logging's LogRecord and log_lines both read time.time()
-        text_of(lambda: logger.info("route: decode-only %s (matched blocks %s)", node, matched))
-        text_of(lambda: log_lines.info(logger, "route: decode-only %s (matched blocks %s)", node, matched))
-        text_of(lambda: logger.info("no arguments: 100% plain"))
-        text_of(lambda: log_lines.info(logger, "no arguments: 100% plain"))
-    finally:
-        time.time = real_time
-        logs.request_id_var.reset(token)
-        handler.close()
-        root.handlers[:], root.level = saved
-        log_lines._fast = None
+        try:
+            time.time = lambda: created      # logging's LogRecord and log_lines both read time.time()
+            text_of(lambda: logger.info("route: decode-only %s (matched blocks %s)", node, matched))
+            text_of(lambda: log_lines.info(logger, "route: decode-only %s (matched blocks %s)", node, matched))
+            text_of(lambda: logger.info("no arguments: 100% plain"))
+            text_of(lambda: log_lines.info(logger, "no arguments: 100% plain"))
+        finally:
+            time.time = real_time
+            logs.request_id_var.reset(token)
     assert written[0] == written[1] and written[2] == written[3], written
     assert written[0].endswith("\n") and written[2].endswith(" no arguments: 100% plain\n")
 

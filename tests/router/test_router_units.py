@@ -102,19 +102,28 @@ def _walk_forward(idx: ApproxIndex, hashes, incarnations, since=None) -> dict[st
 PATHS = [[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 8, 9, 10], [0, 11, 12], [13, 14, 15, 16]]  # a prompt tree
 
 
-@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 8), st.sampled_from("abc"), st.booleans()),
-                max_size=25),
-       st.integers(0, 3), st.integers(0, 30))
-def test_approx_index_backward_scan_is_the_forward_walk(records, path, since):
-    """Prompts are chained hashes, recorded whole (a prefix of a path in a tree of prompts), under node
-    incarnations that only move forward: the backward scan finds each node's leading run."""
+def _chained_hashes():
+    """hashes_of(path): chained 16-byte block hashes for a path in a tree of prompts, one fresh hash per
+    (parent, block), so two paths share exactly their common prefix's hashes."""
     chained = {}
+
     def hashes_of(nodes):
         out, parent = [], b""
         for b in nodes:
             parent = chained.setdefault((parent, b), bytes([len(chained)]) * 16)
             out.append(parent)
         return out
+
+    return hashes_of
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 8), st.sampled_from("abc"), st.booleans()),
+                max_size=25),
+       st.integers(0, 3), st.integers(0, 30))
+def test_approx_index_backward_scan_is_the_forward_walk(records, path, since):
+    """Prompts are chained hashes, recorded whole (a prefix of a path in a tree of prompts), under node
+    incarnations that only move forward: the backward scan finds each node's leading run."""
+    hashes_of = _chained_hashes()
 
     idx = ApproxIndex(capacity=10_000)
     incarnations = {"a": 0, "b": 0, "c": 0}
@@ -344,14 +353,7 @@ class _DictApprox:
                 max_size=30),
        st.integers(1, 20), st.integers(0, 3), st.integers(0, 30))
 def test_compact_approx_index_is_the_dict_of_owners(records, capacity, path, since):
-    chained = {}
-
-    def hashes_of(nodes):
-        out, parent = [], b""
-        for b in nodes:
-            parent = chained.setdefault((parent, b), bytes([len(chained)]) * 16)
-            out.append(parent)
-        return out
+    hashes_of = _chained_hashes()
 
     idx, ref = ApproxIndex(capacity), _DictApprox(capacity)
     incarnations = {"a": 0, "b": 0, "c": 0}
