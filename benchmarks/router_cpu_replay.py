@@ -94,11 +94,15 @@ def process_cpu_ns(pid: int) -> int:
     return total
 
 
-async def closed_loop(urls: list[str], bodies: list[bytes], concurrency: int) -> tuple[list[int], int, float]:
+async def closed_loop(urls: list[str], bodies: list[bytes], concurrency: int,
+                      rate: float = 0.0) -> tuple[list[int], int, float]:
     """Send every body to every URL through ``concurrency`` lanes, each on keep-alive connections: a lane takes the
     next body and sends it to each URL in turn, each after the previous answer, the order rotated by one per body
     (with two trees: A then B, then B then A), so every router gets the same requests in the same machine state.
-    Returns (answered with 200, per URL), failed, seconds."""
+    ``rate`` > 0 paces the bodies: body k starts no earlier than k / rate seconds after the first (each router then
+    gets about ``rate`` requests per second, and its background work, e.g. the index mirror's reads, weighs per
+    request as at that rate; a lane that falls behind goes on at once). Returns (answered with 200, per URL),
+    failed, seconds."""
     from pdpool.router.http1 import HTTPClientError, Http1Client
 
     headers = {"Content-Type": "application/json"}
@@ -106,10 +110,13 @@ async def closed_loop(urls: list[str], bodies: list[bytes], concurrency: int) ->
     ok = [0] * len(urls)
     failed = 0
     it = iter(enumerate(bodies))
+    t0 = time.perf_counter()
 
     async def lane() -> None:
         nonlocal failed
         for k, body in it:
+            if rate > 0 and (wait := t0 + k / rate - time.perf_counter()) > 0:
+                await asyncio.sleep(wait)
             for j in range(len(urls)):
                 i = (k + j) % len(urls)
                 try:
@@ -125,7 +132,6 @@ async def closed_loop(urls: list[str], bodies: list[bytes], concurrency: int) ->
                 except (HTTPClientError, asyncio.TimeoutError):
                     failed += 1
 
-    t0 = time.perf_counter()
     try:
         await asyncio.gather(*(lane() for _ in range(concurrency)))
     finally:
@@ -146,7 +152,7 @@ async def main_async(args) -> None:
     for name, tree in zip(names, args.trees):
         described[name] = snapshot(tree, work / f"tree{name.split(':')[0]}")
     print(json.dumps({"trees": described, "requests": args.requests, "repeats": args.repeats,
-                      "concurrency": args.concurrency, "warmup": args.warmup}), flush=True)
+                      "concurrency": args.concurrency, "rate": args.rate, "warmup": args.warmup}), flush=True)
     procs: list[subprocess.Popen] = []
     spawn = ro.spawner(procs, work / "logs")
     try:
@@ -175,7 +181,8 @@ async def main_async(args) -> None:
         cpu: dict[str, list[float]] = {n: [] for n in names}
         for rep in range(args.repeats):
             before = [process_cpu_ns(routers[n][0].pid) for n in names]
-            ok, failed, seconds = await closed_loop(urls, ro.bodies_for(args.requests, 1000 + rep), args.concurrency)
+            ok, failed, seconds = await closed_loop(urls, ro.bodies_for(args.requests, 1000 + rep), args.concurrency,
+                                                   args.rate)
             after = [process_cpu_ns(routers[n][0].pid) for n in names]
             row = {"repeat": rep, "ok": ok, "failed": failed, "seconds": round(seconds, 2)}
             for name, c0, c1, n_ok in zip(names, before, after, ok):
@@ -211,6 +218,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1500, help="requests per measurement")
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--rate", type=float, default=0.0,
+                    help="bodies per second (each router gets this rate); 0: as fast as the routers answer")
     ap.add_argument("--warmup", type=int, default=200, help="requests before each measurement (not measured)")
     ap.add_argument("--work", default="/tmp/router-cpu-replay", help="snapshots and logs")
     ap.add_argument("--router-args", nargs=argparse.REMAINDER, default=[],
