@@ -24,9 +24,9 @@ import triton
 import triton.language as tl
 
 from pdpool.kernels._launch import configs, dot_precision
+from pdpool.kernels.split_workspace import MAX_TILES, split_workspace
 
 SPLIT_MAX_N = 8192  # K is split only for projections this narrow (few N tiles)
-MAX_TILES = 1 << 16  # arrival counters
 
 
 def _cfg(swap, bm, bn, bk, split, warps, stages):
@@ -135,9 +135,6 @@ _tuned_kernel = triton.autotune(configs=configs(GPU_CONFIGS, interpreter=INTERPR
                                     _even_k(_skinny_kernel))
 _one_config_kernel = _even_k(_skinny_kernel)
 
-_WORKSPACES: dict = {}  # device -> (fp32 partials, int32 counts); every grown buffer is kept (graphs hold it)
-_KEEP: list = []
-
 
 def row_key(m: int) -> int:
     return -(-m // 16) * 16
@@ -150,16 +147,6 @@ def _workspace_need(m_key: int, n: int, cfgs: list[triton.Config]) -> int:
         if split > 1 and (_fits(c, m_key, n) or c is cfgs[0]):
             need = max(need, triton.cdiv(m_key, bm) * triton.cdiv(n, bn) * split * bm * bn)
     return need
-
-
-def _workspace(elems: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    ws = _WORKSPACES.get(device)
-    if ws is None or ws[0].numel() < max(elems, 1):
-        ws = (torch.empty(max(elems, 1), dtype=torch.float32, device=device),
-              ws[1] if ws is not None else torch.zeros(MAX_TILES, dtype=torch.int32, device=device))
-        _WORKSPACES[device] = ws
-        _KEEP.append(ws[0])
-    return ws
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: triton.Config | None = None) -> torch.Tensor:
@@ -176,7 +163,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: triton.Config |
         return out
     m_key = row_key(M)
     cfgs = [config] if config is not None else _tuned_kernel.configs
-    ws, counts = _workspace(_workspace_need(m_key, N, cfgs), x.device)
+    ws, counts = split_workspace(_workspace_need(m_key, N, cfgs), x.device)
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]),  # noqa: E731
                          meta["SPLIT_K"])
     args = (x, weight, out, ws, counts, M, N, K, m_key, x.stride(0), weight.stride(0), out.stride(0))
