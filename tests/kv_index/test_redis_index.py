@@ -302,3 +302,30 @@ def test_publish_never_waits_on_a_stalled_redis(redis_server):
     assert make_reader(redis_server).lookup(HASHES) == {"a": 0}  # block 0 was removed
     assert make_reader(redis_server).lookup(HASHES[1:]) == {"a": 9}
     assert a.deregister()
+
+
+def _conversion(fn, items):
+    try:
+        return ("ok", fn(items))
+    except ValueError as exc:
+        return ("refused", str(exc))
+
+
+_hash_like = st.one_of(
+    st.binary(min_size=16, max_size=16), st.binary(max_size=20),
+    st.binary(min_size=16, max_size=16).map(bytearray), st.binary(min_size=16, max_size=16).map(memoryview),
+    st.binary(min_size=16, max_size=16).map(bytes.hex), st.binary(max_size=20).map(bytes.hex))
+
+
+@settings(max_examples=300, deadline=None)
+@given(items=st.lists(_hash_like, max_size=12))
+def test_raw_all_is_the_per_hash_conversion(items):
+    """``_raw_all`` (the inline fast path of ``publish``, ``resync`` and ``lookup_args``) equals ``_raw`` per hash:
+    the same bytes, the same refusals, on plain bytes, bytearrays, memoryviews and hex of any length."""
+    from pdpool.kv_index.redis_index import _raw, _raw_all
+
+    old = _conversion(lambda xs: [_raw(h) for h in xs], items)
+    new = _conversion(_raw_all, items)
+    assert new == old
+    if new[0] == "ok":
+        assert all(type(h) is bytes for h in new[1])
