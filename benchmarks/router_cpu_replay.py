@@ -95,19 +95,20 @@ def process_cpu_ns(pid: int) -> int:
 
 
 async def closed_loop(urls: list[str], bodies: list[bytes], concurrency: int,
-                      rate: float = 0.0) -> tuple[list[int], int, float]:
+                      rate: float = 0.0) -> tuple[list[int], int, float, list[list[float]]]:
     """Send every body to every URL through ``concurrency`` lanes, each on keep-alive connections: a lane takes the
     next body and sends it to each URL in turn, each after the previous answer, the order rotated by one per body
     (with two trees: A then B, then B then A), so every router gets the same requests in the same machine state.
     ``rate`` > 0 paces the bodies: body k starts no earlier than k / rate seconds after the first (each router then
     gets about ``rate`` requests per second, and its background work, e.g. the index mirror's reads, weighs per
     request as at that rate; a lane that falls behind goes on at once). Returns (answered with 200, per URL),
-    failed, seconds."""
+    failed, seconds, and per URL the latency of each answered request in µs (request sent -> body read)."""
     from pdpool.router.http1 import HTTPClientError, Http1Client
 
     headers = {"Content-Type": "application/json"}
     client = Http1Client()
     ok = [0] * len(urls)
+    latency: list[list[float]] = [[] for _ in urls]
     failed = 0
     it = iter(enumerate(bodies))
     t0 = time.perf_counter()
@@ -120,6 +121,7 @@ async def closed_loop(urls: list[str], bodies: list[bytes], concurrency: int,
             for j in range(len(urls)):
                 i = (k + j) % len(urls)
                 try:
+                    sent = time.perf_counter()
                     r = await client.request(urls[i], body, headers, timeout=60, connect_timeout=10)
                     try:
                         await r.read()
@@ -127,6 +129,7 @@ async def closed_loop(urls: list[str], bodies: list[bytes], concurrency: int,
                         r.close()
                     if r.status == 200:
                         ok[i] += 1
+                        latency[i].append(1e6 * (time.perf_counter() - sent))
                     else:
                         failed += 1
                 except (HTTPClientError, asyncio.TimeoutError):
@@ -136,7 +139,7 @@ async def closed_loop(urls: list[str], bodies: list[bytes], concurrency: int,
         await asyncio.gather(*(lane() for _ in range(concurrency)))
     finally:
         client.close()
-    return ok, failed, time.perf_counter() - t0
+    return ok, failed, time.perf_counter() - t0, latency
 
 
 def mad(xs: list[float]) -> float:
@@ -179,18 +182,22 @@ async def main_async(args) -> None:
         await closed_loop(urls, ro.bodies_for(args.warmup, -7), args.concurrency)
 
         cpu: dict[str, list[float]] = {n: [] for n in names}
+        p50: dict[str, list[float]] = {n: [] for n in names}   # each repeat's median latency, µs
         for rep in range(args.repeats):
             before = [process_cpu_ns(routers[n][0].pid) for n in names]
-            ok, failed, seconds = await closed_loop(urls, ro.bodies_for(args.requests, 1000 + rep), args.concurrency,
+            ok, failed, seconds, latency = await closed_loop(urls, ro.bodies_for(args.requests, 1000 + rep), args.concurrency,
                                                    args.rate)
             after = [process_cpu_ns(routers[n][0].pid) for n in names]
             row = {"repeat": rep, "ok": ok, "failed": failed, "seconds": round(seconds, 2)}
-            for name, c0, c1, n_ok in zip(names, before, after, ok):
+            for name, c0, c1, n_ok, lat in zip(names, before, after, ok, latency):
                 cpu[name].append((c1 - c0) / 1000 / max(1, n_ok))
+                p50[name].append(statistics.median(lat) if lat else float("nan"))
                 row[name] = round(cpu[name][-1], 1)
+                row[name + " p50 latency"] = round(p50[name][-1], 1)
             print(json.dumps(row), flush=True)
         summary = {"median_us": {n: round(statistics.median(v), 1) for n, v in cpu.items()},
-                   "per_repeat_us": {n: [round(x, 1) for x in v] for n, v in cpu.items()}}
+                   "per_repeat_us": {n: [round(x, 1) for x in v] for n, v in cpu.items()},
+                   "latency_p50_us": {n: round(statistics.median(v), 1) for n, v in p50.items()}}
         base = names[0]
         for name in names[1:]:
             diffs = [b - a for a, b in zip(cpu[base], cpu[name])]
@@ -204,7 +211,11 @@ async def main_async(args) -> None:
                 "median_relative_us": round(statistics.median(ratios) * statistics.median(cpu[base]), 1),
                 "mad_us": round(mad(diffs), 1),
                 "stdev_us": round(statistics.stdev(diffs), 1) if len(diffs) > 1 else None,
-                "range_us": [round(min(diffs), 1), round(max(diffs), 1)]}
+                "range_us": [round(min(diffs), 1), round(max(diffs), 1)],
+                # the client's latency (what a request alone waits: the added p50's serial path), paired the same way
+                "latency_p50_per_repeat_us": [round(b - a, 1) for a, b in zip(p50[base], p50[name])],
+                "latency_p50_median_us": round(statistics.median(b - a for a, b in zip(p50[base], p50[name])), 1),
+                "latency_p50_mad_us": round(mad([b - a for a, b in zip(p50[base], p50[name])]), 1)}
         print(json.dumps(summary, indent=1), flush=True)
     finally:
         ro.stop_all(procs)
