@@ -296,7 +296,8 @@ async def main_async(args) -> None:
     spawn = spawner(procs, args.logs)
     try:
         redis, redis_url = start_redis(spawn, args.redis_server)
-        stubs, stub_pids = start_stubs(spawn, redis_url)
+        extra = () if args.stub_kv_blocks is None else ("--kv-blocks", str(args.stub_kv_blocks))
+        stubs, stub_pids = start_stubs(spawn, redis_url, *extra)
         for s in stubs:
             await wait_http(s + "/health")
         def make_bodies(n: int, seed: int) -> list[bytes]:
@@ -357,6 +358,9 @@ def main() -> None:
                     help="cycle this many prompts (0: every request has its own question)")
     ap.add_argument("--venvs", type=Path, default=VENVS,
                     help="folder of the peers' venvs, one per peer named as the peer (made here with pip if missing)")
+    ap.add_argument("--stub-kv-blocks", type=int, default=None,
+                    help="the stubs' prefix cache in blocks (default: the stub's, 4096); 0: the stubs publish nothing "
+                         "(heartbeats only), which shows what their index work costs the other parts")
     ap.add_argument("--redis-server", default=None, help="redis-server binary (default: the one on PATH)")
     ap.add_argument("--logs", type=Path, default=LOGS, help="folder for every process's log")
     args = ap.parse_args()
