@@ -9,7 +9,8 @@ In each process started as ``... router ...`` (each worker of ``--workers N`` to
 - ``gc T genN MS``: a collection of 1 ms or more;
 - ``sched T ...`` every second: the main thread's CPU ms, its run-queue wait ms (``/proc/.../schedstat``), the
   CPU it last ran on, minor and major page faults, and the process's RSS in MB.
-The loop is wrapped through ``uvloop.run`` (the router's loop when uvloop is installed).
+The loop is wrapped through ``uvloop.run`` (the router's loop when uvloop is installed). ``PROBE_SWITCH_S=S``
+also sets the interpreter's GIL switch interval (``sys.setswitchinterval``, default 0.005 s) in those processes.
 """
 import collections, gc, os, sys, threading, time
 _out = os.environ.get("PROBE_OUT")
@@ -79,6 +80,8 @@ if _out and sys.argv[1:2] == ["router"]:
         threading.Thread(target=_flush, daemon=True).start()
         threading.Thread(target=_sample, daemon=True).start()
     _main_native = threading.get_native_id()
+    if os.environ.get("PROBE_SWITCH_S"):
+        sys.setswitchinterval(float(os.environ["PROBE_SWITCH_S"]))
     _threads()
     os.register_at_fork(after_in_child=_threads)
     import uvloop
