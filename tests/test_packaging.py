@@ -38,7 +38,17 @@ def test_every_package_folder_is_listed():
     # a folder mapped on its own (pdpool.router -> router/) also appears under pdpool/ only if misplaced
     assert found - listed == set(), f"package folders missing from pyproject packages: {found - listed}"
     for pkg in listed:
-        assert (_folder_of(pkg, st["package-dir"]) / "__init__.py").exists(), pkg
+        folder = _folder_of(pkg, st["package-dir"])
+        if pkg in _data_packages(st):
+            assert folder.is_dir() and not list(folder.glob("*.py")), f"{pkg}: a data folder holds no Python"
+        else:
+            assert (folder / "__init__.py").exists(), pkg
+
+
+def _data_packages(st) -> set[str]:
+    """Listed folders of C/C++ sources only (no ``__init__.py``), shipped as package data."""
+    return {pkg for pkg in st["packages"] if not (_folder_of(pkg, st["package-dir"]) / "__init__.py").exists()
+            and any(_folder_of(pkg, st["package-dir"]).glob("*.c*"))}
 
 
 def test_operator_is_only_pdpool_operator():
@@ -69,8 +79,14 @@ def wheel_names(tmp_path_factory) -> set[str]:
 
 
 def test_non_editable_wheel_carries_every_subpackage(wheel_names):
-    for pkg in _pyproject()["packages"]:
-        assert f"{pkg.replace('.', '/')}/__init__.py" in wheel_names, pkg
+    st = _pyproject()
+    data = _data_packages(st)
+    assert data == {"pdpool.csrc", "pdpool.kernels.csrc"}, data
+    for pkg in st["packages"]:
+        if pkg in data:
+            assert any(n.startswith(f"{pkg.replace('.', '/')}/") for n in wheel_names), pkg
+        else:
+            assert f"{pkg.replace('.', '/')}/__init__.py" in wheel_names, pkg
     assert not any(n.startswith("operator/") for n in wheel_names), "operator/ must ship only as pdpool/operator"
 
 
