@@ -17,6 +17,18 @@ Prints one line per (shape, rows) and writes ``$OUT/bench_decode_gemm.json`` (wi
                variants, screened, the best kept
     lt-enum    as lt-search, plus the algorithm ids' (tile, stages) configurations the library accepts
 
+Issue 13, eleventh pass, adds:
+
+    cutlass:all     the CUTLASS sm90a kernels (``pdpool.kernels.cutlass_gemm``; build them first with
+                    ``benchmarks/build_cutlass_gemm.sh``): every kernel whose row tile fits the rows, in every
+                    decomposition mode (CUTLASS's heuristic, data-parallel, stream-K, split-K 2 and 4), screened,
+                    the best kept, as a per-shape dispatcher would pick
+    cutlass:<cfg>   one config, e.g. ``cutlass:sw_sk_128x256x64_1x1:sk`` (several: repeat the method)
+
+    Before screening, each CUTLASS candidate's first-layer output must be within 2e-2 of the fp32 reference in
+    max abs error relative to the reference's max abs value; the per-layer sums of the four projections and the
+    best config per projection are printed at the end.
+
 Screening: each candidate's graph is replayed 5 times (median of CUDA-event times); the 3 best of each method are
 then timed like the others (``do_bench`` over graph replays). Every candidate's first-layer output must be within
 2e-2 of the fp32 reference (relative), and two graph replays must give identical outputs, or it is dropped.
@@ -95,6 +107,48 @@ def lt_candidates(M: int, N: int, K: int, enumerate_ids: bool):
         yield cand.label, (lambda x, w, cand=cand: lt(x, w, cand))
 
 
+CUTLASS_MODES = ("heur", "dp", "sk", "s2", "s4")
+
+
+def cutlass_candidates(configs: list[str], x, w0, ref, M: int):
+    """The CUTLASS configs that fit ``M`` rows (batch-row tiles at most two and at most 1.5x the rows), each
+    checked against the fp32 reference (max abs error over the output's max abs) before it is yielded."""
+    from pdpool.kernels import cutlass_gemm as cg
+
+    if configs == ["all"]:
+        configs = []
+        for name in cg.KERNELS:
+            kernel = cg.Kernel.parse(name)
+            tiles = -(-M // kernel.row_tile())
+            if tiles <= 2 and tiles * kernel.row_tile() <= 1.5 * M:
+                configs += [f"{name}:{mode}" for mode in CUTLASS_MODES] if kernel.stream_k else [name]
+    scale = ref.abs().max().item()
+    for config in configs:
+        try:
+            err = (cg.linear(x, w0, config).float() - ref).abs().max().item() / scale
+        except RuntimeError as exc:  # a config the kernel refuses for this shape
+            print(f"  cutlass {config}: {exc}", flush=True)
+            continue
+        if not err < 2e-2:
+            print(f"  cutlass {config}: max abs error {err:.3g} of the output's scale, dropped", flush=True)
+            continue
+        yield config, (lambda x, w, config=config: cg.linear(x, w, config))
+
+
+def per_layer_sums(results: list[dict]) -> None:
+    """Per row count: the four projections' sum per layer for each method, and each projection's best CUTLASS."""
+    for M in sorted({r["M"] for r in results}):
+        rows = [r for r in results if r["M"] == M]
+        methods = [m for m in rows[0]["us"] if all(m in r["us"] for r in rows)]
+        sums = {m: sum(r["us"][m] for r in rows) for m in methods}
+        line = "  ".join(f"{m} {v:7.2f}" for m, v in sums.items())
+        picks = ", ".join(f"{r['proj']} {r['found'][m]['label']}" for r in rows for m in r["found"]
+                          if m.startswith("cutlass"))
+        base = sums.get("cublas")
+        diffs = "  ".join(f"{m}-cublas {v - base:+7.2f}" for m, v in sums.items() if base and m != "cublas")
+        print(f"layer M {M:3d} ({len(rows)} projections) us: {line} | {diffs} | {picks}", flush=True)
+
+
 def search(method: str, candidates, x, ws, ref, layers: int, keep: int = 3) -> dict:
     """Screen every candidate in graph replays, time the ``keep`` best as the others are timed; the fastest."""
     screened, dropped = [], 0
@@ -157,7 +211,7 @@ def main() -> int:
     ap.add_argument("--rows", default="16,64,128,192,256")
     ap.add_argument("--cases", default=None, help="e.g. llama8b:gate_up,qwen0.6b:qkv (default: all)")
     ap.add_argument("--methods", default="cublas,cublaslt,tuned",
-                    help="cublas,cublaslt,tuned,tma,lt-search,lt-enum")
+                    help="cublas,cublaslt,tuned,tma,lt-search,lt-enum,cutlass:all,cutlass:<config>")
     ap.add_argument("--tune-ms", type=int, default=30, help="TunableOp's time per algorithm")
     args = ap.parse_args()
     methods = args.methods.split(",")
@@ -188,6 +242,12 @@ def main() -> int:
                          else lt_candidates(M, N, K, enumerate_ids=method == "lt-enum"))
                 found[method] = search(method, cands, x, ws, ref, layers)
                 times[method], errs[method] = found[method]["us"], found[method]["rel_err"]
+            cutlass_configs = [m.split(":", 1)[1] for m in methods if m.startswith("cutlass:")]
+            if cutlass_configs:
+                method = "cutlass" if cutlass_configs == ["all"] else "cutlass:" + ",".join(cutlass_configs)
+                found[method] = search(method, cutlass_candidates(cutlass_configs, x, ws[0], ref, M), x, ws, ref,
+                                       layers)
+                times[method], errs[method] = found[method]["us"], found[method]["rel_err"]
             copy_us = (N * K + M * (N + K)) * 2 / copy_bw * 1e6
             flop_us = 2 * M * N * K / mm_rate * 1e6
             row = dict(model=model, proj=proj, M=M, N=N, K=K, copy_us=copy_us, matmul_us=flop_us, us=times,
@@ -200,6 +260,8 @@ def main() -> int:
                       f"{f['search_s']:.1f} s) top {f['top'][:4]}", flush=True)
         ws = None
         torch.cuda.empty_cache()
+    if any(m.startswith("cutlass:") for m in methods):
+        per_layer_sums(results)
     out = os.environ.get("OUT")
     if out:
         tunable = torch.cuda.tunable
