@@ -11,6 +11,14 @@ In each process started as ``... router ...`` (each worker of ``--workers N`` to
   CPU it last ran on, minor and major page faults, and the process's RSS in MB.
 The loop is wrapped through ``uvloop.run`` (the router's loop when uvloop is installed). ``PROBE_SWITCH_S=S``
 also sets the interpreter's GIL switch interval (``sys.setswitchinterval``, default 0.005 s) in those processes.
+
+Variants for an A/B of the router's other threads as the cause of the stalls (each a change to the probed process
+only, not to pdpool):
+- ``PROBE_SAMPLE=0``: no frame-sampling thread (it takes the GIL every 2 ms itself);
+- ``PROBE_QUIET=1``: the ``pdpool.router`` loggers at WARNING, so no per-request line is made and the log writer
+  thread (``router/log_lines.py``) never wakes;
+- ``PROBE_SYNC_LOG=1``: the per-request lines are made as shipped but written by the event loop's thread at once,
+  and the log writer thread exits: the same work with no second thread taking the GIL.
 """
 import collections, gc, os, sys, threading, time
 _out = os.environ.get("PROBE_OUT")
@@ -78,7 +86,25 @@ if _out and sys.argv[1:2] == ["router"]:
         _main = threading.get_ident()
         _main_native = threading.get_native_id()
         threading.Thread(target=_flush, daemon=True).start()
-        threading.Thread(target=_sample, daemon=True).start()
+        if os.environ.get("PROBE_SAMPLE", "1") != "0":
+            threading.Thread(target=_sample, daemon=True).start()
+    if os.environ.get("PROBE_QUIET") == "1":
+        import logging
+        logging.getLogger("pdpool.router").setLevel(logging.WARNING)
+    def _sync_log():
+        import logging
+        from pdpool.router.log_lines import BufferedLineHandler
+        for h in logging.getLogger().handlers:
+            if isinstance(h, BufferedLineHandler):
+                h.flush()
+                h._closed = True          # its writer thread exits at its next wake-up; emit() flushes at once
+                h._pending.set()
+                def add_line(line, h=h):
+                    with h.lock:
+                        h.stream.write(line)
+                        h.stream.flush()
+                h.add_line = add_line
+                _w(f"synclog {time.time():.3f} {h!r}")
     _main_native = threading.get_native_id()
     if os.environ.get("PROBE_SWITCH_S"):
         sys.setswitchinterval(float(os.environ["PROBE_SWITCH_S"]))
@@ -90,6 +116,8 @@ if _out and sys.argv[1:2] == ["router"]:
         async def wrapped():
             import asyncio
             asyncio.get_running_loop().create_task(_lag())
+            if os.environ.get("PROBE_SYNC_LOG") == "1":
+                _sync_log()
             return await coro
         return _run(wrapped(), **kw)
     uvloop.run = run
