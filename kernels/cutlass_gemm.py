@@ -60,15 +60,18 @@ class Kernel:
 def parse_config(config: str) -> tuple[Kernel, int, int]:
     """``'<kernel>:<mode>'`` -> (kernel, decomposition mode, splits); a ``pp`` kernel takes no mode."""
     name, _, mode = config.partition(":")
-    assert name in KERNELS, f"unknown CUTLASS kernel {name!r}; built: {', '.join(KERNELS)}"
+    if name not in KERNELS:
+        raise ValueError(f"unknown CUTLASS kernel {name!r}; built: {', '.join(KERNELS)}")
     kernel = Kernel.parse(name)
     if not kernel.stream_k:
-        assert mode in ("", "persistent"), f"{name} is a persistent kernel, it takes no mode ({mode!r})"
+        if mode not in ("", "persistent"):
+            raise ValueError(f"{name} is a persistent kernel, it takes no mode ({mode!r})")
         return kernel, 0, 1
     mode = mode or "heur"
     if mode in MODES:
         return kernel, *MODES[mode]
-    assert mode[0] == "s" and mode[1:].isdigit() and int(mode[1:]) > 1, f"bad mode {mode!r}"
+    if not (mode[0] == "s" and mode[1:].isdigit() and int(mode[1:]) > 1):
+        raise ValueError(f"bad mode {mode!r}: heur, dp, sk or s<N> (split-K into N > 1 slices)")
     return kernel, 2, int(mode[1:])
 
 
@@ -77,7 +80,8 @@ def load(path: str | os.PathLike | None = None) -> ctypes.CDLL:
     global _LIB
     if _LIB is None:
         path = path or os.environ.get("PDPOOL_CUTLASS_GEMM_LIB") or DEFAULT_LIB
-        assert Path(path).exists(), f"{path} is missing: run benchmarks/build_cutlass_gemm.sh"
+        if not Path(path).exists():
+            raise FileNotFoundError(f"{path} is missing: run benchmarks/build_cutlass_gemm.sh")
         lib = ctypes.CDLL(str(path))
         for name in KERNELS:
             fn = getattr(lib, f"cutlass_gemm_{name}")
@@ -107,13 +111,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, config: str, out: torch.Tensor
     kernel, mode, splits = parse_config(config)
     M, K = x.shape
     N = weight.shape[0]
-    assert x.dtype == weight.dtype == torch.bfloat16 and x.is_cuda and weight.device == x.device, \
-        f"bf16 CUDA tensors on one device expected: {x.dtype} {x.device}, {weight.dtype} {weight.device}"
-    assert x.is_contiguous() and weight.is_contiguous() and weight.shape[1] == K, \
-        f"x {tuple(x.shape)} / weight {tuple(weight.shape)}: contiguous [M, K] and [N, K] expected"
-    assert K % 8 == 0 and N % 8 == 0, f"K {K} and N {N} must be multiples of 8 (16-byte TMA rows)"
+    if not (x.dtype == weight.dtype == torch.bfloat16 and x.is_cuda and weight.device == x.device):
+        raise ValueError(f"bf16 CUDA tensors on one device expected: {x.dtype} {x.device}, "
+                         f"{weight.dtype} {weight.device}")
+    if not (x.is_contiguous() and weight.is_contiguous() and weight.shape[1] == K):
+        raise ValueError(f"x {tuple(x.shape)} / weight {tuple(weight.shape)}: contiguous [M, K] and [N, K] expected")
+    if K % 8 or N % 8:
+        raise ValueError(f"K {K} and N {N} must be multiples of 8 (16-byte TMA rows)")
     out = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
-    assert out.shape == (M, N) and out.is_contiguous() and out.dtype == x.dtype
+    if not (out.shape == (M, N) and out.is_contiguous() and out.dtype == x.dtype):
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype}: a contiguous [{M}, {N}] {x.dtype} tensor expected")
     if M == 0:
         return out
     ws = _workspace(x.device)
