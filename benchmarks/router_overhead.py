@@ -296,7 +296,8 @@ async def main_async(args) -> None:
     spawn = spawner(procs, args.logs)
     try:
         redis, redis_url = start_redis(spawn, args.redis_server)
-        extra = () if args.stub_kv_blocks is None else ("--kv-blocks", str(args.stub_kv_blocks))
+        extra = (() if args.stub_kv_blocks is None else ("--kv-blocks", str(args.stub_kv_blocks))) + (
+            ("--index-work", args.stub_index_work) if args.stub_index_work else ())
         stubs, stub_pids = start_stubs(spawn, redis_url, *extra)
         for s in stubs:
             await wait_http(s + "/health")
@@ -361,6 +362,9 @@ def main() -> None:
     ap.add_argument("--stub-kv-blocks", type=int, default=None,
                     help="the stubs' prefix cache in blocks (default: the stub's, 4096); 0: the stubs publish nothing "
                          "(heartbeats only), which shows what their index work costs the other parts")
+    ap.add_argument("--stub-index-work", choices=("step", "response"), default=None,
+                    help="when the stubs hash and store a served prompt's blocks (default: the stub's, 'step': at "
+                         "their next publish step; 'response': right after the answer, as before round 9)")
     ap.add_argument("--redis-server", default=None, help="redis-server binary (default: the one on PATH)")
     ap.add_argument("--logs", type=Path, default=LOGS, help="folder for every process's log")
     args = ap.parse_args()

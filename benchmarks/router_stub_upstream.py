@@ -11,7 +11,10 @@ and hashed again: ``BlockHasher``), held in an LRU of ``--kv-blocks`` blocks, ea
 ``NodeIndex.publish`` once per ``--step-ms`` (10 ms), as an engine publishes once per step, not once per request
 (so Redis's sets and the index event stream the routers' mirrors tail change as with real nodes; before round 6
 of the overhead work each request's blocks went out in a MULTI of their own, 5x the Redis transactions of a
-node at 1000 req/s). A request without those ids (the direct baseline, the peers) costs nothing more: what the
+node at 1000 req/s). Since round 9 a served prompt's blocks are hashed and stored at that step too, not right
+after its answer is written (``--index-work step``, the default; ``response`` is the earlier way): an engine
+stores a step's blocks after the step, and on the shared 2-core machine the moment after an answer is the
+request's critical path, where the emulated node's hashing delayed the router and the load generator. A request without those ids (the direct baseline, the peers) costs nothing more: what the
 stubs cost per request under each router is in ``router_overhead.py``'s output.
 
 A raw asyncio protocol on httptools (llhttp), on uvloop when installed: every answer is a canned one, written from
@@ -102,7 +105,7 @@ class PrefixCache:
     published once per ``step`` seconds, as an engine publishes once per step (``KVConnector.after_step``); 0
     publishes each request's changes on their own."""
 
-    def __init__(self, index, capacity: int, step: float = 0.0) -> None:
+    def __init__(self, index, capacity: int, step: float = 0.0, at_step: bool = True) -> None:
         from pdpool.block_hash import ModelFingerprint, root_hash
 
         self.index = index
@@ -113,10 +116,29 @@ class PrefixCache:
         self.hasher = BlockHasher(16, self.root)
         self.touched: set[bytes] = set()      # stored or evicted since the last publish
         self.flush_at: asyncio.TimerHandle | None = None
+        self.at_step = at_step and step > 0
+        self.queued: list[bytes] = []         # served bodies whose blocks are not stored yet (``at_step``)
 
     def served(self, body: bytes) -> None:
+        """A body was answered. With ``at_step`` its blocks are hashed and stored at the next publish step, as an
+        engine stores a step's blocks after that step and not at the moment the router relays an answer (on the
+        shared 2-core machine that moment is the request's critical path); else at once, as before round 9."""
         if IDS_KEY not in body:
             return
+        if self.at_step:
+            self.queued.append(body)
+            if self.flush_at is None:
+                self.flush_at = asyncio.get_running_loop().call_later(self.step, self.publish)
+            return
+        self.store(body)
+        if not self.touched:
+            return
+        if not self.step:
+            self.publish()
+        elif self.flush_at is None:
+            self.flush_at = asyncio.get_running_loop().call_later(self.step, self.publish)
+
+    def store(self, body: bytes) -> None:
         lru = self.lru
         touched = self.touched
         for hashes in self.hasher.prompts(body):
@@ -128,16 +150,15 @@ class PrefixCache:
                     touched.add(h)
         while len(lru) > self.capacity:
             touched.add(lru.popitem(last=False)[0])
-        if not touched:
-            return
-        if not self.step:
-            self.publish()
-        elif self.flush_at is None:
-            self.flush_at = asyncio.get_running_loop().call_later(self.step, self.publish)
 
     def publish(self) -> None:
         """The net change since the last publish: a block stored and evicted meanwhile goes out as removed."""
         self.flush_at = None
+        queued, self.queued = self.queued, []
+        for body in queued:
+            self.store(body)
+        if not self.touched:
+            return
         lru = self.lru
         stored = [h for h in self.touched if h in lru]
         removed = [h for h in self.touched if h not in lru]
@@ -194,7 +215,7 @@ def heartbeat(args) -> None:
     index = NodeIndex(connect(args.redis), PoolKeys("default", args.pool), args.node_id, inc, heartbeat_ttl=3.0)
     index.resync([])   # a new incarnation starts with an empty cache, as a node does
     if args.kv_blocks:
-        CACHE = PrefixCache(index, args.kv_blocks, args.step_ms / 1000)
+        CACHE = PrefixCache(index, args.kv_blocks, args.step_ms / 1000, args.index_work == "step")
     info = NodeInfo(args.node_id, "both", f"http://127.0.0.1:{args.port}", inc,
                     fingerprint={"model_id": "demo", "dtype": "float32", "block_size": 16})
     HeartbeatThread(index, lambda: info, 1.0).start()
@@ -217,6 +238,10 @@ def main() -> None:
     p.add_argument("--step-ms", type=float, default=10.0,
                    help="publish the cache's changes at most once per this many ms, as an engine does once per "
                         "step (0: every request's on its own)")
+    p.add_argument("--index-work", choices=("step", "response"), default="step",
+                   help="when a served prompt's blocks are hashed and stored: at the next publish step, as an engine "
+                        "stores a step's blocks after the step (default), or right after the answer is written "
+                        "(before round 9 of the overhead work)")
     args = p.parse_args()
     if args.redis:
         heartbeat(args)

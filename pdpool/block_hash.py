@@ -78,19 +78,45 @@ def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block
     are packed into one buffer and each digest hashes one concatenation of fixed framing and a slice of it::
 
         sha256( len(parent) | parent | len(block bytes) | tokens[iB:(i+1)B] as <u32 | len(extras) | extras )[:16]
+
+    The loop runs in C (``hash_chain`` of ``pdpool/csrc/pieces.c``, built on first use by ``pdpool.native_text``)
+    where that module builds, else in ``hashlib``: the same bytes either way (a property test checks it), about
+    six times fewer µs per block in C, which every engine's admission and every router request pays.
     """
     first, num_full = len(hashes), len(token_ids) // block_size
     if num_full <= first:
         return hashes
     tokens = _encode_tokens(token_ids[first * block_size:num_full * block_size])
     extras = _encode_fields(k.encode() for k in extra_keys)
-    step = 4 * block_size
     parent = hashes[-1] if hashes else root
+    tail = struct.pack("<I", len(extras)) + extras
+    chain = _chain[0] if _chain else _native_chain()
+    if chain is not None and len(parent) == HASH_BYTES:
+        hashes.extend(chain(parent, tokens, 4 * block_size, tail))
+        return hashes
+    return _extend_hashlib(hashes, parent, tokens, 4 * block_size, tail)
+
+
+def _extend_hashlib(hashes: list[BlockHash], parent: bytes, tokens: bytes, step: int,
+                    tail: bytes) -> list[BlockHash]:
+    """``extend_block_hashes``' loop in Python: ``tokens`` holds whole blocks of ``step`` bytes."""
     head = struct.pack("<I", len(parent))       # every hash, the root included, is HASH_BYTES long
     middle = struct.pack("<I", step)
-    tail = struct.pack("<I", len(extras)) + extras
     sha256 = hashlib.sha256
     for start in range(0, len(tokens), step):
         parent = sha256(head + parent + middle + tokens[start:start + step] + tail).digest()[:HASH_BYTES]
         hashes.append(parent)
     return hashes
+
+
+_chain: list = []   # [the native ``hash_chain``, or None], looked up once
+
+
+def _native_chain():
+    """The native module's ``hash_chain``, or None where it cannot be had (no compiler or no ``Python.h``: logged
+    once by ``pdpool.native_text``; ``PDPOOL_ROUTER_NATIVE=0``)."""
+    if not _chain:
+        from pdpool import native_text
+
+        _chain.append(getattr(native_text.load(), "hash_chain", None))
+    return _chain[0]

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import datetime
@@ -407,26 +406,15 @@ class BlockHashMemo:
     when it holds ``capacity`` nodes. One thread only.
     """
 
-    def __init__(self, capacity: int = 8192, hash_chain=None) -> None:
-        """``hash_chain``: the router's C loop of ``extend_block_hashes`` (``pdpool/csrc/pieces.c``), or None."""
+    def __init__(self, capacity: int = 8192) -> None:
         self.capacity = capacity
         self._tries: dict[tuple, dict] = {}
         self._nodes = 0
-        self._hash_chain = hash_chain
 
-    def extend(self, hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
+    @staticmethod
+    def extend(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
                root: BlockHash) -> list[BlockHash]:
-        """``extend_block_hashes`` without extra keys, in C when the router's native module is there (a test
-        compares them bit for bit)."""
-        chain = self._hash_chain
-        if chain is None:
-            return extend_block_hashes(hashes, token_ids, block_size, root)
-        first, num_full = len(hashes), len(token_ids) // block_size
-        if num_full > first:
-            tokens = struct.pack(f"<{(num_full - first) * block_size}I",
-                                 *token_ids[first * block_size:num_full * block_size])
-            hashes.extend(chain(hashes[-1] if hashes else root, tokens, 4 * block_size, _NO_EXTRA_KEYS))
-        return hashes
+        return extend_block_hashes(hashes, token_ids, block_size, root)
 
     def hashes(self, token_ids: Sequence[int], block_size: int, root: BlockHash,
                shared: tuple[int, tuple[tuple[str, int], ...]] | None) -> list[BlockHash]:
@@ -470,9 +458,6 @@ def _native_function(name: str):
 
     module = native.load()
     return getattr(module, name) if module is not None else None
-
-
-_NO_EXTRA_KEYS = struct.pack("<I", 0)   # extend_block_hashes' framing of an empty extra-keys list
 
 
 def _piece_encoder(tokenizer: "Tokenizer") -> PieceEncoder | None:
@@ -552,8 +537,7 @@ class Frontend:
         self.vocab_size = files.vocab_size
         self.eos_token_ids = files.eos_token_ids
         self.token_cache = TokenChunkCache(tokenizer, token_cache_chunks) if token_cache_chunks > 0 else None
-        self.hash_memo = (BlockHashMemo(token_cache_chunks, _native_function("hash_chain"))
-                          if self.token_cache is not None else None)
+        self.hash_memo = BlockHashMemo(token_cache_chunks) if self.token_cache is not None else None
         self._encode_text = self.token_cache.encode if self.token_cache is not None else tokenizer.encode
 
     @classmethod

@@ -41,3 +41,31 @@ def test_a_shared_prefix_is_looked_up_not_hashed_again():
     size = len(hasher.memo)
     assert hasher.prompts(body([SHARED + [9] * 20], True)) == [hash_prompt_blocks(SHARED + [9] * 20, 16, ROOT)]
     assert len(hasher.memo) == size + 1          # only the one fresh block was hashed
+
+
+class _Index:
+    def __init__(self) -> None:
+        self.calls: list[tuple[set, set]] = []
+
+    def publish(self, stored, removed) -> None:
+        self.calls.append((set(stored), set(removed)))
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.lists(ids_lists, min_size=1, max_size=2), min_size=1, max_size=6), st.integers(2, 40))
+def test_storing_at_the_step_publishes_what_storing_at_once_does(bodies, capacity):
+    """``--index-work step`` (a served body's blocks stored at the next publish) against ``response`` (stored at
+    once): after the step, the same cache and the same net change go to the index."""
+    import asyncio
+
+    async def run(at_step: bool):
+        index = _Index()
+        cache = stub.PrefixCache(index, capacity, step=0.001, at_step=at_step)
+        for prompts in bodies:
+            cache.served(body(prompts, True))
+        assert (len(cache.queued) == len(bodies)) if at_step else not cache.queued
+        await asyncio.sleep(0.01)
+        assert cache.flush_at is None and not cache.queued and not cache.touched
+        return list(cache.lru), index.calls
+
+    assert asyncio.run(run(True)) == asyncio.run(run(False))

@@ -3,6 +3,7 @@ hash the ids the router forwards): property tests against the demo model's real 
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -132,6 +133,19 @@ def test_the_native_piece_table_builds_and_is_used(frontend):
     assert not PieceEncoder(frontend.tokenizer, native=False).native
 
 
+@contextlib.contextmanager
+def hash_loop(native: bool):
+    """``pdpool.block_hash``'s loop in C (``native``) or in hashlib, for the duration of a ``with``."""
+    from pdpool import block_hash, native_text
+
+    saved = list(block_hash._chain)
+    block_hash._chain[:] = [native_text.load().hash_chain if native else None]
+    try:
+        yield
+    finally:
+        block_hash._chain[:] = saved
+
+
 @pytest.fixture(scope="module")
 def native_module():
     from pdpool import native_text as native
@@ -193,13 +207,16 @@ def test_the_block_hash_memo_gives_the_engines_hashes(frontend, native_module, p
     from pdpool.block_hash import ModelFingerprint, hash_prompt_blocks, root_hash
 
     cache = TokenChunkCache(frontend.tokenizer, capacity=64, chunk_chars=4)
-    memo = BlockHashMemo(capacity, native_module.hash_chain if use_native else None)
+    memo = BlockHashMemo(capacity)
     systems = ["You are helpful. " * 3, "Answer briefly, in French. " * 2, "日本 🙂 <|im_start|> tools: none. ", ""]
     root = root_hash(ModelFingerprint("demo", "float32", block_size), salt)
     for _ in range(2):
         for system, question in prompts:
             ids, _, shared = cache.encode_chunked(systems[system] + question, add_special)
-            assert memo.hashes(ids, block_size, root, shared) == hash_prompt_blocks(ids, block_size, root)
+            with hash_loop(use_native):
+                got = memo.hashes(ids, block_size, root, shared)
+            with hash_loop(native=False):
+                assert got == hash_prompt_blocks(ids, block_size, root)
 
 
 def test_the_memo_hashes_only_the_fresh_tail(frontend, monkeypatch):
@@ -235,23 +252,26 @@ def test_the_native_cuts_are_the_pattern_s_cuts(frontend, text, size):
 @given(token_ids=st.lists(st.integers(0, 2**32 - 1), max_size=200), block_size=st.integers(1, 40),
        first=st.integers(0, 8), salt=st.sampled_from([None, "", "tenant-7"]), extra=st.booleans())
 def test_the_native_hash_chain_is_the_engines_hash(native_module, token_ids, block_size, first, salt, extra):
-    """``hash_chain`` (SHA-256 in C) against ``extend_block_hashes`` (hashlib), bit for bit, from any start."""
+    """``hash_chain`` (SHA-256 in C) against ``extend_block_hashes``' hashlib loop, bit for bit, from any start;
+    and ``extend_block_hashes`` itself, which uses it."""
     import struct
 
     from pdpool.block_hash import ModelFingerprint, extend_block_hashes, hash_prompt_blocks, root_hash
 
     root = root_hash(ModelFingerprint("demo", "float32", block_size), salt)
-    expected = hash_prompt_blocks(token_ids, block_size, root, ("img:1",) if extra else ())
+    keys = ("img:1",) if extra else ()
+    with hash_loop(native=False):
+        expected = hash_prompt_blocks(token_ids, block_size, root, keys)
     start = min(first, len(expected))
     tokens = struct.pack(f"<{(len(expected) - start) * block_size}I",
                          *token_ids[start * block_size:len(expected) * block_size])
     tail = struct.pack("<I", 9) + struct.pack("<I", 5) + b"img:1" if extra else struct.pack("<I", 0)
     parent = expected[start - 1] if start else root
     assert native_module.hash_chain(parent, tokens, 4 * block_size, tail) == expected[start:]
-    memo = BlockHashMemo(4, native_module.hash_chain)
-    if not extra:
-        assert memo.extend(list(expected[:start]), token_ids, block_size, root) == expected
-        assert extend_block_hashes(list(expected[:start]), token_ids, block_size, root) == expected
+    with hash_loop(native=True):
+        assert extend_block_hashes(list(expected[:start]), token_ids, block_size, root, keys) == expected
+        if not extra:
+            assert BlockHashMemo(4).extend(list(expected[:start]), token_ids, block_size, root) == expected
 
 
 def test_the_native_hash_chain_refuses_bad_framing(native_module):
