@@ -1,5 +1,5 @@
 """The front end's native piece table and block-hash chain (``pdpool/csrc/pieces.c``), used by the router's token
-cache: built with the C compiler and Python's headers, once
+cache and by ``pdpool.block_hash`` (engines and router alike): built with the C compiler and Python's headers, once
 per source and Python, and loaded by path; no torch, no build tool beyond ``cc``.
 
     python -m pdpool.native_text        # build ahead of time (the image, CI); prints the module's path
@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 from types import ModuleType
 
-log = logging.getLogger("pdpool.router")
+log = logging.getLogger("pdpool.native")
 
 NAME = "pdpool_router_pieces"
 SOURCE = Path(__file__).parent / "csrc" / "pieces.c"
@@ -103,7 +103,8 @@ def load() -> ModuleType | None:
             except (OSError, ImportError, subprocess.SubprocessError) as exc:
                 errors.append(f"{folder}: {exc}")
         if module is None:
-            log.warning("router native piece table unavailable, tokenizing fresh text in Python: %s",
+            log.warning("pdpool's native text module (pdpool/csrc/pieces.c) is unavailable, so fresh text is "
+                        "tokenized and block hashes are computed in Python (same results, more CPU): %s",
                         "; ".join(errors))
     _loaded.append(module)
     return module
