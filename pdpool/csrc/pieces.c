@@ -6,6 +6,8 @@
  *   table.encode(text) -> (ids, b"1,2,3")   text: an ASCII str; the ids and their JSON without the brackets
  *   chunks(text, chunk_chars) -> [str]      TokenChunkCache's cuts (pdpool/frontend.py), any str
  *   hash_chain(parent, tokens, step, tail)  the engines' chained block hashes (pdpool/block_hash.py), SHA-256 here
+ *   sha256_path([name]) -> str              "sha-ni" (x86 SHA extensions, chosen at load where the CPU has them)
+ *                                           or "portable"; naming one switches to it (the tests check both)
  *
  * The pieces are those of the GPT-2 pattern on ASCII text (White_Space = \t \n \v \f \r and space):
  *   's|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\s A-Za-z0-9]+|\s+(?!\S)|\s+
@@ -343,10 +345,65 @@ static void sha256_compress(uint32_t st[8], const unsigned char *p) {
     st[0] += a; st[1] += b; st[2] += c; st[3] += d; st[4] += e; st[5] += f; st[6] += g; st[7] += h;
 }
 
+static void sha256_compress_blocks(uint32_t st[8], const unsigned char *p, size_t blocks) {
+    for (size_t k = 0; k < blocks; k++) sha256_compress(st, p + 64 * k);
+}
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#include <immintrin.h>
+#define HAVE_SHA_NI 1
+
+/* The same compression with the x86 SHA extensions (Intel since Goldmont/Ice Lake, AMD since Zen): 4 rounds per
+ * pair of sha256rnds2, the message schedule by sha256msg1/msg2. The state is kept as ABEF/CDGH, as the
+ * instructions want it. Only called where the CPU has them (sha_ni_usable). */
+__attribute__((target("sha,sse4.1")))
+static void sha256_compress_ni(uint32_t st[8], const unsigned char *p, size_t blocks) {
+    const __m128i bswap = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
+    __m128i tmp = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&st[0]), 0xB1);     /* CDAB */
+    __m128i state1 = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&st[4]), 0x1B);  /* EFGH */
+    __m128i state0 = _mm_alignr_epi8(tmp, state1, 8);                                     /* ABEF */
+    state1 = _mm_blend_epi16(state1, tmp, 0xF0);                                          /* CDGH */
+    for (size_t b = 0; b < blocks; b++, p += 64) {
+        __m128i abef = state0, cdgh = state1, w[4];
+        for (int i = 0; i < 4; i++) w[i] = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(p + 16 * i)), bswap);
+        for (int r = 0; r < 16; r++) {   /* rounds 4r .. 4r+3; w[r % 4] holds W[4r .. 4r+3] */
+            __m128i wk = _mm_add_epi32(w[r & 3], _mm_loadu_si128((const __m128i *)&K256[4 * r]));
+            state1 = _mm_sha256rnds2_epu32(state1, state0, wk);
+            state0 = _mm_sha256rnds2_epu32(state0, state1, _mm_shuffle_epi32(wk, 0x0E));
+            if (r < 12) {                /* W[4r+16 .. 4r+19] replaces W[4r .. 4r+3] */
+                __m128i x = _mm_sha256msg1_epu32(w[r & 3], w[(r + 1) & 3]);
+                x = _mm_add_epi32(x, _mm_alignr_epi8(w[(r + 3) & 3], w[(r + 2) & 3], 4));
+                w[r & 3] = _mm_sha256msg2_epu32(x, w[(r + 3) & 3]);
+            }
+        }
+        state0 = _mm_add_epi32(state0, abef);
+        state1 = _mm_add_epi32(state1, cdgh);
+    }
+    tmp = _mm_shuffle_epi32(state0, 0x1B);                                                /* FEBA */
+    state1 = _mm_shuffle_epi32(state1, 0xB1);                                             /* DCHG */
+    _mm_storeu_si128((__m128i *)&st[0], _mm_blend_epi16(tmp, state1, 0xF0));              /* DCBA */
+    _mm_storeu_si128((__m128i *)&st[4], _mm_alignr_epi8(state1, tmp, 8));                 /* HGFE */
+}
+
+static int sha_ni_usable(void) {
+    unsigned int a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & bit_SSSE3) || !(c & bit_SSE4_1)) return 0;
+    if (__get_cpuid_max(0, NULL) < 7) return 0;
+    __cpuid_count(7, 0, a, b, c, d);
+    return (b >> 29) & 1;   /* CPUID.(EAX=7,ECX=0):EBX.SHA[bit 29] */
+}
+#else
+static int sha_ni_usable(void) { return 0; }
+#endif
+
+/* The compression in use: the SHA extensions where the CPU has them (set at import), else the portable code. */
+static void (*compress_blocks)(uint32_t st[8], const unsigned char *p, size_t blocks) = sha256_compress_blocks;
+
 static void sha256(const unsigned char *msg, size_t n, unsigned char out[32]) {
     uint32_t st[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
-    size_t i = 0;
-    for (; i + 64 <= n; i += 64) sha256_compress(st, msg + i);
+    size_t i = n & ~(size_t)63;
+    compress_blocks(st, msg, i / 64);
     unsigned char last[128] = {0};
     size_t rest = n - i;
     memcpy(last, msg + i, rest);
@@ -354,7 +411,7 @@ static void sha256(const unsigned char *msg, size_t n, unsigned char out[32]) {
     size_t blocks = rest + 9 <= 64 ? 1 : 2;
     uint64_t bits = (uint64_t)n * 8;
     for (int k = 0; k < 8; k++) last[blocks * 64 - 1 - k] = (unsigned char)(bits >> (8 * k));
-    for (size_t k = 0; k < blocks; k++) sha256_compress(st, last + 64 * k);
+    compress_blocks(st, last, blocks);
     for (int k = 0; k < 8; k++) {
         out[4 * k] = (unsigned char)(st[k] >> 24); out[4 * k + 1] = (unsigned char)(st[k] >> 16);
         out[4 * k + 2] = (unsigned char)(st[k] >> 8); out[4 * k + 3] = (unsigned char)st[k];
@@ -403,7 +460,34 @@ static PyObject *hash_chain(PyObject *module, PyObject *const *args, Py_ssize_t 
     return out;
 }
 
+/* sha256_path() -> the compression in use, "sha-ni" or "portable"; sha256_path(name) switches to it first
+ * ("sha-ni" where the CPU lacks it: ValueError). For the tests, which check both paths against hashlib. */
+static PyObject *sha256_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs > 1 || (nargs == 1 && !PyUnicode_Check(args[0]))) {
+        PyErr_SetString(PyExc_TypeError, "sha256_path(name: str = None)");
+        return NULL;
+    }
+    if (nargs == 1) {
+        const char *name = PyUnicode_AsUTF8(args[0]);
+        if (name == NULL) return NULL;
+        if (strcmp(name, "portable") == 0) {
+            compress_blocks = sha256_compress_blocks;
+#ifdef HAVE_SHA_NI
+        } else if (strcmp(name, "sha-ni") == 0 && sha_ni_usable()) {
+            compress_blocks = sha256_compress_ni;
+#endif
+        } else {
+            PyErr_Format(PyExc_ValueError, "sha256_path: %R is not a SHA-256 path of this CPU (\"portable\"%s)",
+                         args[0], sha_ni_usable() ? ", \"sha-ni\"" : "");
+            return NULL;
+        }
+    }
+    return PyUnicode_FromString(compress_blocks == sha256_compress_blocks ? "portable" : "sha-ni");
+}
+
 static PyMethodDef module_methods[] = {
+    {"sha256_path", (PyCFunction)(void (*)(void))sha256_path, METH_FASTCALL,
+     "sha256_path([name]) -> 'sha-ni' or 'portable': hash_chain's SHA-256 compression (naming one switches)"},
     {"chunks", (PyCFunction)(void (*)(void))chunks, METH_FASTCALL, "chunks(text, chunk_chars) -> list[str]"},
     {"hash_chain", (PyCFunction)(void (*)(void))hash_chain, METH_FASTCALL,
      "hash_chain(parent, tokens, step, tail) -> chained 16-byte block hashes (pdpool.block_hash's, in C)"},
@@ -437,6 +521,9 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "pdpool_router_pieces
 
 PyMODINIT_FUNC PyInit_pdpool_router_pieces(void) {
     init_kinds();
+#ifdef HAVE_SHA_NI
+    if (sha_ni_usable()) compress_blocks = sha256_compress_ni;
+#endif
     if (PyType_Ready(&PieceTableType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -272,6 +273,56 @@ def test_the_native_hash_chain_is_the_engines_hash(native_module, token_ids, blo
         assert extend_block_hashes(list(expected[:start]), token_ids, block_size, root, keys) == expected
         if not extra:
             assert BlockHashMemo(4).extend(list(expected[:start]), token_ids, block_size, root) == expected
+
+
+def sha256_paths(module) -> list[str]:
+    """The SHA-256 compressions this CPU can run: the portable C, and the x86 SHA extensions where it has them."""
+    current = module.sha256_path()
+    paths = ["portable"]
+    try:
+        module.sha256_path("sha-ni")
+        paths.append("sha-ni")
+    except ValueError:
+        pass
+    finally:
+        module.sha256_path(current)
+    return paths
+
+
+def test_the_sha_extensions_are_used_where_the_cpu_has_them(native_module):
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file() and " sha_ni" in cpuinfo.read_text():   # Linux on x86 names the extensions so
+        assert native_module.sha256_path() == "sha-ni"
+        assert sha256_paths(native_module) == ["portable", "sha-ni"]
+    else:
+        assert native_module.sha256_path() == "portable"
+    with pytest.raises(ValueError):
+        native_module.sha256_path("md5")
+
+
+@settings(max_examples=300, deadline=None)
+@given(parent=st.binary(min_size=16, max_size=16), blocks=st.integers(0, 5), step=st.integers(1, 40).map(lambda b: 4 * b),
+       tail=st.one_of(st.binary(max_size=200), st.integers(0, 140).map(lambda n: bytes(range(n % 256))[:n])),
+       data=st.data())
+def test_every_sha256_path_is_hashlib(native_module, parent, blocks, step, tail, data):
+    """Each compression (portable, SHA extensions) against hashlib's SHA-256 for messages of every length mod 64
+    (24 + step + len(tail) bytes: the padding's one- and two-block cases), bit for bit."""
+    import hashlib
+    import struct
+
+    tokens = data.draw(st.binary(min_size=blocks * step, max_size=blocks * step))
+    expected, h = [], parent
+    for i in range(blocks):
+        h = hashlib.sha256(struct.pack("<I", 16) + h + struct.pack("<I", step) + tokens[i * step:(i + 1) * step]
+                           + tail).digest()[:16]
+        expected.append(h)
+    current = native_module.sha256_path()
+    try:
+        for path in sha256_paths(native_module):
+            native_module.sha256_path(path)
+            assert native_module.hash_chain(parent, tokens, step, tail) == expected, path
+    finally:
+        native_module.sha256_path(current)
 
 
 def test_the_native_hash_chain_refuses_bad_framing(native_module):
