@@ -178,13 +178,15 @@ async def load(url: str, rate: float, seconds: float, bodies: list[bytes]) -> li
     from pdpool.router.http1 import HTTPClientError, Http1Client
 
     lat: list[float] = []
+    late: list[float] = []   # how long after its due time each request was written (the generator's own lag)
     errors = 0
     clients = [Http1Client() for _ in range(CLIENTS)]
     headers = {"Content-Type": "application/json"}
     try:
-        async def one(client: Http1Client, body: bytes) -> None:
+        async def one(client: Http1Client, body: bytes, due: float) -> None:
             nonlocal errors
             t0 = time.perf_counter()
+            late.append(t0 - due)
             try:
                 r = await client.request(url, body, headers, timeout=60, connect_timeout=10)
                 try:
@@ -205,14 +207,27 @@ async def load(url: str, rate: float, seconds: float, bodies: list[bytes]) -> li
             delay = start + i / rate - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.ensure_future(one(clients[i % CLIENTS], bodies[i % len(bodies)])))
+            tasks.append(asyncio.ensure_future(one(clients[i % CLIENTS], bodies[i % len(bodies)], start + i / rate)))
         await asyncio.gather(*tasks)
     finally:
         for client in clients:
             client.close()
     if errors:
         print(f"  {errors} errors at {url}", file=sys.stderr)
-    return sorted(lat)
+    return Latencies(sorted(lat), sorted(late))
+
+
+class Latencies(list):
+    """The answered requests' latencies (s, sorted), and ``late``: how long after its due time each request was
+    written (s, sorted). A generator that fell behind (its own process stalled) writes the requests it owes in a
+    burst, which a router then queues: ``late`` tells that apart from the router's own stalls."""
+
+    def __init__(self, latencies: list[float], late: list[float]) -> None:
+        super().__init__(latencies)
+        self.late = late
+
+    def late_ms(self) -> dict:
+        return {"send_late_p99_ms": round(pct(self.late, 0.99), 3), "send_late_max_ms": round(pct(self.late, 1.0), 3)}
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -232,7 +247,7 @@ async def measure(name: str, url: str, pid: int | None, rates, seconds, make_bod
         rows.append({"router": name, "rate": rate, "p50_added_ms": pct(lat, 0.5) - pct(base, 0.5),
                      "p99_added_ms": pct(lat, 0.99) - pct(base, 0.99), "p99_ms": pct(lat, 0.99),
                      "cpu_per_100rps": cpu.get("router", float("nan")) / 10,   # cores per 100 req/s
-                     "cpu_ms_per_request": cpu, "ok": len(lat)})
+                     "cpu_ms_per_request": cpu, "ok": len(lat), **lat.late_ms()})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -311,7 +326,7 @@ async def main_async(args) -> None:
             before = parts.snapshot(None)
             direct[r] = await load(stubs[0] + "/v1/completions", r, args.seconds, bodies)
             print(json.dumps({"router": "direct", "rate": r, "p50_ms": pct(direct[r], 0.5),
-                              "p99_ms": pct(direct[r], 0.99),
+                              "p99_ms": pct(direct[r], 0.99), **direct[r].late_ms(),
                               "cpu_ms_per_request": parts.per_request(before, parts.snapshot(None), len(bodies))}),
                   flush=True)
         results = []
