@@ -174,6 +174,10 @@ class PieceEncoder:
         self._added_ids = {t.content: i for i, t in raw.get_added_tokens_decoder().items()}
         names = sorted(self._added_ids, key=len, reverse=True)
         self._added = regex.compile("|".join(regex.escape(n) for n in names)) if names else None
+        # A text without the one character every added token starts with (e.g. '<') holds none of them: a
+        # substring test instead of the regex's search (0.07 against 0.58 us for a 256-character chunk)
+        firsts = {n[:1] for n in names}
+        self._added_first = firsts.pop() if len(firsts) == 1 and "" not in firsts else None
         self._cache: dict[str, list[int]] = {}
         self.capacity = capacity
         # ASCII segments in C where it builds (pdpool/csrc/pieces.c: the ASCII pattern's cuts, a piece table and
@@ -204,12 +208,14 @@ class PieceEncoder:
         chars = self._byte_chars
         return [t.id for t in self._tokenize("".join([chars[b] for b in piece.encode()]))]
 
-    def encode_entry(self, text: str) -> list:
-        """``[ids, their JSON without brackets]`` when the native table did the whole text (ASCII, no added
+    def encode_entry(self, text: str) -> tuple | list:
+        """``(ids, their JSON without brackets)`` when the native table did the whole text (ASCII, no added
         token) in one pass, else ``[ids, None]`` (the JSON is then made when it is needed)."""
         table = self._table
-        if table is not None and text.isascii() and (self._added is None or self._added.search(text) is None):
-            return list(table.encode(text))
+        added, first = self._added, self._added_first
+        if table is not None and text.isascii() and (added is None or (first is not None and first not in text)
+                                                     or added.search(text) is None):
+            return table.encode(text)
         return [self.encode(text), None]
 
     def encode(self, text: str) -> list[int]:

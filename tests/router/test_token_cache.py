@@ -184,6 +184,20 @@ def test_the_native_path_with_a_tiny_table(frontend, text, capacity):
         assert ids_json is None or ids_json == json.dumps(ids, separators=(",", ":")).encode()[1:-1]
 
 
+@settings(max_examples=400, deadline=None)
+@given(text=texts | ascii_texts | st.text(alphabet="<|>abc_ ", max_size=30))
+def test_the_added_token_precheck_is_the_regex(frontend, text):
+    """``encode_entry`` takes the native path exactly when the added-token regex finds nothing in an ASCII text:
+    its one-character pre-check ('<' for the demo tokenizer) only skips searches that would find nothing."""
+    pieces = PieceEncoder(frontend.tokenizer)
+    assert pieces._added_first == "<"
+    if pieces._added.search(text) is not None:
+        assert pieces._added_first in text
+    ids, ids_json = pieces.encode_entry(text)
+    native = text.isascii() and pieces._added.search(text) is None   # the condition before the pre-check
+    assert (ids_json is not None) == native and ids == frontend.tokenizer.encode(text, False)
+
+
 def test_the_native_table_refuses_what_it_cannot_encode(native_module):
     table = native_module.PieceTable(lambda piece: [1], 4)
     with pytest.raises(ValueError):
