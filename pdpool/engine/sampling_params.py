@@ -8,7 +8,7 @@ torch import here: the router validates with this module too.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 
 MAX_LOGPROBS = 20
 # vLLM's bounds for `seed` (torch.long). torch.Generator.manual_seed takes [-2**63, 2**64 - 1] and maps a negative
@@ -61,6 +61,24 @@ class SamplingParams:
                                       f"{short_repr(self.stop_token_ids)}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
+
+    @classmethod
+    def defaults(cls, max_tokens: int | None = 16, logprobs: int | None = None) -> "SamplingParams":
+        """``cls(max_tokens=max_tokens, logprobs=logprobs)``: the same object and the same refusals, without
+        checking the other fields' defaults again on every request (they are valid: checked once, at import). The
+        two given fields are checked here, in ``validate()``'s order (the OpenAI server's body without any
+        sampling field; a test compares the two)."""
+        if max_tokens is not None:
+            _int("max_tokens", max_tokens, 1, None)   # then min_tokens 0 <= max_tokens holds
+        if logprobs is not None:
+            _int("logprobs", logprobs, 0, MAX_LOGPROBS)
+        params = object.__new__(cls)
+        values = params.__dict__
+        values.update(_DEFAULTS)                   # every field, in the fields' order (as __init__ sets them)
+        for name, make in _DEFAULT_FACTORIES:
+            values[name] = make()
+        values["max_tokens"], values["logprobs"] = max_tokens, logprobs
+        return params
 
     @property
     def is_greedy(self) -> bool:
@@ -135,3 +153,9 @@ def _num(name: str, value, low, high, low_open: bool = False) -> None:
         raise SamplingParamsError(name, f"{name} must be in {_range(low, high, low_open)}, got {short_repr(value)}")
     if abs(x) > _FLOAT32_MAX:  # the sampler works in float32, where this is inf
         raise SamplingParamsError(name, f"{name} must be a finite float32 number, got {short_repr(value)}")
+
+
+_DEFAULTS = {f.name: f.default for f in fields(SamplingParams)}   # a factory's field: set per object
+_DEFAULT_FACTORIES = tuple((f.name, f.default_factory) for f in fields(SamplingParams)
+                           if f.default_factory is not MISSING)
+SamplingParams().validate()   # the defaults that ``SamplingParams.defaults`` does not check again

@@ -256,7 +256,10 @@ def _sampling(body: dict, max_tokens: int | None, logprobs: int | None) -> Sampl
     if _SAMPLING_FIELDS.isdisjoint(body):
         # What reading each absent field below gives (its default, the same as SamplingParams'), without 14
         # reads: a test compares the two on arbitrary bodies.
-        return make_sampling_params({"max_tokens": max_tokens, "logprobs": logprobs})
+        try:
+            return SamplingParams.defaults(max_tokens, logprobs)
+        except SamplingParamsError as exc:
+            raise APIError(str(exc), param=exc.param) from None
     return _sampling_fields(body, max_tokens, logprobs)
 
 

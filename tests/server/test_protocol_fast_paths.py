@@ -1,7 +1,8 @@
 """The request reader's fast paths (router overhead round 9) give what the plain paths give, on arbitrary bodies:
 ``read_json_body`` with one decoder made once against ``json.loads`` with its hooks per call, the flat-object
-check of ``_nesting_within``, ``_sampling`` without its 14 reads when no sampling field is there, and
-``make_sampling_params`` validating once. The references below are the code as it was before."""
+check of ``_nesting_within``, ``_sampling`` without its 14 reads when no sampling field is there (and
+``SamplingParams.defaults`` against the constructor), and ``make_sampling_params`` validating once. The
+references below answer what the code answered before, written another way."""
 
 from __future__ import annotations
 
@@ -28,55 +29,49 @@ def outcome(f, *args):
         return "error", type(exc).__name__, str(exc), getattr(exc, "param", None)
 
 
-# ---- the references: the code before the fast paths ----------------------------------------------------
+# ---- the references: what the code before the fast paths answered, written another way -----------------
 
-def old_nesting_within(value, limit: int) -> bool:
-    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
-    while stack:
-        v, depth = stack.pop()
-        if depth > limit:
-            return False
-        if isinstance(v, dict):
-            children = v.values()
-        elif isinstance(v, list):
-            if protocol._LEAVES.issuperset(map(type, v)):
-                continue
-            children = v
-        else:
-            continue
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
-    return True
+def nesting_depth(value) -> int:
+    """How deep arrays and objects nest (a scalar: 0), level by level."""
+    depth, level = 0, [value]
+    while level := [v for v in level if isinstance(v, (dict, list))]:
+        depth += 1
+        level = [c for v in level for c in (v.values() if isinstance(v, dict) else v)]
+    return depth
 
 
-def old_read_json_body(raw: bytes) -> dict:
+def reference_read(raw: bytes):
+    """``read_json_body``'s answer before round 9 (``json.loads`` with the hooks on every call), as an outcome."""
+    refused = ("error", 400)
     if not raw:
-        raise APIError("the request body is empty; send a JSON object")
+        return (*refused, "the request body is empty; send a JSON object", None)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise APIError(f"the request body is not valid UTF-8 (byte {exc.start})") from None
+        return (*refused, f"the request body is not valid UTF-8 (byte {exc.start})", None)
     try:
-        body = json.loads(text, parse_constant=protocol._refuse_constant, parse_float=protocol._finite_float)
+        value = json.loads(text, parse_constant=protocol._refuse_constant, parse_float=protocol._finite_float)
+        too_deep = nesting_depth(value) > protocol.MAX_JSON_DEPTH
     except RecursionError:
-        body = protocol._TOO_DEEP
+        too_deep = True
     except ValueError as exc:
-        raise APIError(f"malformed JSON body: {str(exc)[:200]}") from None
-    if body is protocol._TOO_DEEP or not old_nesting_within(body, protocol.MAX_JSON_DEPTH):
-        raise APIError(f"the JSON body is nested more than {protocol.MAX_JSON_DEPTH} levels deep")
-    if not isinstance(body, dict):
-        raise APIError("the request body must be a JSON object")
-    return body
+        return (*refused, f"malformed JSON body: {str(exc)[:200]}", None)
+    if too_deep:
+        return (*refused, f"the JSON body is nested more than {protocol.MAX_JSON_DEPTH} levels deep", None)
+    return ("ok", value) if isinstance(value, dict) else (*refused, "the request body must be a JSON object", None)
 
 
-def old_make_sampling_params(kwargs: dict) -> SamplingParams:
+def validated_twice(kwargs: dict):
+    """``make_sampling_params`` before round 9 (the constructor validates, then ``validate()`` again), as an
+    outcome."""
     try:
         params = SamplingParams(**kwargs)
         params.validate()
+        return "ok", params
     except SamplingParamsError as exc:
-        raise APIError(str(exc), param=getattr(exc, "param", None)) from None
+        return "error", 400, str(exc), exc.param
     except (TypeError, ValueError) as exc:
-        raise APIError(str(exc)) from None
-    return params
+        return "error", 400, str(exc), None
 
 
 # ---- the properties ---------------------------------------------------------------------------------------
@@ -96,12 +91,12 @@ raw_inputs = st.one_of(
 @settings(max_examples=500, deadline=None)
 @given(raw=raw_inputs)
 def test_read_json_body_is_the_old_reader(raw):
-    assert outcome(protocol.read_json_body, raw) == outcome(old_read_json_body, raw)
+    assert outcome(protocol.read_json_body, raw) == reference_read(raw)
 
 
 def test_a_bom_is_refused_as_json_loads_refuses_it():
     raw = b"\xef\xbb\xbf" + b'{"prompt": "x"}'
-    got, old = outcome(protocol.read_json_body, raw), outcome(old_read_json_body, raw)
+    got, old = outcome(protocol.read_json_body, raw), reference_read(raw)
     assert got == old and got[0] == "error" and "BOM" in got[2]
 
 
@@ -109,15 +104,17 @@ def test_a_bom_is_refused_as_json_loads_refuses_it():
 @given(value=st.one_of(json_values(), st.dictionaries(st.text(max_size=4), json_values(), max_size=4)),
        limit=st.integers(0, 4))
 def test_nesting_within_is_the_old_check(value, limit):
-    assert protocol._nesting_within(value, limit) == old_nesting_within(value, limit)
+    assert protocol._nesting_within(value, limit) == (nesting_depth(value) <= limit)
 
 
 sampling_bodies = st.sampled_from(["completion", "chat"]).flatmap(lambda kind: bodies(kind, MODEL))
 
 
+limits = st.one_of(st.none(), st.integers(-2, 100), st.sampled_from([True, False, 1.0, 1.5, "4", [], 2**70]))
+
+
 @settings(max_examples=600, deadline=None)
-@given(body=sampling_bodies, max_tokens=st.one_of(st.none(), st.integers(1, 100)),
-       logprobs=st.one_of(st.none(), st.integers(0, protocol.MAX_LOGPROBS)), drop=st.booleans())
+@given(body=sampling_bodies, max_tokens=limits, logprobs=limits, drop=st.booleans())
 def test_sampling_is_every_field_read(body, max_tokens, logprobs, drop):
     """The fast path (no sampling field in the body) and the reads of every field agree on any body; ``drop``
     removes the sampling fields so that the fast path is taken often."""
@@ -161,4 +158,21 @@ sampling_kwargs = st.dictionaries(
 @settings(max_examples=600, deadline=None)
 @given(kwargs=sampling_kwargs)
 def test_make_sampling_params_validates_once_as_twice(kwargs):
-    assert outcome(protocol.make_sampling_params, kwargs) == outcome(old_make_sampling_params, kwargs)
+    assert outcome(protocol.make_sampling_params, kwargs) == validated_twice(kwargs)
+
+
+@settings(max_examples=600, deadline=None)
+@given(max_tokens=limits, logprobs=limits)
+def test_sampling_params_defaults_is_the_constructor(max_tokens, logprobs):
+    """The same object (fields, and their order in ``vars``), or the same refusal; its lists its own."""
+    def made(f):
+        def call():
+            params = f()
+            return params, list(vars(params))
+        return call
+
+    got = outcome(made(lambda: SamplingParams.defaults(max_tokens, logprobs)))
+    assert got == outcome(made(lambda: SamplingParams(max_tokens=max_tokens, logprobs=logprobs)))
+    if got[0] == "ok":
+        other = SamplingParams.defaults(max_tokens, logprobs)
+        assert got[1][0].stop is not other.stop and got[1][0].stop_token_ids is not other.stop_token_ids
