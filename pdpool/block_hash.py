@@ -90,7 +90,7 @@ def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block
     extras = _encode_fields(k.encode() for k in extra_keys)
     parent = hashes[-1] if hashes else root
     tail = struct.pack("<I", len(extras)) + extras
-    chain = _chain[0] if _chain else _native_chain()
+    chain = _chain[0] if _chain else native_chain()
     if chain is not None and len(parent) == HASH_BYTES:
         hashes.extend(chain(parent, tokens, 4 * block_size, tail))
         return hashes
@@ -112,9 +112,10 @@ def _extend_hashlib(hashes: list[BlockHash], parent: bytes, tokens: bytes, step:
 _chain: list = []   # [the native ``hash_chain``, or None], looked up once
 
 
-def _native_chain():
+def native_chain():
     """The native module's ``hash_chain``, or None where it cannot be had (no compiler or no ``Python.h``: logged
-    once by ``pdpool.native_text``; ``PDPOOL_ROUTER_NATIVE=0``)."""
+    once by ``pdpool.native_text``; ``PDPOOL_ROUTER_NATIVE=0``). Building it takes about a second the first time
+    on a machine, so engines call this at start, not in their first step."""
     if not _chain:
         from pdpool import native_text
 

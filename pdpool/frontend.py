@@ -417,18 +417,13 @@ class BlockHashMemo:
         self._tries: dict[tuple, dict] = {}
         self._nodes = 0
 
-    @staticmethod
-    def extend(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
-               root: BlockHash) -> list[BlockHash]:
-        return extend_block_hashes(hashes, token_ids, block_size, root)
-
     def hashes(self, token_ids: Sequence[int], block_size: int, root: BlockHash,
                shared: tuple[int, tuple[tuple[str, int], ...]] | None) -> list[BlockHash]:
         """``hash_prompt_blocks(token_ids, block_size, root)``; ``shared``: the prompt's leading cached chunks as
         ``TokenChunkCache.encode_chunked`` gives them (ids before the first chunk; each chunk's text and the
         ids up to its end)."""
         if not shared or not shared[1]:
-            return self.extend([], token_ids, block_size, root)
+            return extend_block_hashes([], token_ids, block_size, root)
         lead, chunks = shared
         key = (root, block_size, tuple(token_ids[:lead]))
         hashes: list[BlockHash] = []
@@ -442,7 +437,7 @@ class BlockHashMemo:
                 hashes.extend(node[1])
                 kids = node[0]
                 depth += 1
-        self.extend(hashes, token_ids, block_size, root)
+        extend_block_hashes(hashes, token_ids, block_size, root)
         if depth < len(chunks):
             if self._nodes + len(chunks) - depth > self.capacity:
                 self._tries.clear()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from pdpool.block_hash import ModelFingerprint, extend_block_hashes, root_hash
+from pdpool.block_hash import ModelFingerprint, extend_block_hashes, native_chain, root_hash
 from pdpool.engine.block_pool import BlockPool, KVBlock
 from pdpool.engine.request import Request
 from pdpool.utils import cdiv
@@ -28,6 +28,7 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.req_block_ids: dict[str, list[int]] = {}  # the same tables as ids (what allocate_slots returns)
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a table already offered to the cache
+        native_chain()   # the C block hashes, built now if need be rather than in the first request's step
 
     @property
     def num_total_blocks(self) -> int:

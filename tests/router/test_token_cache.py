@@ -244,8 +244,10 @@ def test_the_memo_hashes_only_the_fresh_tail(frontend, monkeypatch):
         ids, _, shared = cached.encode_prompt_chunked(system + f" Question {i}: what is {i} squared?")
         cached.block_hashes(ids, fp, None, shared)
     hashed = []
-    real = cached.hash_memo.extend
-    monkeypatch.setattr(cached.hash_memo, "extend",
+    import pdpool.frontend as frontend_module
+
+    real = frontend_module.extend_block_hashes
+    monkeypatch.setattr(frontend_module, "extend_block_hashes",
                         lambda hashes, token_ids, *a: hashed.append(len(token_ids) // 16 - len(hashes))
                         or real(hashes, token_ids, *a))
     ids, _, shared = cached.encode_prompt_chunked(system + " Question 7: and what is 7 squared, then?")
@@ -286,7 +288,7 @@ def test_the_native_hash_chain_is_the_engines_hash(native_module, token_ids, blo
     with hash_loop(native=True):
         assert extend_block_hashes(list(expected[:start]), token_ids, block_size, root, keys) == expected
         if not extra:
-            assert BlockHashMemo(4).extend(list(expected[:start]), token_ids, block_size, root) == expected
+            assert BlockHashMemo(4).hashes(token_ids, block_size, root, None) == expected
 
 
 def sha256_paths(module) -> list[str]:

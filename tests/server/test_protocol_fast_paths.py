@@ -176,3 +176,17 @@ def test_sampling_params_defaults_is_the_constructor(max_tokens, logprobs):
     if got[0] == "ok":
         other = SamplingParams.defaults(max_tokens, logprobs)
         assert got[1][0].stop is not other.stop and got[1][0].stop_token_ids is not other.stop_token_ids
+
+
+def test_every_field_the_reads_use_is_in_the_fast_paths_list():
+    """A body field that ``_sampling_fields`` reads but ``_SAMPLING_FIELDS`` lacks would be dropped by the fast
+    path, for a body with that field alone: every ``SamplingParams`` field outside the list (and outside the two
+    passed in) must leave ``_sampling_fields``' answer as an empty body's, whatever its value."""
+    import dataclasses
+
+    empty = outcome(protocol._sampling_fields, {}, 16, None)
+    for name in (f.name for f in dataclasses.fields(SamplingParams)):
+        if name in protocol._SAMPLING_FIELDS or name in ("max_tokens", "logprobs"):
+            continue
+        for value in ("x", -3, 0.5, True, [1], None):
+            assert outcome(protocol._sampling_fields, {name: value}, 16, None) == empty, name
