@@ -1,12 +1,14 @@
-"""The front end's native piece table and block-hash chain (``pdpool/csrc/pieces.c``), used by the router's token
-cache and by ``pdpool.block_hash`` (engines and router alike): built with the C compiler and Python's headers, once
-per source and Python, and loaded by path; no torch, no build tool beyond ``cc``.
+"""The front end's native piece table and block-hash chain, and the router's approximate prefix index
+(``pdpool/csrc/pieces.c``), used by the router's token cache, by ``pdpool.block_hash`` (engines and router alike)
+and by ``router/prefix_index.py``: built with the C compiler and Python's headers, once per source and Python, and
+loaded by path; no torch, no build tool beyond ``cc``.
 
     python -m pdpool.native_text        # build ahead of time (the image, CI); prints the module's path
 
 ``load()`` returns the module, building it first when it is missing, or None (with one warning) where it cannot
 be built: no compiler, no ``Python.h``, no writable folder. The front end then keeps its Python path, which
-gives the same ids (``tests/router/test_token_cache.py``). ``PDPOOL_ROUTER_NATIVE=0`` turns it off.
+gives the same ids (``tests/router/test_token_cache.py``) and index answers
+(``tests/router/test_approx_index_native.py``). ``PDPOOL_ROUTER_NATIVE=0`` turns it off.
 
 Where it goes: ``$PDPOOL_ROUTER_NATIVE_DIR``; else ``<venv>/share/pdpool/router`` inside a virtual environment;
 else ``$PDPOOL_CACHE/router`` (``~/.cache/pdpool/router``); when that folder is not writable, a per-user temporary
@@ -104,7 +106,8 @@ def load() -> ModuleType | None:
                 errors.append(f"{folder}: {exc}")
         if module is None:
             log.warning("pdpool's native text module (pdpool/csrc/pieces.c) is unavailable, so fresh text is "
-                        "tokenized and block hashes are computed in Python (same results, more CPU): %s",
+                        "tokenized, block hashes computed and the approximate index kept in Python (same results, "
+                        "more CPU): %s",
                         "; ".join(errors))
     _loaded.append(module)
     return module

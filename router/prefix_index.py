@@ -34,11 +34,34 @@ RECENT_SECONDS = 5.0
 
 
 class ApproxIndex:
+    """The approximate index: ``ApproxIndex(capacity)`` returns the C table (``ApproxTable`` of
+    ``pdpool/csrc/pieces.c``, built by ``pdpool.native_text``) where the native module loads, else a
+    ``PyApproxIndex``; this is the one place the implementation is chosen (``PDPOOL_ROUTER_NATIVE=0``: Python).
+    Both give the same answers, LRU order included (``tests/router/test_approx_index_native.py``). The C table
+    takes only what the router passes: block hashes as ``bytes`` of ``HASH_BYTES`` (16) bytes (else TypeError or
+    ValueError), node ids and incarnations that are hashable (compared as dict keys), times as floats (``owner``
+    gives a float), a capacity from 0 to 2**30; the Python class takes any hashable block hash."""
+
+    def __new__(cls, capacity: int):
+        table = _native_table()
+        return table(capacity) if table is not None else PyApproxIndex(capacity)
+
+
+def _native_table():
+    from pdpool import native_text
+
+    return getattr(native_text.load(), "ApproxTable", None)
+
+
+class PyApproxIndex:
     """block hash -> {node_id: (incarnation, time recorded)}, LRU-bounded to ``capacity`` hashes.
 
     Stored compactly: a hash that one node holds (the common case) maps to the recording call's one
     ``(node_id, incarnation, time)`` tuple, shared by every hash of that call, so a routed prompt adds no object
-    per block; a hash that several nodes hold maps to the dict. ``owner(h, node_id)`` reads either form."""
+    per block; a hash that several nodes hold maps to the dict. ``owner(h, node_id)`` reads either form.
+
+    Recording a hash already held moves it to the most recent end of the LRU; a new hash is appended, and the
+    least recently recorded one is dropped when that makes more than ``capacity``."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -102,6 +125,10 @@ class ApproxIndex:
             if not pending:
                 break
         return matched
+
+    def keys(self) -> list[BlockHash]:
+        """The block hashes, least recently recorded first (the next to be dropped)."""
+        return list(self._lru)
 
     def __len__(self) -> int:
         return len(self._lru)

@@ -8,6 +8,7 @@
  *   hash_chain(parent, tokens, step, tail)  the engines' chained block hashes (pdpool/block_hash.py), SHA-256 here
  *   sha256_path([name]) -> str              "sha-ni" (x86 SHA extensions, chosen at load where the CPU has them)
  *                                           or "portable"; naming one switches to it (the tests check both)
+ *   ApproxTable(capacity)                   the router's approximate prefix index (router/prefix_index.py), below
  *
  * The pieces are those of the GPT-2 pattern on ASCII text (White_Space = \t \n \v \f \r and space):
  *   's|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\s A-Za-z0-9]+|\s+(?!\S)|\s+
@@ -16,6 +17,8 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -485,6 +488,578 @@ static PyObject *sha256_path(PyObject *module, PyObject *const *args, Py_ssize_t
     return PyUnicode_FromString(compress_blocks == sha256_compress_blocks ? "portable" : "sha-ni");
 }
 
+/* ---- ApproxTable: the router's approximate prefix index (router/prefix_index.py's PyApproxIndex, in C) ----------
+ *
+ *   ApproxTable(capacity)                          block hash -> its owners, LRU-bounded to `capacity` hashes
+ *   table.record(hashes, node_id, incarnation, now=None)
+ *   table.lookup(hashes, incarnations, since=None) -> {node_id: leading blocks}
+ *   table.owner(h, node_id) -> (incarnation, time recorded) or None
+ *   table.keys() -> the hashes, least recently used first;  len(table);  table.capacity
+ *
+ * The same answers as PyApproxIndex (tests/router/test_approx_index_native.py): see its docstrings. Differences, all
+ * outside what the router passes: a hash must be a `bytes` of HASH_BYTES (16) bytes (TypeError, ValueError), as
+ * extend_block_hashes makes them; node ids and incarnations are compared as dict keys (hash and ==), as str and
+ * None are; times are kept as C doubles (owner() gives a float); a negative capacity is a ValueError.
+ *
+ * Layout: an open-addressing table (linear probing, at most half full, backward-shift deletion) of
+ * {32-bit hash, entry index}; entries in one array, in an intrusive doubly linked LRU list, each with its first
+ * owner inline (the usual case: one node) and any further owners in a small array. Node ids and incarnations are
+ * interned to small ints (a dict and an array of owned references), counted by the owners that name them and
+ * released when none does, so a restarted node's old incarnation goes with its last entry. One thread (the GIL). */
+
+#define APPROX_KEY 16
+
+typedef struct { int32_t node, inc; double time; } Owner;
+
+typedef struct {
+    unsigned char key[APPROX_KEY];
+    int32_t prev, next;          /* LRU: prev is older, next newer; -1 at the ends */
+    int32_t n_owners, cap_more;  /* owners: `one`, then n_owners - 1 in `more` */
+    Owner one;
+    Owner *more;                 /* kept across the entry's reuse after an eviction */
+} Entry;
+
+typedef struct { uint32_t hash; int32_t entry; } ASlot;   /* entry -1: empty */
+
+typedef struct {
+    PyObject *ids;               /* dict: object -> its index (int) */
+    PyObject **objs;             /* index -> the object (owned), NULL when free */
+    Py_ssize_t *refs;            /* index -> owners naming it, plus the running call's hold */
+    int32_t *query;              /* index -> lookup's query slot, else -1 (used for node ids) */
+    int32_t *free_ids;           /* indices free for reuse */
+    int32_t used, cap, n_free;
+} Interner;
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t capacity;
+    Entry *entries;
+    int32_t count, entries_cap;
+    ASlot *slots;
+    uint32_t mask;
+    int32_t oldest, newest;
+    Interner nodes, incs;
+    int busy;
+} ApproxTable;
+
+static PyObject *monotonic;      /* time.monotonic, for record(now=None) */
+
+static int interner_init(Interner *in) {
+    memset(in, 0, sizeof *in);
+    in->ids = PyDict_New();
+    return in->ids == NULL ? -1 : 0;
+}
+
+static void interner_free(Interner *in) {
+    for (int32_t i = 0; i < in->used; i++) Py_XDECREF(in->objs[i]);
+    Py_XDECREF(in->ids);
+    PyMem_Free(in->objs); PyMem_Free(in->refs); PyMem_Free(in->query); PyMem_Free(in->free_ids);
+    memset(in, 0, sizeof *in);
+}
+
+/* The object's index, -1 if not interned, -2 with an exception set (unhashable). */
+static int32_t intern_get(Interner *in, PyObject *o) {
+    PyObject *v = PyDict_GetItemWithError(in->ids, o);
+    if (v == NULL) return PyErr_Occurred() ? -2 : -1;
+    return (int32_t)PyLong_AsLong(v);
+}
+
+/* The object's index, interned if new, with one more reference counted on it; -1 with an exception set. */
+static int32_t intern_hold(Interner *in, PyObject *o) {
+    int32_t i = intern_get(in, o);
+    if (i == -2) return -1;
+    if (i >= 0) {
+        in->refs[i]++;
+        return i;
+    }
+    if (in->n_free) {
+        i = in->free_ids[--in->n_free];
+    } else {
+        if (in->used == in->cap) {
+            int32_t cap = in->cap ? in->cap * 2 : 8;
+            PyObject **objs = PyMem_Realloc(in->objs, sizeof(PyObject *) * cap);
+            if (objs != NULL) in->objs = objs;
+            Py_ssize_t *refs = objs ? PyMem_Realloc(in->refs, sizeof(Py_ssize_t) * cap) : NULL;
+            if (refs != NULL) in->refs = refs;
+            int32_t *query = refs ? PyMem_Realloc(in->query, sizeof(int32_t) * cap) : NULL;
+            if (query != NULL) in->query = query;
+            int32_t *free_ids = query ? PyMem_Realloc(in->free_ids, sizeof(int32_t) * cap) : NULL;
+            if (free_ids == NULL) { PyErr_NoMemory(); return -1; }
+            in->free_ids = free_ids;
+            for (int32_t k = in->cap; k < cap; k++) in->query[k] = -1;
+            in->cap = cap;
+        }
+        i = in->used++;
+        in->objs[i] = NULL;
+    }
+    PyObject *index = PyLong_FromLong(i);
+    if (index == NULL || PyDict_SetItem(in->ids, o, index) < 0) {
+        Py_XDECREF(index);
+        in->free_ids[in->n_free++] = i;
+        return -1;
+    }
+    Py_DECREF(index);
+    Py_INCREF(o);
+    in->objs[i] = o;
+    in->refs[i] = 1;
+    return i;
+}
+
+static void intern_release(Interner *in, int32_t i) {
+    if (--in->refs[i] > 0) return;
+    PyObject *o = in->objs[i];
+    if (PyDict_DelItem(in->ids, o) < 0) {   /* cannot fail for an interned key of a sane type: keep it */
+        PyErr_Clear();
+        in->refs[i] = 1;
+        return;
+    }
+    in->objs[i] = NULL;
+    in->free_ids[in->n_free++] = i;
+    Py_DECREF(o);
+}
+
+static inline uint32_t key_hash(const unsigned char *k) {
+    uint64_t a, b;
+    memcpy(&a, k, 8);
+    memcpy(&b, k + 8, 8);
+    uint64_t h = a ^ (b * 0x9E3779B97F4A7C15ULL);
+    h ^= h >> 31; h *= 0xBF58476D1CE4E5B9ULL; h ^= h >> 29;
+    return (uint32_t)(h >> 32);
+}
+
+/* The slot holding `key`, or the empty slot where it would go. */
+static inline uint32_t find_slot(ApproxTable *self, const unsigned char *key, uint32_t hash) {
+    uint32_t i = hash & self->mask;
+    for (;;) {
+        ASlot *s = &self->slots[i];
+        if (s->entry < 0 || (s->hash == hash && memcmp(self->entries[s->entry].key, key, APPROX_KEY) == 0))
+            return i;
+        i = (i + 1) & self->mask;
+    }
+}
+
+static void delete_slot(ApproxTable *self, uint32_t i) {   /* backward shift: no tombstones */
+    uint32_t mask = self->mask, j = i;
+    for (;;) {
+        j = (j + 1) & mask;
+        if (self->slots[j].entry < 0) break;
+        uint32_t home = self->slots[j].hash & mask;
+        if (((j - home) & mask) >= ((j - i) & mask)) {   /* its home is not in (i, j]: it may move back to i */
+            self->slots[i] = self->slots[j];
+            i = j;
+        }
+    }
+    self->slots[i].entry = -1;
+}
+
+static int grow_slots(ApproxTable *self) {
+    size_t size = ((size_t)self->mask + 1) * 2;
+    ASlot *slots = PyMem_Malloc(sizeof(ASlot) * size);
+    if (slots == NULL) { PyErr_NoMemory(); return -1; }
+    memset(slots, 0xff, sizeof(ASlot) * size);
+    PyMem_Free(self->slots);
+    self->slots = slots;
+    self->mask = (uint32_t)(size - 1);
+    for (int32_t e = 0; e < self->count; e++) {
+        uint32_t hash = key_hash(self->entries[e].key);
+        uint32_t i = find_slot(self, self->entries[e].key, hash);
+        self->slots[i].hash = hash;
+        self->slots[i].entry = e;
+    }
+    return 0;
+}
+
+static void lru_unlink(ApproxTable *self, int32_t e) {
+    Entry *x = &self->entries[e];
+    if (x->prev >= 0) self->entries[x->prev].next = x->next; else self->oldest = x->next;
+    if (x->next >= 0) self->entries[x->next].prev = x->prev; else self->newest = x->prev;
+}
+
+static void lru_append(ApproxTable *self, int32_t e) {
+    Entry *x = &self->entries[e];
+    x->prev = self->newest;
+    x->next = -1;
+    if (self->newest >= 0) self->entries[self->newest].next = e; else self->oldest = e;
+    self->newest = e;
+}
+
+static inline Owner *owner_at(Entry *x, int32_t k) { return k == 0 ? &x->one : &x->more[k - 1]; }
+
+static void release_owners(ApproxTable *self, Entry *x) {
+    for (int32_t k = 0; k < x->n_owners; k++) {
+        Owner *o = owner_at(x, k);
+        intern_release(&self->nodes, o->node);
+        intern_release(&self->incs, o->inc);
+    }
+    x->n_owners = 0;
+}
+
+/* `node`'s owner record of entry `e` set to (inc, time): updated in place, or added. */
+static int set_owner(ApproxTable *self, int32_t e, int32_t node, int32_t inc, double time) {
+    Entry *x = &self->entries[e];
+    for (int32_t k = 0; k < x->n_owners; k++) {
+        Owner *o = owner_at(x, k);
+        if (o->node == node) {
+            if (o->inc != inc) {
+                self->incs.refs[inc]++;
+                intern_release(&self->incs, o->inc);
+                o->inc = inc;
+            }
+            o->time = time;
+            return 0;
+        }
+    }
+    if (x->n_owners - 1 == x->cap_more) {
+        int32_t cap = x->cap_more ? x->cap_more * 2 : 2;
+        Owner *more = PyMem_Realloc(x->more, sizeof(Owner) * cap);
+        if (more == NULL) { PyErr_NoMemory(); return -1; }
+        x->more = more;
+        x->cap_more = cap;
+    }
+    x->more[x->n_owners - 1] = (Owner){node, inc, time};
+    x->n_owners++;
+    self->nodes.refs[node]++;
+    self->incs.refs[inc]++;
+    return 0;
+}
+
+/* hashes as a sequence of HASH_BYTES-byte bytes (a new reference, from PySequence_Fast), or NULL with an error. */
+static PyObject *hash_sequence(PyObject *hashes, const char *where) {
+    PyObject *seq = PySequence_Fast(hashes, "the block hashes must be a sequence of bytes");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyBytes_Check(items[i])) {
+            PyErr_Format(PyExc_TypeError, "ApproxTable.%s: block hash %zd is %.100s, not bytes", where, i,
+                         Py_TYPE(items[i])->tp_name);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        if (PyBytes_GET_SIZE(items[i]) != APPROX_KEY) {
+            PyErr_Format(PyExc_ValueError, "ApproxTable.%s: block hash %zd has %zd bytes, not %d", where, i,
+                         PyBytes_GET_SIZE(items[i]), APPROX_KEY);
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    return seq;
+}
+
+/* Positional and keyword arguments into out[0..total) (NULL where not given); the first `required` must be. */
+static int parse_args(const char *fname, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                      const char *const *names, int required, int total, PyObject **out) {
+    if (nargs > total) {
+        PyErr_Format(PyExc_TypeError, "%s() takes at most %d arguments (%zd given)", fname, total, nargs);
+        return -1;
+    }
+    for (int i = 0; i < total; i++) out[i] = i < nargs ? args[i] : NULL;
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t k = 0; k < nkw; k++) {
+        const char *name = PyUnicode_AsUTF8(PyTuple_GET_ITEM(kwnames, k));
+        if (name == NULL) return -1;
+        int j = 0;
+        while (j < total && strcmp(name, names[j]) != 0) j++;
+        if (j == total) {
+            PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument '%s'", fname, name);
+            return -1;
+        }
+        if (out[j] != NULL) {
+            PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%s'", fname, name);
+            return -1;
+        }
+        out[j] = args[nargs + k];
+    }
+    for (int i = 0; i < required; i++)
+        if (out[i] == NULL) {
+            PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s'", fname, names[i]);
+            return -1;
+        }
+    return 0;
+}
+
+static int enter(ApproxTable *self) {
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "ApproxTable used from inside one of its own calls");
+        return -1;
+    }
+    self->busy = 1;
+    return 0;
+}
+
+static PyObject *approx_record(ApproxTable *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"hashes", "node_id", "incarnation", "now"};
+    PyObject *a[4];
+    if (parse_args("record", args, nargs, kwnames, names, 3, 4, a) < 0) return NULL;
+    double now;
+    if (a[3] == NULL || a[3] == Py_None) {
+        PyObject *t = PyObject_CallNoArgs(monotonic);
+        if (t == NULL) return NULL;
+        now = PyFloat_AsDouble(t);
+        Py_DECREF(t);
+    } else {
+        if (!PyNumber_Check(a[3]) || PyComplex_Check(a[3])) {
+            PyErr_Format(PyExc_TypeError, "ApproxTable.record: now must be a number or None, not %.100s",
+                         Py_TYPE(a[3])->tp_name);
+            return NULL;
+        }
+        now = PyFloat_AsDouble(a[3]);
+    }
+    if (now == -1.0 && PyErr_Occurred()) return NULL;
+    PyObject *seq = hash_sequence(a[0], "record");
+    if (seq == NULL) return NULL;
+    if (enter(self) < 0) { Py_DECREF(seq); return NULL; }
+    PyObject *result = NULL;
+    int32_t node = intern_hold(&self->nodes, a[1]), inc = -1;   /* held for the call: an eviction may drop
+                                                                   every other reference to them */
+    if (node < 0 || (inc = intern_hold(&self->incs, a[2])) < 0) goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        const unsigned char *key = (const unsigned char *)PyBytes_AS_STRING(items[j]);
+        uint32_t hash = key_hash(key);
+        uint32_t i = find_slot(self, key, hash);
+        int32_t e = self->slots[i].entry;
+        if (e >= 0) {                                   /* held: this node's record updated, most recent now */
+            if (set_owner(self, e, node, inc, now) < 0) goto done;
+            if (e != self->newest) {
+                lru_unlink(self, e);
+                lru_append(self, e);
+            }
+            continue;
+        }
+        if (self->capacity == 0) continue;              /* added and evicted at once */
+        if (self->count == self->capacity) {            /* full: the least recently used entry is reused */
+            e = self->oldest;
+            Entry *x = &self->entries[e];
+            release_owners(self, x);
+            delete_slot(self, find_slot(self, x->key, key_hash(x->key)));
+            lru_unlink(self, e);
+            i = find_slot(self, key, hash);
+        } else {
+            if (((size_t)self->count + 1) * 2 > (size_t)self->mask + 1) {
+                if (grow_slots(self) < 0) goto done;
+                i = find_slot(self, key, hash);
+            }
+            if (self->count == self->entries_cap) {
+                Py_ssize_t cap = self->entries_cap ? (Py_ssize_t)self->entries_cap * 2 : 64;
+                if (cap > self->capacity) cap = self->capacity;
+                Entry *entries = PyMem_Realloc(self->entries, sizeof(Entry) * cap);
+                if (entries == NULL) { PyErr_NoMemory(); goto done; }
+                self->entries = entries;
+                self->entries_cap = (int32_t)cap;
+            }
+            e = self->count++;
+            self->entries[e].more = NULL;
+            self->entries[e].cap_more = 0;
+        }
+        Entry *x = &self->entries[e];
+        memcpy(x->key, key, APPROX_KEY);
+        x->n_owners = 1;
+        x->one = (Owner){node, inc, now};
+        self->nodes.refs[node]++;
+        self->incs.refs[inc]++;
+        self->slots[i].hash = hash;
+        self->slots[i].entry = e;
+        lru_append(self, e);
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    if (inc >= 0) intern_release(&self->incs, inc);
+    if (node >= 0) intern_release(&self->nodes, node);
+    self->busy = 0;
+    Py_DECREF(seq);
+    return result;
+}
+
+typedef struct { PyObject *key; Py_ssize_t matched; int32_t node, inc; } Query;
+
+static PyObject *approx_lookup(ApproxTable *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static const char *const names[] = {"hashes", "incarnations", "since"};
+    PyObject *a[3];
+    if (parse_args("lookup", args, nargs, kwnames, names, 2, 3, a) < 0) return NULL;
+    int windowed = a[2] != NULL && a[2] != Py_None;
+    double since = 0.0;
+    if (windowed) {
+        if (!PyNumber_Check(a[2]) || PyComplex_Check(a[2])) {
+            PyErr_Format(PyExc_TypeError, "ApproxTable.lookup: since must be a number or None, not %.100s",
+                         Py_TYPE(a[2])->tp_name);
+            return NULL;
+        }
+        since = PyFloat_AsDouble(a[2]);
+        if (since == -1.0 && PyErr_Occurred()) return NULL;
+    }
+    PyObject *incarnations = PyDict_Check(a[1]) ? (Py_INCREF(a[1]), a[1])
+                                                : PyObject_CallOneArg((PyObject *)&PyDict_Type, a[1]);
+    if (incarnations == NULL) return NULL;
+    PyObject *seq = hash_sequence(a[0], "lookup");
+    if (seq == NULL) { Py_DECREF(incarnations); return NULL; }
+    if (enter(self) < 0) { Py_DECREF(seq); Py_DECREF(incarnations); return NULL; }
+    PyObject *result = NULL;
+    Py_ssize_t nq = PyDict_GET_SIZE(incarnations), q = 0, pending = 0, pos = 0;
+    Query stack[16], *qs = nq <= 16 ? stack : PyMem_Malloc(sizeof(Query) * nq);
+    if (qs == NULL) { PyErr_NoMemory(); goto done; }
+    PyObject *k, *v;
+    while (q < nq && PyDict_Next(incarnations, &pos, &k, &v)) {   /* the queried nodes, in the dict's order */
+        Py_INCREF(k);
+        Py_INCREF(v);
+        qs[q] = (Query){k, 0, -1, -1};
+        q++;
+        int32_t node = intern_get(&self->nodes, k), inc = intern_get(&self->incs, v);
+        Py_DECREF(v);
+        if (node == -2 || inc == -2) goto done;
+        qs[q - 1].inc = inc;
+        if (node >= 0) {   /* a node never recorded (or with nothing left) matches nothing */
+            qs[q - 1].node = node;
+            self->nodes.query[node] = (int32_t)(q - 1);
+            if (inc >= 0) pending++;
+        }
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t j = n - 1; j >= 0 && pending; j--) {   /* from the end: the first valid entry is the match */
+        const unsigned char *key = (const unsigned char *)PyBytes_AS_STRING(items[j]);
+        int32_t e = self->slots[find_slot(self, key, key_hash(key))].entry;
+        if (e < 0) continue;
+        Entry *x = &self->entries[e];
+        for (int32_t o = 0; o < x->n_owners; o++) {
+            Owner *w = owner_at(x, o);
+            int32_t s = self->nodes.query[w->node];
+            if (s >= 0 && qs[s].matched == 0 && w->inc == qs[s].inc && (!windowed || w->time >= since)) {
+                qs[s].matched = j + 1;
+                pending--;
+            }
+        }
+    }
+    result = PyDict_New();
+    for (Py_ssize_t s = 0; result != NULL && s < q; s++) {
+        PyObject *count = PyLong_FromSsize_t(qs[s].matched);
+        if (count == NULL || PyDict_SetItem(result, qs[s].key, count) < 0) Py_CLEAR(result);
+        Py_XDECREF(count);
+    }
+done:
+    for (Py_ssize_t s = 0; s < q; s++) {
+        if (qs[s].node >= 0) self->nodes.query[qs[s].node] = -1;
+        Py_DECREF(qs[s].key);
+    }
+    if (qs != stack) PyMem_Free(qs);
+    self->busy = 0;
+    Py_DECREF(seq);
+    Py_DECREF(incarnations);
+    return result;
+}
+
+static PyObject *approx_owner(ApproxTable *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "owner(h: bytes, node_id)");
+        return NULL;
+    }
+    PyObject *h = args[0];
+    if (!PyBytes_Check(h)) {
+        PyErr_Format(PyExc_TypeError, "ApproxTable.owner: the block hash is %.100s, not bytes", Py_TYPE(h)->tp_name);
+        return NULL;
+    }
+    if (PyBytes_GET_SIZE(h) != APPROX_KEY) {
+        PyErr_Format(PyExc_ValueError, "ApproxTable.owner: the block hash has %zd bytes, not %d",
+                     PyBytes_GET_SIZE(h), APPROX_KEY);
+        return NULL;
+    }
+    const unsigned char *key = (const unsigned char *)PyBytes_AS_STRING(h);
+    int32_t e = self->slots[find_slot(self, key, key_hash(key))].entry;
+    if (e < 0) Py_RETURN_NONE;
+    if (enter(self) < 0) return NULL;
+    int32_t node = intern_get(&self->nodes, args[1]);
+    self->busy = 0;
+    if (node == -2) return NULL;
+    Entry *x = &self->entries[e];
+    for (int32_t k = 0; node >= 0 && k < x->n_owners; k++) {
+        Owner *o = owner_at(x, k);
+        if (o->node == node) {
+            PyObject *time = PyFloat_FromDouble(o->time);
+            if (time == NULL) return NULL;
+            PyObject *pair = PyTuple_Pack(2, self->incs.objs[o->inc], time);
+            Py_DECREF(time);
+            return pair;
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *approx_keys(ApproxTable *self, PyObject *unused) {
+    PyObject *out = PyList_New(self->count);
+    Py_ssize_t i = 0;
+    for (int32_t e = self->oldest; out != NULL && e >= 0; e = self->entries[e].next) {
+        PyObject *key = PyBytes_FromStringAndSize((const char *)self->entries[e].key, APPROX_KEY);
+        if (key == NULL) { Py_CLEAR(out); break; }
+        PyList_SET_ITEM(out, i++, key);
+    }
+    return out;
+}
+
+static PyObject *approx_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"capacity", NULL};
+    Py_ssize_t capacity;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n:ApproxTable", names, &capacity)) return NULL;
+    if (capacity < 0 || capacity > (1 << 30)) {
+        PyErr_Format(PyExc_ValueError, "ApproxTable(capacity): 0 <= capacity <= 2**30, not %zd", capacity);
+        return NULL;
+    }
+    ApproxTable *self = (ApproxTable *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    self->capacity = capacity;
+    self->oldest = self->newest = -1;
+    self->mask = 15;
+    self->slots = PyMem_Malloc(sizeof(ASlot) * 16);
+    if (self->slots == NULL) { Py_DECREF(self); return PyErr_NoMemory(); }
+    memset(self->slots, 0xff, sizeof(ASlot) * 16);
+    if (interner_init(&self->nodes) < 0 || interner_init(&self->incs) < 0) { Py_DECREF(self); return NULL; }
+    return (PyObject *)self;
+}
+
+static void approx_dealloc(ApproxTable *self) {
+    for (int32_t e = 0; e < self->count; e++) PyMem_Free(self->entries[e].more);
+    PyMem_Free(self->entries);
+    PyMem_Free(self->slots);
+    interner_free(&self->nodes);
+    interner_free(&self->incs);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static Py_ssize_t approx_length(ApproxTable *self) { return self->count; }
+
+static PyMethodDef approx_methods[] = {
+    {"record", (PyCFunction)(void (*)(void))approx_record, METH_FASTCALL | METH_KEYWORDS,
+     "record(hashes, node_id, incarnation, now=None): the prompt's blocks were sent to node_id (most recent now)"},
+    {"lookup", (PyCFunction)(void (*)(void))approx_lookup, METH_FASTCALL | METH_KEYWORDS,
+     "lookup(hashes, incarnations, since=None) -> {node_id: leading blocks recorded under its incarnation}"},
+    {"owner", (PyCFunction)(void (*)(void))approx_owner, METH_FASTCALL,
+     "owner(h, node_id) -> (incarnation, time recorded) of node_id's entry for h, or None"},
+    {"keys", (PyCFunction)approx_keys, METH_NOARGS, "keys() -> the block hashes, least recently used first"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef approx_members[] = {
+    {"capacity", T_PYSSIZET, offsetof(ApproxTable, capacity), READONLY, "the most block hashes held"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PySequenceMethods approx_as_sequence = {.sq_length = (lenfunc)approx_length};
+
+static PyTypeObject ApproxTableType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "pdpool_router_pieces.ApproxTable",
+    .tp_basicsize = sizeof(ApproxTable),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = approx_new,
+    .tp_dealloc = (destructor)approx_dealloc,
+    .tp_methods = approx_methods,
+    .tp_members = approx_members,
+    .tp_as_sequence = &approx_as_sequence,
+    .tp_doc = "The router's approximate prefix index: block hash -> {node: (incarnation, time)}, LRU-bounded "
+              "(router/prefix_index.py's PyApproxIndex, in C).",
+};
+
 static PyMethodDef module_methods[] = {
     {"sha256_path", (PyCFunction)(void (*)(void))sha256_path, METH_FASTCALL,
      "sha256_path([name]) -> 'sha-ni' or 'portable': hash_chain's SHA-256 compression (naming one switches)"},
@@ -524,12 +1099,25 @@ PyMODINIT_FUNC PyInit_pdpool_router_pieces(void) {
 #ifdef HAVE_SHA_NI
     if (sha_ni_usable()) compress_blocks = sha256_compress_ni;
 #endif
-    if (PyType_Ready(&PieceTableType) < 0) return NULL;
+    if (PyType_Ready(&PieceTableType) < 0 || PyType_Ready(&ApproxTableType) < 0) return NULL;
+    if (monotonic == NULL) {
+        PyObject *time = PyImport_ImportModule("time");
+        if (time == NULL) return NULL;
+        monotonic = PyObject_GetAttrString(time, "monotonic");
+        Py_DECREF(time);
+        if (monotonic == NULL) return NULL;
+    }
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     Py_INCREF(&PieceTableType);
     if (PyModule_AddObject(m, "PieceTable", (PyObject *)&PieceTableType) < 0) {
         Py_DECREF(&PieceTableType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&ApproxTableType);
+    if (PyModule_AddObject(m, "ApproxTable", (PyObject *)&ApproxTableType) < 0) {
+        Py_DECREF(&ApproxTableType);
         Py_DECREF(m);
         return NULL;
     }

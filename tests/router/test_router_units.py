@@ -17,7 +17,7 @@ from pdpool.router.filters import LoadMarginFilter
 from pdpool.router.inflight import InflightTracker
 from pdpool.router.pickers import MaxScorePicker, RoundRobinPicker
 from pdpool.router.plugins import Context
-from pdpool.router.prefix_index import ApproxIndex, PrefixIndex
+from pdpool.router.prefix_index import ApproxIndex, PrefixIndex, PyApproxIndex
 from pdpool.router.scorers import KVUsageScorer, PrefixCacheScorer, QueueScorer
 from pdpool.router.sse import SSERelay
 
@@ -117,15 +117,21 @@ def _chained_hashes():
     return hashes_of
 
 
+# ApproxIndex is the C table where the native module builds (tests/router/test_approx_index_native.py), and
+# PyApproxIndex the fallback: both are held to the definitions below.
+APPROX_KINDS = pytest.mark.parametrize("make_index", [ApproxIndex, PyApproxIndex], ids=["chosen", "python"])
+
+
+@APPROX_KINDS
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 8), st.sampled_from("abc"), st.booleans()),
                 max_size=25),
        st.integers(0, 3), st.integers(0, 30))
-def test_approx_index_backward_scan_is_the_forward_walk(records, path, since):
+def test_approx_index_backward_scan_is_the_forward_walk(make_index, records, path, since):
     """Prompts are chained hashes, recorded whole (a prefix of a path in a tree of prompts), under node
     incarnations that only move forward: the backward scan finds each node's leading run."""
     hashes_of = _chained_hashes()
 
-    idx = ApproxIndex(capacity=10_000)
+    idx = make_index(capacity=10_000)
     incarnations = {"a": 0, "b": 0, "c": 0}
     for t, (p, length, node, restart) in enumerate(records):
         if restart:
@@ -136,8 +142,9 @@ def test_approx_index_backward_scan_is_the_forward_walk(records, path, since):
         assert idx.lookup(hashes, incarnations, since=window) == _walk_forward(idx, hashes, incarnations, window)
 
 
-def test_approx_index_is_bounded():
-    idx = ApproxIndex(capacity=10)
+@APPROX_KINDS
+def test_approx_index_is_bounded(make_index):
+    idx = make_index(capacity=10)
     idx.record([bytes([i]) * 16 for i in range(50)], "a", None)
     assert len(idx) == 10
 
@@ -348,21 +355,22 @@ class _DictApprox:
         return matched
 
 
+@APPROX_KINDS
 @hypothesis.settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 8), st.sampled_from("abc"), st.booleans()),
                 max_size=30),
        st.integers(1, 20), st.integers(0, 3), st.integers(0, 30))
-def test_compact_approx_index_is_the_dict_of_owners(records, capacity, path, since):
+def test_compact_approx_index_is_the_dict_of_owners(make_index, records, capacity, path, since):
     hashes_of = _chained_hashes()
 
-    idx, ref = ApproxIndex(capacity), _DictApprox(capacity)
+    idx, ref = make_index(capacity), _DictApprox(capacity)
     incarnations = {"a": 0, "b": 0, "c": 0}
     for t, (p, length, node, restart) in enumerate(records):
         if restart:
             incarnations[node] += 1
         idx.record(hashes_of(PATHS[p][:length]), node, incarnations[node], now=float(t))
         ref.record(hashes_of(PATHS[p][:length]), node, incarnations[node], float(t))
-        assert list(idx._lru) == list(ref.lru)           # the same hashes in the same LRU order
+        assert idx.keys() == list(ref.lru)               # the same hashes in the same LRU order
         for h, owners in ref.lru.items():
             for n in "abc":
                 assert idx.owner(h, n) == owners.get(n)
