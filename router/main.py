@@ -129,7 +129,7 @@ def _main_workers(cfg, profile) -> int:
         try:
             run(_serve(Router(cfg, profile, frontend), r.host, r.port, reuse_port=True, worker=index))
         finally:
-            if os.getppid() != supervisor:  # the supervisor was killed (its cleanup never ran): the last ones out
+            if workers.supervisor_gone(supervisor):  # its cleanup never ran: the last ones out
                 shutil.rmtree(metrics_dir, ignore_errors=True)
         return 0
 
@@ -144,13 +144,19 @@ def _main_workers(cfg, profile) -> int:
 async def _serve(router, host: str, port: int, reuse_port: bool = False, worker: int | None = None) -> None:
     from pdpool.router.server import start_server
 
+    stop = asyncio.Event()
+    if worker is not None:   # the supervisor's death stops a worker as its SIGTERM does (router/workers.py)
+        from pdpool.router import workers
+
+        loop = asyncio.get_running_loop()
+        workers.on_parent_death(lambda: loop.call_soon_threadsafe(stop.set))
     await router.start()
     try:
         server = await start_server(router.handle, host, port, reuse_port=reuse_port)
         name = "pdpool router" if worker is None else f"pdpool router worker {worker} (pid {os.getpid()})"
         logger.info("%s listening on http://%s:%d", name, host, port)
         try:
-            await wait_for_stop_signal()
+            await wait_for_stop_signal(stop)
         finally:
             logger.info("router shutting down")
             server.close()    # no new connections; requests in flight finish (bounded below)

@@ -12,7 +12,16 @@ approximate index; each balances its own share of the traffic.
 
 SIGTERM or SIGINT to the supervisor goes to every worker; each finishes what it serves and exits, then the
 supervisor does. A worker that dies otherwise is restarted, after a backoff that grows while it keeps dying
-young. A worker dies with its supervisor (``PR_SET_PDEATHSIG``) even when the supervisor is SIGKILLed.
+young. A worker stops with its supervisor even when the supervisor is SIGKILLed: the kernel sends it
+``PARENT_DEATH`` (``PR_SET_PDEATHSIG``), and it drains and exits as on SIGTERM, then cleans up what the
+supervisor would have (``supervisor_gone``).
+
+The kernel sends that signal each time the worker is handed to a new parent: first when the supervisor's thread
+that forked it exits, while ``getppid()`` still names the supervisor if any other of its threads (a log writer, a
+tokenizer pool) is still exiting, then again when the last one has. So the signal is SIGHUP, not the supervisor's
+own SIGTERM, to tell "the supervisor is gone" apart from "the supervisor says stop"; and its handler stays
+installed for the worker's whole life, so the second delivery cannot kill a worker that is still draining or
+cleaning up (it did, with SIGTERM's default action once the event loop had closed).
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from pdpool.router import log_lines
 logger = logging.getLogger("pdpool.router")
 
 _SIGNALS = {signal.SIGTERM, signal.SIGINT}
+PARENT_DEATH = signal.SIGHUP    # what a worker gets when its supervisor dies (above)
 YOUNG_SECONDS = 10.0        # a worker that dies younger than this counts as failing: its restart waits longer
 MAX_BACKOFF_SECONDS = 30.0
 
@@ -46,11 +56,51 @@ def check_port_free(host: str, port: int) -> None:
             s.bind(addr)
 
 
+class _Orphan:
+    """This worker's view of its supervisor's death: whether ``PARENT_DEATH`` came, and what to call then."""
+
+    orphaned = False
+    on_death: Callable[[], None] | None = None
+
+
+def supervisor_gone(supervisor: int, wait_seconds: float = 2.0) -> bool:
+    """True in a worker whose supervisor died, so never cleans up after its workers. After ``PARENT_DEATH`` the
+    supervisor may still be exiting (above): wait for that, up to ``wait_seconds`` (a stray SIGHUP sent to a
+    worker, with the supervisor alive, stops that worker but leaves the supervisor's files alone)."""
+    if os.getppid() != supervisor:
+        return True
+    if not _Orphan.orphaned:
+        return False
+    deadline = time.monotonic() + wait_seconds
+    while os.getppid() == supervisor:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def on_parent_death(callback: Callable[[], None]) -> None:
+    """Call ``callback`` (from the signal handler, in the main thread) once the supervisor dies; at once when it
+    has already died."""
+    _Orphan.on_death = callback
+    if _Orphan.orphaned:
+        callback()
+
+
+def _parent_died(signum, frame) -> None:
+    if _Orphan.orphaned:      # sent again as the supervisor's last thread exits: already stopping
+        return
+    _Orphan.orphaned = True
+    if _Orphan.on_death is not None:
+        _Orphan.on_death()
+
+
 def _die_with_parent(parent: int) -> None:
+    signal.signal(PARENT_DEATH, _parent_died)   # before prctl: the signal must never find its default action
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, PARENT_DEATH)   # PR_SET_PDEATHSIG
     except (OSError, AttributeError):   # not Linux: the supervisor's SIGTERM still reaches the workers
         pass
     if os.getppid() != parent:          # the supervisor died before prctl took effect
