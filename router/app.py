@@ -41,9 +41,11 @@ logger = logging.getLogger("pdpool.router")
 
 PUBLIC = ("/health", "/metrics", "/openapi.json")
 GENERATE = ("/v1/completions", "/v1/chat/completions")
-# (method, path) -> handler name; GET routes answer HEAD too. /openapi.json lists what is here.
+# (method, path) -> handler name; GET routes answer HEAD too. /openapi.json lists what is here. MODEL_PATH stands
+# for every path under /v1/models/ (OpenAI's retrieve: the rest of the path is the model's name, slashes and all).
+MODEL_PATH = "/v1/models/{model}"
 ROUTES = {("POST", "/v1/completions"): "generate", ("POST", "/v1/chat/completions"): "generate",
-          ("GET", "/v1/models"): "models", ("GET", "/health/live"): "health_live",
+          ("GET", "/v1/models"): "models", ("GET", MODEL_PATH): "model", ("GET", "/health/live"): "health_live",
           ("GET", "/health/ready"): "health_ready", ("GET", "/health"): "health_ready",
           ("GET", "/metrics"): "metrics_page", ("GET", "/openapi.json"): "openapi_page"}
 _ALLOWED: dict[str, list[str]] = {}
@@ -168,9 +170,10 @@ class Router:
         try:
             if not request.path.startswith(PUBLIC):
                 check_api_key(request.headers, self.cfg.router.api_key)
-            name = ROUTES.get((request.method if request.method != "HEAD" else "GET", request.path))
+            path = MODEL_PATH if request.path.startswith("/v1/models/") else request.path
+            name = ROUTES.get((request.method if request.method != "HEAD" else "GET", path))
             if name is None:
-                allowed = _ALLOWED.get(request.path)
+                allowed = _ALLOWED.get(path)
                 if allowed is None:
                     raise APIError("Not Found", status=404)
                 raise _MethodNotAllowed(allowed)
@@ -219,10 +222,19 @@ class Router:
         finally:
             self.num_inflight -= 1
 
-    async def models(self, request: Request):
-        card = {"id": self.served_names[0], "object": "model", "created": self.created, "owned_by": "pdpool",
+    def _model_card(self) -> dict:
+        return {"id": self.served_names[0], "object": "model", "created": self.created, "owned_by": "pdpool",
                 "root": self.cfg.router.model, "parent": None}
-        return _json({"object": "list", "data": [card]})
+
+    async def models(self, request: Request):
+        return _json({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request):
+        name = request.path[len("/v1/models/"):]
+        if name not in self.served_names:
+            raise APIError(f"The model {protocol.short_repr(name)} does not exist. Served: {self.served_names}",
+                           status=404, param="model", code="model_not_found")
+        return _json(self._model_card())
 
     async def health_live(self, request: Request):
         return _json({"status": "alive", "pid": os.getpid()})  # with --workers: which one answered

@@ -15,6 +15,7 @@ _DOCS = {
     ("POST", "/v1/chat/completions"): ("Chat completion (OpenAI), routed to a prefill and a decode node.",
                                        ["model", "messages"], "messages"),
     ("GET", "/v1/models"): ("The served model.", None, None),
+    ("GET", "/v1/models/{model}"): ("The served model's card by its name (OpenAI's retrieve), else 404.", None, None),
     ("GET", "/health/live"): ("200 while the process runs, with its pid (with --workers, the answering worker's).",
                               None, None),
     ("GET", "/health/ready"): ("200 when at least one decode-capable node is usable, else 503.", None, None),
@@ -34,6 +35,9 @@ def spec(routes, title: str = "pdpool router") -> dict:
         op: dict = {"summary": summary, "parameters": [
             {"name": "X-Request-Id", "in": "header", "required": False, "schema": {"type": "string"},
              "description": "Request id carried to the nodes and echoed back (generated if absent)."}]}
+        if "{model}" in path:
+            op["parameters"].append({"name": "model", "in": "path", "required": True, "schema": {"type": "string"},
+                                     "description": "A served model name (it may hold slashes)."})
         if required:
             op["requestBody"] = {"required": True, "content": {"application/json": {"schema": {
                 "type": "object", "required": required, "additionalProperties": True,

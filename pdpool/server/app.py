@@ -133,14 +133,27 @@ async def _generate(request: web.Request, llm, req: protocol.GenerationRequest) 
         raise
 
 
-async def models(request: web.Request) -> web.Response:
+def _model_card(request: web.Request) -> dict:
     cfg = request.app[CONFIG_KEY]
     node = request.app[NODE_KEY]
     card = {"id": cfg.served_model_name, "object": "model", "created": node.created, "owned_by": "pdpool",
             "root": cfg.model.model, "parent": None}
     if node.llm is not None:
         card["max_model_len"] = node.llm.max_model_len
-    return web.json_response({"object": "list", "data": [card]})
+    return card
+
+
+async def models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request)]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{model}`` (OpenAI's retrieve): the card of a served name, else a 404 naming what is."""
+    card = _model_card(request)
+    if request.match_info["model"] != card["id"]:
+        raise APIError(f"The model {protocol.short_repr(request.match_info['model'])} does not exist. Served: "
+                       f"{[card['id']]}", status=404, param="model", code="model_not_found")
+    return web.json_response(card)
 
 
 async def health_live(request: web.Request) -> web.Response:
@@ -173,6 +186,7 @@ def create_app(node_config, node: ServedNode, routes: list[web.RouteDef] = ()) -
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model)
     app.router.add_get("/health", health_ready)
     app.router.add_get("/health/live", health_live)
     app.router.add_get("/health/ready", health_ready)

@@ -236,6 +236,7 @@ def _common(body: dict, kind: str, served_model_names: list[str]) -> dict:
         raise APIError("'best_of' other than 'n' is not supported", param="best_of")
     if body.get("logit_bias"):
         raise APIError("'logit_bias' is not supported", param="logit_bias")
+    _refuse_constrained(body)
     kv = body.get("kv_transfer_params")
     if kv is not None and not isinstance(kv, dict):
         raise APIError("'kv_transfer_params' must be an object", param="kv_transfer_params")
@@ -244,6 +245,26 @@ def _common(body: dict, kind: str, served_model_names: list[str]) -> dict:
                 cache_salt=get_str(body, "cache_salt"),
                 kv_transfer_params=kv, user=get_str(body, "user"),
                 return_token_ids=get_bool(body, "return_token_ids"))
+
+
+# vLLM's structured-output fields: refused rather than ignored, as is ``response_format`` beyond plain text.
+_CONSTRAINED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+
+
+def _refuse_constrained(body: dict) -> None:
+    """Features a client would rely on without noticing that they were dropped (JSON mode, tool calls) are a
+    400, not a silent answer in plain text. A tool list with ``tool_choice: "none"`` asks for text: accepted."""
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise APIError("'response_format' other than {\"type\": \"text\"} is not supported (no structured "
+                       "output: JSON mode and JSON schemas are not implemented)", param="response_format")
+    for name in _CONSTRAINED:
+        if body.get(name) is not None:
+            raise APIError(f"'{name}' is not supported (no structured output)", param=name)
+    for listed, choice in (("tools", "tool_choice"), ("functions", "function_call")):
+        if body.get(listed) and body.get(choice, "auto") != "none":
+            raise APIError(f"tool calling is not supported: send '{choice}': \"none\" to have '{listed}' "
+                           f"ignored and get text", param=listed)
 
 
 # The body fields ``_sampling_fields`` reads; a body with none of them gets ``SamplingParams``' defaults.

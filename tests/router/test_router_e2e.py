@@ -95,11 +95,15 @@ def test_request_id_travels_and_is_echoed(router):
 
 def test_models_health_openapi_metrics(router):
     assert httpx.get(router.url + "/v1/models").json()["data"][0]["id"] == "demo"
+    assert router.client().models.retrieve("demo").id == "demo"          # the openai client's retrieve
+    missing = httpx.get(router.url + "/v1/models/meta-llama/Other")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert httpx.post(router.url + "/v1/models/demo").status_code == 405
     assert httpx.get(router.url + "/health/live").status_code == 200
     assert httpx.get(router.url + "/health/ready").status_code == 200
     spec = httpx.get(router.url + "/openapi.json").json()
-    assert set(spec["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health/live",
-                                  "/health/ready", "/metrics", "/openapi.json"}
+    assert set(spec["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}",
+                                  "/health/live", "/health/ready", "/metrics", "/openapi.json"}
     m = router.metrics()
     assert m['pdpool_router_index_mode{mode="precise"}'] == 1
     assert m["pdpool_router_decision_seconds_count"] > 0
@@ -118,6 +122,10 @@ BAD = [
      "pdpool_prompt_token_ids"),
     ("/v1/completions", {"model": "demo", "prompt": "x", "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
     ("/v1/chat/completions", {"model": "demo", "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("/v1/completions", {"model": "demo", "prompt": "x " * 600, "max_tokens": 4}, 400, None),  # too long: the node
 ]
 

@@ -116,12 +116,16 @@ COMMON_FIELDS = {
     "kv_transfer_params": KV_PARAMS, "logit_bias": st.one_of(st.just({"1": 5}), json_values()),
     "return_token_ids": st.one_of(st.booleans(), json_values()),
     "include_stop_str_in_output": st.booleans(), "skip_special_tokens": st.one_of(st.booleans(), json_values()),
+    "response_format": st.one_of(st.sampled_from([{"type": "text"}, {"type": "json_object"}, None]), json_values()),
+    "guided_json": json_values(),
 }
 COMPLETION_FIELDS = {**COMMON_FIELDS, "prompt": PROMPTS, "echo": st.one_of(st.booleans(), json_values()),
                      "logprobs": small_ints(0, 5), "suffix": st.one_of(TEXTS, json_values())}
 CHAT_FIELDS = {**COMMON_FIELDS, "messages": MESSAGES, "logprobs": st.one_of(st.booleans(), json_values()),
                "top_logprobs": small_ints(0, 5), "max_completion_tokens": small_ints(1, 4),
-               "add_generation_prompt": st.one_of(st.booleans(), json_values())}
+               "add_generation_prompt": st.one_of(st.booleans(), json_values()),
+               "tools": st.one_of(st.just([{"type": "function", "function": {"name": "f"}}]), json_values()),
+               "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]), json_values())}
 
 
 def _optional(fields: dict, keys: list[str]) -> st.SearchStrategy:

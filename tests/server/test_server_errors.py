@@ -74,6 +74,38 @@ def test_bad_prompts_and_messages_are_400(server):
     assert_error(post(server, "/v1/chat/completions", body), 400, "top_logprobs")
 
 
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("path, extra, param", [
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+    ("/v1/chat/completions", {"tools": [TOOL]}, "tools"),
+    ("/v1/chat/completions", {"tools": [TOOL], "tool_choice": "required"}, "tools"),
+    ("/v1/chat/completions", {"functions": [TOOL["function"]]}, "functions"),
+    ("/v1/completions", {"guided_choice": ["yes", "no"]}, "guided_choice"),
+])
+def test_what_would_be_silently_dropped_is_400(server, path, extra, param):
+    """Structured output and tool calls are not implemented: refused by name, not answered in plain text."""
+    body = {"model": "demo", "max_tokens": 2, **extra}
+    body.update({"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})
+    assert_error(post(server, path, body), 400, param=param)
+
+
+def test_plain_text_format_and_tools_declined_by_tool_choice_are_served(server):
+    messages = [{"role": "user", "content": "hi"}]
+    for extra in ({"response_format": {"type": "text"}}, {"tools": [TOOL], "tool_choice": "none"}):
+        r = post(server, "/v1/chat/completions", {"model": "demo", "messages": messages, "max_tokens": 2, **extra})
+        assert r.status_code == 200, r.text
+
+
+def test_a_model_is_retrieved_by_name(server, client):
+    assert client.models.retrieve("demo").id == "demo"
+    r = httpx.get(server.url + "/v1/models/other/name", headers=server.headers(), timeout=30)
+    assert_error(r, 404, param="model")
+
+
 def test_api_key_is_required_on_v1_only(server):
     body = {"model": "demo", "prompt": "hi", "max_tokens": 1}
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
