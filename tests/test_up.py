@@ -83,8 +83,11 @@ def up(demo_model_dir, pdpool_cache, tmp_path_factory, redis_module):
     port = free_port()
     env = dict(os.environ, PDPOOL_CACHE=str(pdpool_cache), PDPOOL_REDIS_PASSWORD=REDIS_PASSWORD)
     env.pop("PDPOOL_API_KEY", None)
-    proc = UpProcess([str(path), "--port", str(port), "--", "--num-kv-blocks", "64", "--heartbeat-seconds", "0.5"],
-                     env)
+    # float32: the tests compare the router's (disaggregated, prefix-cached) answers token for token with a
+    # node's own. In bfloat16, the default on CPUs with native bf16, a prefix hit alone moves a near-tie's logits
+    # (the tail's GEMMs have other shapes: measured -1.724/-1.724 cold, -1.687/-1.749 with 32 tokens cached).
+    proc = UpProcess([str(path), "--port", str(port), "--", "--num-kv-blocks", "64", "--heartbeat-seconds", "0.5",
+                      "--dtype", "float32"], env)
     proc.port, proc.env = port, env
     proc.state_path = Path(pdpool_cache) / "up" / f"{port}.json"
     try:
