@@ -25,7 +25,7 @@ import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import datetime
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Sequence
 
@@ -294,7 +294,9 @@ class TokenChunkCache:
 
     CUT = re.compile(r"(?<=\S) ")
 
-    def __init__(self, tokenizer: "Tokenizer", capacity: int = 8192, chunk_chars: int = 256) -> None:
+    def __init__(self, tokenizer: "Tokenizer", capacity: int = 8192, chunk_chars: int = 256,
+                 native: bool = True) -> None:
+        """``native=False``: the chunk loop in Python even where the C one is (the tests compare them)."""
         self.tokenizer = tokenizer
         self.capacity = capacity
         self.chunk_chars = max(1, chunk_chars)
@@ -303,6 +305,16 @@ class TokenChunkCache:
         self.special_prefix = self._special_prefix() if self.enabled else None
         self.pieces = _piece_encoder(tokenizer) if self.enabled else None
         self._native_chunks = _native_function("chunks") if self.pieces is not None and self.pieces.native else None
+        # The chunk loop in C (pdpool/csrc/pieces.c's ChunkLRU: the same LRU order and results as the loop below,
+        # tests/router/test_token_cache.py), where the native module loads; then ``_lru`` stays empty.
+        # (no reference back to self: the C LRU is not tracked by the garbage collector)
+        self._encode_fresh = (self.pieces.encode_entry if self.pieces is not None
+                              else partial(_encode_whole, tokenizer))
+        lru_type = _native_function("ChunkLRU") if self.enabled and native else None
+        self._native_lru = (lru_type(min(max(0, capacity), 1 << 30), self._encode_fresh) if lru_type is not None
+                            else None)
+        self._special_json = (json.dumps(self.special_prefix, separators=(",", ":")).encode()[1:-1]
+                              if self.special_prefix else None)
         self.hit_chunks = 0
         self.missed_chunks = 0
 
@@ -369,11 +381,18 @@ class TokenChunkCache:
             ids = self.tokenizer.encode(text, add_special_tokens)
             return ids, json.dumps(ids, separators=(",", ":")).encode(), None
         ids = list(self.special_prefix) if add_special_tokens else []
-        parts = [json.dumps(ids, separators=(",", ":")).encode()[1:-1]] if ids else []
-        lead, shared = len(ids), []
+        lead = len(ids)
+        if self._native_lru is not None:   # the loop below, in C
+            ids, ids_json, cached, hits, misses = self._native_lru.run(self.chunks(text), ids,
+                                                                        self._special_json if ids else None)
+            self.hit_chunks += hits
+            self.missed_chunks += misses
+            return ids, ids_json, (lead, cached)
+        parts = [self._special_json] if ids else []
+        shared = []
         lru = self._lru
         get, move_to_end = lru.get, lru.move_to_end
-        encode_fresh = self.pieces.encode_entry if self.pieces is not None else self._encode_whole
+        encode_fresh = self._encode_fresh
         in_prefix = True                  # the shared prefix ends at the first chunk not cached
         for chunk in self.chunks(text):
             entry = get(chunk)
@@ -395,8 +414,9 @@ class TokenChunkCache:
                 parts.append(entry[1])
         return ids, b"[" + b",".join(parts) + b"]", (lead, tuple(shared))
 
-    def _encode_whole(self, chunk: str) -> list:
-        return [self.tokenizer.encode(chunk, False), None]
+
+def _encode_whole(tokenizer: "Tokenizer", chunk: str) -> list:
+    return [tokenizer.encode(chunk, False), None]
 
 
 class BlockHashMemo:

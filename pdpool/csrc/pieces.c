@@ -9,6 +9,7 @@
  *   sha256_path([name]) -> str              "sha-ni" (x86 SHA extensions, chosen at load where the CPU has them)
  *                                           or "portable"; naming one switches to it (the tests check both)
  *   ApproxTable(capacity)                   the router's approximate prefix index (router/prefix_index.py), below
+ *   ChunkLRU(capacity, encode_fresh)        TokenChunkCache's chunk LRU and per-request loop (pdpool/frontend.py)
  *
  * The pieces are those of the GPT-2 pattern on ASCII text (White_Space = \t \n \v \f \r and space):
  *   's|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\s A-Za-z0-9]+|\s+(?!\S)|\s+
@@ -1060,6 +1061,344 @@ static PyTypeObject ApproxTableType = {
               "(router/prefix_index.py's PyApproxIndex, in C).",
 };
 
+/* ---- ChunkLRU: TokenChunkCache's chunk loop (pdpool/frontend.py's encode_chunked), in C -------------------------
+ *
+ *   ChunkLRU(capacity, encode_fresh)      chunk text -> (ids, their JSON), LRU-bounded to `capacity` chunks;
+ *                                         encode_fresh(chunk) -> (ids, JSON without brackets) or [ids, None]
+ *   lru.run(chunks, ids, lead_json) -> (ids + every chunk's ids, b"[...]" of them all, shared, hits, misses)
+ *       ids: the ids before the first chunk (a list, not changed), lead_json their JSON without brackets or None;
+ *       shared: ((chunk, ids up to its end), ...) for the leading chunks that were cached already
+ *   len(lru), lru.keys() (least recently used first)
+ *
+ * The same results and LRU order as the Python loop (tests/router/test_token_cache.py): a cached chunk is moved to
+ * the most recent end; a missing one is encoded, added, and the least recently used one dropped beyond
+ * `capacity`. Chunks are str; the ids lists are kept as given (not copied). One thread. */
+
+typedef struct {
+    PyObject *key, *ids, *json;   /* owned: str, list of ints, bytes */
+    Py_hash_t hash;
+    int32_t prev, next;
+} ChunkEntry;
+
+typedef struct { Py_hash_t hash; int32_t entry; } CSlot;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *encode_fresh;
+    Py_ssize_t capacity;
+    ChunkEntry *entries;
+    int32_t count, entries_cap;
+    CSlot *slots;
+    size_t mask;
+    int32_t oldest, newest;
+    int busy;
+} ChunkLRU;
+
+/* The slot of `key` (an exact or sub- str), or the empty slot where it would go; -1 with an error set. */
+static Py_ssize_t chunk_find(ChunkLRU *self, PyObject *key, Py_hash_t hash) {
+    size_t i = (size_t)hash & self->mask;
+    for (;;) {
+        CSlot *s = &self->slots[i];
+        if (s->entry < 0) return (Py_ssize_t)i;
+        if (s->hash == hash) {
+            PyObject *other = self->entries[s->entry].key;
+            if (other == key) return (Py_ssize_t)i;
+            if (PyUnicode_GET_LENGTH(other) != PyUnicode_GET_LENGTH(key)) goto next;
+            int eq = PyUnicode_Compare(other, key);
+            if (eq == -1 && PyErr_Occurred()) return -1;
+            if (eq == 0) return (Py_ssize_t)i;
+        }
+    next:
+        i = (i + 1) & self->mask;
+    }
+}
+
+static void chunk_delete_slot(ChunkLRU *self, size_t i) {
+    size_t mask = self->mask, j = i;
+    for (;;) {
+        j = (j + 1) & mask;
+        if (self->slots[j].entry < 0) break;
+        size_t home = (size_t)self->slots[j].hash & mask;
+        if (((j - home) & mask) >= ((j - i) & mask)) {
+            self->slots[i] = self->slots[j];
+            i = j;
+        }
+    }
+    self->slots[i].entry = -1;
+}
+
+static int chunk_grow_slots(ChunkLRU *self) {
+    size_t size = (self->mask + 1) * 2;
+    CSlot *slots = PyMem_Malloc(sizeof(CSlot) * size);
+    if (slots == NULL) { PyErr_NoMemory(); return -1; }
+    for (size_t k = 0; k < size; k++) slots[k].entry = -1;
+    PyMem_Free(self->slots);
+    self->slots = slots;
+    self->mask = size - 1;
+    for (int32_t e = 0; e < self->count; e++) {   /* keys are distinct: the first empty slot from home */
+        size_t i = (size_t)self->entries[e].hash & self->mask;
+        while (self->slots[i].entry >= 0) i = (i + 1) & self->mask;
+        self->slots[i].hash = self->entries[e].hash;
+        self->slots[i].entry = e;
+    }
+    return 0;
+}
+
+static void chunk_unlink(ChunkLRU *self, int32_t e) {
+    ChunkEntry *x = &self->entries[e];
+    if (x->prev >= 0) self->entries[x->prev].next = x->next; else self->oldest = x->next;
+    if (x->next >= 0) self->entries[x->next].prev = x->prev; else self->newest = x->prev;
+}
+
+static void chunk_append(ChunkLRU *self, int32_t e) {
+    ChunkEntry *x = &self->entries[e];
+    x->prev = self->newest;
+    x->next = -1;
+    if (self->newest >= 0) self->entries[self->newest].next = e; else self->oldest = e;
+    self->newest = e;
+}
+
+/* ",".join(map(str, ids)).encode(): the ids' JSON without brackets. */
+static PyObject *ids_json(PyObject *ids) {
+    Py_ssize_t n = PyList_GET_SIZE(ids), len = 0;
+    char *buf = PyMem_Malloc(21 * (n ? n : 1));
+    if (buf == NULL) return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *id = PyList_GET_ITEM(ids, i);
+        int overflow = 0;
+        long long v = PyLong_CheckExact(id) ? PyLong_AsLongLongAndOverflow(id, &overflow) : 0;
+        if (!PyLong_CheckExact(id) || overflow) {
+            PyErr_SetString(PyExc_TypeError, "ChunkLRU: token ids must be ints of 64 bits");
+            PyMem_Free(buf);
+            return NULL;
+        }
+        if (i) buf[len++] = ',';
+        len += snprintf(buf + len, 21, "%lld", v);
+    }
+    PyObject *out = PyBytes_FromStringAndSize(buf, len);
+    PyMem_Free(buf);
+    return out;
+}
+
+/* encode_fresh(chunk) as (ids: list, json: bytes), new references; -1 with an error set. */
+static int chunk_encode(ChunkLRU *self, PyObject *chunk, PyObject **ids, PyObject **json) {
+    PyObject *entry = PyObject_CallOneArg(self->encode_fresh, chunk);
+    if (entry == NULL) return -1;
+    PyObject **items = (PyTuple_Check(entry) || PyList_Check(entry)) && PySequence_Fast_GET_SIZE(entry) == 2
+                       ? PySequence_Fast_ITEMS(entry) : NULL;
+    if (items == NULL || !PyList_Check(items[0]) || !(items[1] == Py_None || PyBytes_Check(items[1]))) {
+        PyErr_SetString(PyExc_TypeError, "ChunkLRU: encode_fresh must return (ids: list, json: bytes or None)");
+        Py_DECREF(entry);
+        return -1;
+    }
+    *ids = items[0];
+    Py_INCREF(*ids);
+    if (items[1] == Py_None) {
+        *json = ids_json(*ids);
+    } else {
+        *json = items[1];
+        Py_INCREF(*json);
+    }
+    Py_DECREF(entry);
+    if (*json == NULL) { Py_CLEAR(*ids); return -1; }
+    return 0;
+}
+
+static PyObject *chunk_run(ChunkLRU *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyList_Check(args[0]) || !PyList_Check(args[1]) ||
+        !(args[2] == Py_None || PyBytes_Check(args[2]))) {
+        PyErr_SetString(PyExc_TypeError, "run(chunks: list[str], ids: list[int], lead_json: bytes | None)");
+        return NULL;
+    }
+    PyObject *chunks = args[0], *lead = args[1], *lead_json = args[2];
+    Py_ssize_t n = PyList_GET_SIZE(chunks);
+    for (Py_ssize_t k = 0; k < n; k++)
+        if (!PyUnicode_Check(PyList_GET_ITEM(chunks, k))) {
+            PyErr_SetString(PyExc_TypeError, "ChunkLRU.run: the chunks must be str");
+            return NULL;
+        }
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "ChunkLRU used from inside one of its own calls");
+        return NULL;
+    }
+    self->busy = 1;
+    PyObject *result = NULL, *out_ids = NULL, *out_json = NULL, *shared = NULL;
+    PyObject **got = PyMem_Calloc(2 * (n ? n : 1), sizeof(PyObject *));   /* per chunk: ids, json (owned) */
+    Py_ssize_t hits = 0, misses = 0, n_shared = 0, total = PyList_GET_SIZE(lead);
+    Py_ssize_t json_len = 2 + (lead_json != Py_None ? PyBytes_GET_SIZE(lead_json) : 0);
+    int parts = lead_json != Py_None && PyList_GET_SIZE(lead) > 0;
+    if (got == NULL) { PyErr_NoMemory(); goto done; }
+    int in_prefix = 1;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *chunk = PyList_GET_ITEM(chunks, k);
+        Py_hash_t hash = PyObject_Hash(chunk);
+        if (hash == -1) goto done;
+        Py_ssize_t i = chunk_find(self, chunk, hash);
+        if (i < 0) goto done;
+        int32_t e = self->slots[i].entry;
+        if (e >= 0) {
+            hits++;
+            if (e != self->newest) { chunk_unlink(self, e); chunk_append(self, e); }
+            got[2 * k] = self->entries[e].ids;
+            got[2 * k + 1] = self->entries[e].json;
+            Py_INCREF(got[2 * k]);
+            Py_INCREF(got[2 * k + 1]);
+        } else {
+            misses++;
+            in_prefix = 0;
+            if (chunk_encode(self, chunk, &got[2 * k], &got[2 * k + 1]) < 0) goto done;
+            if (self->capacity > 0) {
+                if (self->count == self->capacity) {   /* full: the least recently used entry is reused */
+                    e = self->oldest;
+                    ChunkEntry *x = &self->entries[e];
+                    Py_ssize_t at = chunk_find(self, x->key, x->hash);   /* str == str: no error */
+                    chunk_delete_slot(self, (size_t)at);
+                    chunk_unlink(self, e);
+                    Py_CLEAR(x->key); Py_CLEAR(x->ids); Py_CLEAR(x->json);
+                } else {
+                    if (((size_t)self->count + 1) * 2 > self->mask + 1 && chunk_grow_slots(self) < 0) goto done;
+                    if (self->count == self->entries_cap) {
+                        Py_ssize_t cap = self->entries_cap ? (Py_ssize_t)self->entries_cap * 2 : 64;
+                        if (cap > self->capacity) cap = self->capacity;
+                        ChunkEntry *entries = PyMem_Realloc(self->entries, sizeof(ChunkEntry) * cap);
+                        if (entries == NULL) { PyErr_NoMemory(); goto done; }
+                        self->entries = entries;
+                        self->entries_cap = (int32_t)cap;
+                    }
+                    e = self->count++;
+                }
+                i = chunk_find(self, chunk, hash);
+                if (i < 0) goto done;
+                ChunkEntry *x = &self->entries[e];
+                x->key = chunk; Py_INCREF(chunk);
+                x->ids = got[2 * k]; Py_INCREF(x->ids);
+                x->json = got[2 * k + 1]; Py_INCREF(x->json);
+                x->hash = hash;
+                self->slots[i].hash = hash;
+                self->slots[i].entry = e;
+                chunk_append(self, e);
+            }
+        }
+        total += PyList_GET_SIZE(got[2 * k]);
+        if (in_prefix) n_shared++;
+        Py_ssize_t jl = PyBytes_GET_SIZE(got[2 * k + 1]);
+        if (jl) { json_len += jl + (parts ? 1 : 0); parts = 1; }
+    }
+    out_ids = PyList_New(total);
+    out_json = PyBytes_FromStringAndSize(NULL, json_len);
+    shared = PyTuple_New(n_shared);
+    if (out_ids == NULL || out_json == NULL || shared == NULL) goto done;
+    Py_ssize_t at = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(lead); i++, at++) {
+        PyObject *id = PyList_GET_ITEM(lead, i);
+        Py_INCREF(id);
+        PyList_SET_ITEM(out_ids, at, id);
+    }
+    char *w = PyBytes_AS_STRING(out_json);
+    *w++ = '[';
+    parts = 0;
+    if (lead_json != Py_None && PyList_GET_SIZE(lead) > 0) {
+        memcpy(w, PyBytes_AS_STRING(lead_json), PyBytes_GET_SIZE(lead_json));
+        w += PyBytes_GET_SIZE(lead_json);
+        parts = 1;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *ids = got[2 * k], *json = got[2 * k + 1];
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ids); i++, at++) {
+            PyObject *id = PyList_GET_ITEM(ids, i);
+            Py_INCREF(id);
+            PyList_SET_ITEM(out_ids, at, id);
+        }
+        Py_ssize_t jl = PyBytes_GET_SIZE(json);
+        if (jl) {
+            if (parts) *w++ = ',';
+            memcpy(w, PyBytes_AS_STRING(json), jl);
+            w += jl;
+            parts = 1;
+        }
+        if (k < n_shared) {
+            PyObject *pair = Py_BuildValue("(On)", PyList_GET_ITEM(chunks, k), at);
+            if (pair == NULL) goto done;
+            PyTuple_SET_ITEM(shared, k, pair);
+        }
+    }
+    *w++ = ']';
+    result = Py_BuildValue("(OOOnn)", out_ids, out_json, shared, hits, misses);
+done:
+    Py_XDECREF(out_ids); Py_XDECREF(out_json); Py_XDECREF(shared);
+    if (got != NULL) {
+        for (Py_ssize_t k = 0; k < 2 * n; k++) Py_XDECREF(got[k]);
+        PyMem_Free(got);
+    }
+    self->busy = 0;
+    return result;
+}
+
+static PyObject *chunk_keys(ChunkLRU *self, PyObject *unused) {
+    PyObject *out = PyList_New(self->count);
+    Py_ssize_t i = 0;
+    for (int32_t e = self->oldest; out != NULL && e >= 0; e = self->entries[e].next) {
+        Py_INCREF(self->entries[e].key);
+        PyList_SET_ITEM(out, i++, self->entries[e].key);
+    }
+    return out;
+}
+
+static PyObject *chunk_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"capacity", "encode_fresh", NULL};
+    Py_ssize_t capacity;
+    PyObject *encode_fresh;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "nO:ChunkLRU", names, &capacity, &encode_fresh)) return NULL;
+    if (capacity < 0 || capacity > (1 << 30) || !PyCallable_Check(encode_fresh)) {
+        PyErr_SetString(PyExc_ValueError, "ChunkLRU(capacity: 0 .. 2**30, encode_fresh: callable)");
+        return NULL;
+    }
+    ChunkLRU *self = (ChunkLRU *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    self->capacity = capacity;
+    self->oldest = self->newest = -1;
+    self->mask = 15;
+    self->slots = PyMem_Malloc(sizeof(CSlot) * 16);
+    if (self->slots == NULL) { Py_DECREF(self); return PyErr_NoMemory(); }
+    for (int k = 0; k < 16; k++) self->slots[k].entry = -1;
+    Py_INCREF(encode_fresh);
+    self->encode_fresh = encode_fresh;
+    return (PyObject *)self;
+}
+
+static void chunk_dealloc(ChunkLRU *self) {
+    for (int32_t e = 0; e < self->count; e++) {
+        Py_XDECREF(self->entries[e].key); Py_XDECREF(self->entries[e].ids); Py_XDECREF(self->entries[e].json);
+    }
+    PyMem_Free(self->entries);
+    PyMem_Free(self->slots);
+    Py_XDECREF(self->encode_fresh);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static Py_ssize_t chunk_length(ChunkLRU *self) { return self->count; }
+
+static PyMethodDef chunk_methods[] = {
+    {"run", (PyCFunction)(void (*)(void))chunk_run, METH_FASTCALL,
+     "run(chunks, ids, lead_json) -> (ids, b'[...]', shared, hits, misses): TokenChunkCache's chunk loop"},
+    {"keys", (PyCFunction)chunk_keys, METH_NOARGS, "keys() -> the chunks, least recently used first"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods chunk_as_sequence = {.sq_length = (lenfunc)chunk_length};
+
+static PyTypeObject ChunkLRUType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "pdpool_router_pieces.ChunkLRU",
+    .tp_basicsize = sizeof(ChunkLRU),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = chunk_new,
+    .tp_dealloc = (destructor)chunk_dealloc,
+    .tp_methods = chunk_methods,
+    .tp_as_sequence = &chunk_as_sequence,
+    .tp_doc = "TokenChunkCache's LRU of chunk ids and their JSON, and its per-request loop (pdpool/frontend.py), in C.",
+};
+
 static PyMethodDef module_methods[] = {
     {"sha256_path", (PyCFunction)(void (*)(void))sha256_path, METH_FASTCALL,
      "sha256_path([name]) -> 'sha-ni' or 'portable': hash_chain's SHA-256 compression (naming one switches)"},
@@ -1099,7 +1438,8 @@ PyMODINIT_FUNC PyInit_pdpool_router_pieces(void) {
 #ifdef HAVE_SHA_NI
     if (sha_ni_usable()) compress_blocks = sha256_compress_ni;
 #endif
-    if (PyType_Ready(&PieceTableType) < 0 || PyType_Ready(&ApproxTableType) < 0) return NULL;
+    if (PyType_Ready(&PieceTableType) < 0 || PyType_Ready(&ApproxTableType) < 0 || PyType_Ready(&ChunkLRUType) < 0)
+        return NULL;
     if (monotonic == NULL) {
         PyObject *time = PyImport_ImportModule("time");
         if (time == NULL) return NULL;
@@ -1118,6 +1458,12 @@ PyMODINIT_FUNC PyInit_pdpool_router_pieces(void) {
     Py_INCREF(&ApproxTableType);
     if (PyModule_AddObject(m, "ApproxTable", (PyObject *)&ApproxTableType) < 0) {
         Py_DECREF(&ApproxTableType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&ChunkLRUType);
+    if (PyModule_AddObject(m, "ChunkLRU", (PyObject *)&ChunkLRUType) < 0) {
+        Py_DECREF(&ChunkLRUType);
         Py_DECREF(m);
         return NULL;
     }

@@ -349,3 +349,57 @@ def test_the_native_hash_chain_refuses_bad_framing(native_module):
     with pytest.raises(TypeError):
         native_module.hash_chain(b"x" * 16, "abcd", 4, b"\0\0\0\0")
     assert native_module.hash_chain(b"x" * 16, b"", 4, b"\0\0\0\0") == []
+
+
+# ---- the chunk loop in C (pdpool/csrc/pieces.c's ChunkLRU) ---------------------------------------------------------
+
+@settings(max_examples=300, deadline=None)
+@given(calls=st.lists(st.tuples(texts | ascii_texts | st.text(max_size=40), st.booleans()), min_size=1, max_size=8),
+       capacity=st.integers(0, 10), chunk_chars=st.integers(1, 6))
+def test_the_c_chunk_loop_is_the_python_loop(frontend, calls, capacity, chunk_chars):
+    """Small chunks and a few LRU entries (evictions within one text, a chunk that comes twice): the same ids, JSON,
+    cached leading chunks, hit and miss counts and LRU order as the Python loop, call after call."""
+    c = TokenChunkCache(frontend.tokenizer, capacity=capacity, chunk_chars=chunk_chars)
+    py = TokenChunkCache(frontend.tokenizer, capacity=capacity, chunk_chars=chunk_chars, native=False)
+    assert c._native_lru is not None and py._native_lru is None
+    for text, add_special in calls * 2:
+        text = text * 3   # long enough to be chunked (2 * chunk_chars)
+        got = c.encode_chunked(text, add_special)
+        assert got == py.encode_chunked(text, add_special)
+        assert got[0] == frontend.tokenizer.encode(text, add_special)
+        assert (c.hit_chunks, c.missed_chunks) == (py.hit_chunks, py.missed_chunks)
+        assert c._native_lru.keys() == list(py._lru) and len(c._native_lru) == len(py._lru) <= capacity
+
+
+def test_the_c_chunk_loop_refuses_bad_input_and_keeps_no_reference(native_module):
+    import gc
+    import sys
+
+    ids, chunk = [7, 8], "".join(["ab", "cd"])
+    base = sys.getrefcount(ids), sys.getrefcount(chunk)
+    lru = native_module.ChunkLRU(2, lambda text: [ids if text == chunk else [5], None])
+    assert lru.run([chunk, "x"], [1], b"1") == ([1, 7, 8, 5], b"[1,7,8,5]", (), 0, 2)
+    assert lru.run([chunk], [], None) == ([7, 8], b"[7,8]", ((chunk, 2),), 1, 0)
+    assert lru.keys() == ["x", chunk]
+    lru.run(["y", "z"], [], None)                      # both evicted
+    assert (sys.getrefcount(ids), sys.getrefcount(chunk)) == base
+    lru.run([chunk], [], None)
+    del lru
+    gc.collect()
+    assert (sys.getrefcount(ids), sys.getrefcount(chunk)) == base
+    with pytest.raises(TypeError, match="chunks must be str"):
+        native_module.ChunkLRU(2, lambda text: [[1], None]).run(["a", b"b"], [], None)
+    with pytest.raises(TypeError, match="encode_fresh must return"):
+        native_module.ChunkLRU(2, lambda text: (1, 2)).run(["a"], [], None)
+    with pytest.raises(TypeError, match="ints of 64 bits"):
+        native_module.ChunkLRU(2, lambda text: [["1"], None]).run(["a"], [], None)
+    with pytest.raises(ZeroDivisionError):
+        native_module.ChunkLRU(2, lambda text: 1 / 0).run(["a"], [], None)
+    with pytest.raises(ValueError):
+        native_module.ChunkLRU(-1, lambda text: None)
+    holder = []
+    reentrant = native_module.ChunkLRU(2, lambda text: holder[0].run(["q"], [], None))
+    holder.append(reentrant)
+    with pytest.raises(RuntimeError, match="inside one of its own calls"):
+        reentrant.run(["a"], [], None)
+    holder.clear()
