@@ -68,6 +68,17 @@ def alive(pid: int) -> bool:
     return True
 
 
+def replaced(url: str, victim: int, timeout: float = 30) -> set[int]:
+    """The pids answering once ``victim`` is gone and a new worker answers in its place."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = pids_answering(url, N, tries=50)
+        if len(now) == N and victim not in now:
+            return now
+        assert time.monotonic() < deadline, f"worker {victim} was not replaced: {now}"
+        time.sleep(0.2)
+
+
 def complete(url: str, n: int) -> None:
     for i in range(n):
         with httpx.Client() as c:   # a new connection each time: the requests spread over the workers
@@ -92,13 +103,7 @@ def test_workers_share_a_port_and_the_metrics_and_stop_together(upstream, start_
     # A worker that dies is replaced; the counts it had made stay in the totals.
     victim = next(iter(workers))
     os.kill(victim, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while True:
-        now = pids_answering(router.url, N, tries=50)
-        if len(now) == N and victim not in now:
-            break
-        assert time.monotonic() < deadline, f"worker {victim} was not replaced: {now}"
-        time.sleep(0.2)
+    now = replaced(router.url, victim)
     complete(router.url, 10)
     assert scrape(router.url)['pdpool_router_requests_total{decision="decode_only"}'] == 40
 
@@ -150,13 +155,7 @@ def test_a_stray_hangup_restarts_one_worker_and_keeps_the_shared_metrics(upstrea
         with contextlib.suppress(ProcessLookupError):
             os.kill(victim, signal.SIGHUP)
         time.sleep(0.002)
-    deadline = time.monotonic() + 30
-    while True:
-        now = pids_answering(router.url, N, tries=50)
-        if len(now) == N and victim not in now:
-            break
-        assert time.monotonic() < deadline, f"worker {victim} was not replaced: {now}"
-        time.sleep(0.2)
+    replaced(router.url, victim)
     assert f"(pid {victim}) exited with 0" in router.log_path.read_text()
     assert len(list(tmp_path.glob("pdpool-router-metrics-*"))) == 1   # the supervisor is alive: its folder stays
     complete(router.url, 4)
