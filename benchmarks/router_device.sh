@@ -9,6 +9,7 @@
 #   # then, on the lent machine (device tool `run`, carry [".bench_router"], repo root as cwd):
 #   set -o pipefail; bash .bench_router/run_router_device.sh run 2>&1 | tee $OUT/device.log
 #   bash .bench_router/run_router_device.sh run --rates 200 --seconds 3    # other benchmark arguments
+#   RB_SCRIPT=router_overhead_interleaved.py bash .bench_router/run_router_device.sh run --rounds 8  # interleaved
 #
 # prepare: cp312 manylinux x86_64 wheels of the peers at the versions measured on the development machine
 # (/tmp/router-bench-venvs, `pip freeze`) and their dependencies, and of what pdpool's router path needs that the
@@ -162,11 +163,13 @@ for n in ("aiohttp", "uvloop", "httptools", "redis", "tokenizers", "prometheus-c
     gunzip "$PDPOOL_CACHE/models/$(cat "$d/model/FOLDER")/tokenizer.json.gz"
     "$p" -m pdpool.native_text || echo "native piece table NOT built: the router tokenizes in Python"
 
-    echo "== benchmark: router_overhead.py $*"
+    local script=${RB_SCRIPT:-router_overhead.py}   # or router_overhead_interleaved.py (its own arguments)
+    if [ "$script" != router_overhead.py ] && [ "$*" = "${BENCH_ARGS[*]}" ]; then set --; fi   # its own defaults
+    echo "== benchmark: $script $*"
     head -1 /proc/stat > "$OUT/proc_stat_before.txt"
     date -u
-    PYTHONUNBUFFERED=1 "$p" "$root/benchmarks/router_overhead.py" "$@" --venvs "$w/venvs" \
-        --redis-server "$w/bin/redis-server" --logs "$w/logs" | tee "$OUT/router_overhead.out"
+    PYTHONUNBUFFERED=1 "$p" "$root/benchmarks/$script" "$@" --venvs "$w/venvs" \
+        --redis-server "$w/bin/redis-server" --logs "$w/logs" | tee "$OUT/${script%.py}.out"
     date -u
     head -1 /proc/stat > "$OUT/proc_stat_after.txt"
     echo "host cpu line before/after (user nice system idle iowait irq softirq steal):"
