@@ -225,7 +225,7 @@ static PyObject *encode(PieceTable *self, PyObject *text) {
     return pair;
 }
 
-static PyObject *pieces(PieceTable *self, PyObject *text) {   /* the cuts alone, for the tests */
+static PyObject *pieces(PieceTable *Py_UNUSED(self), PyObject *text) {   /* the cuts alone, for the tests */
     if (!PyUnicode_Check(text) || !PyUnicode_IS_ASCII(text)) {
         PyErr_SetString(PyExc_ValueError, "PieceTable.pieces takes an ASCII str");
         return NULL;
@@ -243,7 +243,7 @@ static PyObject *pieces(PieceTable *self, PyObject *text) {   /* the cuts alone,
     return out;
 }
 
-static PyObject *clear(PieceTable *self, PyObject *unused) {
+static PyObject *clear(PieceTable *self, PyObject *Py_UNUSED(unused)) {
     clear_slots(self);
     Py_RETURN_NONE;
 }
@@ -285,7 +285,7 @@ static Py_ssize_t length(PieceTable *self) { return self->count; }
 
 /* chunks(text, chunk_chars): TokenChunkCache's cuts, any str: from `chunk_chars` on, cut right before the first
  * space whose preceding character is not whitespace (str.isspace, as re's \S), then again `chunk_chars` later. */
-static PyObject *chunks(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *chunks(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 || !PyUnicode_Check(args[0])) {
         PyErr_SetString(PyExc_TypeError, "chunks(text: str, chunk_chars: int)");
         return NULL;
@@ -427,7 +427,7 @@ static void sha256(const unsigned char *msg, size_t n, unsigned char out[32]) {
  * size, passed as the third argument); each hash is
  *     sha256(<u32 len(parent)> parent <u32 step> tokens[i*step:(i+1)*step] tail)[:16]
  * chained: the next block's parent is this hash. */
-static PyObject *hash_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *hash_chain(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4 || !PyBytes_Check(args[0]) || !PyBytes_Check(args[1]) || !PyBytes_Check(args[3])) {
         PyErr_SetString(PyExc_TypeError, "hash_chain(parent: bytes, tokens: bytes, step: int, tail: bytes)");
         return NULL;
@@ -466,7 +466,7 @@ static PyObject *hash_chain(PyObject *module, PyObject *const *args, Py_ssize_t 
 
 /* sha256_path() -> the compression in use, "sha-ni" or "portable"; sha256_path(name) switches to it first
  * ("sha-ni" where the CPU lacks it: ValueError). For the tests, which check both paths against hashlib. */
-static PyObject *sha256_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *sha256_path(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
     if (nargs > 1 || (nargs == 1 && !PyUnicode_Check(args[0]))) {
         PyErr_SetString(PyExc_TypeError, "sha256_path(name: str = None)");
         return NULL;
@@ -489,6 +489,154 @@ static PyObject *sha256_path(PyObject *module, PyObject *const *args, Py_ssize_t
     return PyUnicode_FromString(compress_blocks == sha256_compress_blocks ? "portable" : "sha-ni");
 }
 
+/* ---- Table: the LRU-bounded hash table under ApproxTable and ChunkLRU ------------------------------------------
+ *
+ * Entries in one array (each type's own struct, Links first), in an intrusive doubly linked LRU list; over them an
+ * open-addressing index of {32-bit hash, entry index} (linear probing, at most half full, backward-shift deletion:
+ * no tombstones). The keys, their hash and their comparison stay with each type: the index keeps the hash, enough
+ * to grow and to find an entry's own slot without its key. The functions take the entry struct's size (`stride`),
+ * a constant once inlined. One thread (the GIL); each type's `busy` keeps its callbacks out. */
+
+typedef struct { int32_t prev, next; } Links;   /* LRU: prev is older, next newer; -1 at the ends */
+
+typedef struct { uint32_t hash; int32_t entry; } HSlot;   /* entry -1: empty */
+
+typedef struct {
+    void *entries;               /* entries_cap entries of `stride` bytes, the first `count` in use */
+    int32_t count, entries_cap;
+    HSlot *slots;
+    uint32_t mask;               /* the number of slots (a power of two) less one */
+    int32_t oldest, newest;      /* the LRU list's ends, -1 when empty */
+} Table;
+
+/* Key comparison: 1 if entry e holds `key`, 0 if not, -1 with an error set. */
+typedef int (*SameKey)(const void *entries, int32_t e, const void *key);
+
+static int table_init(Table *t) {
+    t->entries = NULL;
+    t->count = t->entries_cap = 0;
+    t->oldest = t->newest = -1;
+    t->mask = 15;
+    t->slots = PyMem_Malloc(sizeof(HSlot) * 16);
+    if (t->slots == NULL) { PyErr_NoMemory(); return -1; }
+    memset(t->slots, 0xff, sizeof(HSlot) * 16);
+    return 0;
+}
+
+static void table_free(Table *t) {   /* the entries' own references are the type's to drop first */
+    PyMem_Free(t->entries);
+    PyMem_Free(t->slots);
+}
+
+static inline Links *links_at(Table *t, size_t stride, int32_t e) {
+    return (Links *)((char *)t->entries + (size_t)e * stride);
+}
+
+/* The entry holding `key`, -1 if none, -2 when `same` failed. `same` is asked only where the hash matches. */
+static inline int32_t table_find(const Table *t, uint32_t hash, SameKey same, const void *key) {
+    for (uint32_t i = hash & t->mask;; i = (i + 1) & t->mask) {
+        const HSlot *s = &t->slots[i];
+        if (s->entry < 0) return -1;
+        if (s->hash == hash) {
+            int eq = same(t->entries, s->entry, key);
+            if (eq) return eq < 0 ? -2 : s->entry;
+        }
+    }
+}
+
+/* Entry e into the first empty slot from its home: its key is known absent, so none is compared. */
+static inline void slot_place(HSlot *slots, uint32_t mask, uint32_t hash, int32_t e) {
+    uint32_t i = hash & mask;
+    while (slots[i].entry >= 0) i = (i + 1) & mask;
+    slots[i] = (HSlot){hash, e};
+}
+
+static void slot_delete(Table *t, uint32_t i) {   /* backward shift: no tombstones */
+    uint32_t mask = t->mask, j = i;
+    for (;;) {
+        j = (j + 1) & mask;
+        if (t->slots[j].entry < 0) break;
+        uint32_t home = t->slots[j].hash & mask;
+        if (((j - home) & mask) >= ((j - i) & mask)) {   /* its home is not in (i, j]: it may move back to i */
+            t->slots[i] = t->slots[j];
+            i = j;
+        }
+    }
+    t->slots[i].entry = -1;
+}
+
+static int table_grow(Table *t) {   /* twice the slots, placed again from the stored hashes */
+    size_t size = ((size_t)t->mask + 1) * 2;
+    HSlot *slots = PyMem_Malloc(sizeof(HSlot) * size);
+    if (slots == NULL) { PyErr_NoMemory(); return -1; }
+    memset(slots, 0xff, sizeof(HSlot) * size);
+    for (size_t i = 0; i <= t->mask; i++)
+        if (t->slots[i].entry >= 0) slot_place(slots, (uint32_t)(size - 1), t->slots[i].hash, t->slots[i].entry);
+    PyMem_Free(t->slots);
+    t->slots = slots;
+    t->mask = (uint32_t)(size - 1);
+    return 0;
+}
+
+static inline void lru_unlink(Table *t, size_t stride, int32_t e) {
+    Links *x = links_at(t, stride, e);
+    if (x->prev >= 0) links_at(t, stride, x->prev)->next = x->next; else t->oldest = x->next;
+    if (x->next >= 0) links_at(t, stride, x->next)->prev = x->prev; else t->newest = x->prev;
+}
+
+static inline void lru_append(Table *t, size_t stride, int32_t e) {
+    Links *x = links_at(t, stride, e);
+    x->prev = t->newest;
+    x->next = -1;
+    if (t->newest >= 0) links_at(t, stride, t->newest)->next = e; else t->oldest = e;
+    t->newest = e;
+}
+
+static inline void lru_touch(Table *t, size_t stride, int32_t e) {   /* e is now the most recently used */
+    if (e != t->newest) {
+        lru_unlink(t, stride, e);
+        lru_append(t, stride, e);
+    }
+}
+
+/* Entry e (its key's hash `hash`) out of the index and the list, for reuse: its slot is the one naming e. */
+static void table_remove(Table *t, size_t stride, int32_t e, uint32_t hash) {
+    uint32_t i = hash & t->mask;
+    while (t->slots[i].entry != e) i = (i + 1) & t->mask;
+    slot_delete(t, i);
+    lru_unlink(t, stride, e);
+}
+
+/* A fresh entry's index (entries kept up to `capacity`), the slots grown first so that they stay at most half
+ * full; -1 with an error set. */
+static int32_t table_new_entry(Table *t, size_t stride, Py_ssize_t capacity) {
+    if (((size_t)t->count + 1) * 2 > (size_t)t->mask + 1 && table_grow(t) < 0) return -1;
+    if (t->count == t->entries_cap) {
+        Py_ssize_t cap = t->entries_cap ? (Py_ssize_t)t->entries_cap * 2 : 64;
+        if (cap > capacity) cap = capacity;
+        void *entries = PyMem_Realloc(t->entries, stride * (size_t)cap);
+        if (entries == NULL) { PyErr_NoMemory(); return -1; }
+        t->entries = entries;
+        t->entries_cap = (int32_t)cap;
+    }
+    return t->count++;
+}
+
+/* Entry e, filled in and its key absent, indexed under `hash` as the most recently used. */
+static inline void table_insert(Table *t, size_t stride, uint32_t hash, int32_t e) {
+    slot_place(t->slots, t->mask, hash, e);
+    lru_append(t, stride, e);
+}
+
+static int enter(int *busy, const char *type) {
+    if (*busy) {
+        PyErr_Format(PyExc_RuntimeError, "%s used from inside one of its own calls", type);
+        return -1;
+    }
+    *busy = 1;
+    return 0;
+}
+
 /* ---- ApproxTable: the router's approximate prefix index (router/prefix_index.py's PyApproxIndex, in C) ----------
  *
  *   ApproxTable(capacity)                          block hash -> its owners, LRU-bounded to `capacity` hashes
@@ -502,25 +650,22 @@ static PyObject *sha256_path(PyObject *module, PyObject *const *args, Py_ssize_t
  * extend_block_hashes makes them; node ids and incarnations are compared as dict keys (hash and ==), as str and
  * None are; times are kept as C doubles (owner() gives a float); a negative capacity is a ValueError.
  *
- * Layout: an open-addressing table (linear probing, at most half full, backward-shift deletion) of
- * {32-bit hash, entry index}; entries in one array, in an intrusive doubly linked LRU list, each with its first
- * owner inline (the usual case: one node) and any further owners in a small array. Node ids and incarnations are
- * interned to small ints (a dict and an array of owned references), counted by the owners that name them and
- * released when none does, so a restarted node's old incarnation goes with its last entry. One thread (the GIL). */
+ * Layout: a Table (above) of entries keyed by the 16 bytes, each with its first owner inline (the usual case: one
+ * node) and any further owners in a small array. Node ids and incarnations are interned to small ints (a dict and
+ * an array of owned references), counted by the owners that name them and released when none does, so a restarted
+ * node's old incarnation goes with its last entry. One thread (the GIL). */
 
 #define APPROX_KEY 16
 
 typedef struct { int32_t node, inc; double time; } Owner;
 
 typedef struct {
+    Links lru;                   /* first: the Table's */
     unsigned char key[APPROX_KEY];
-    int32_t prev, next;          /* LRU: prev is older, next newer; -1 at the ends */
     int32_t n_owners, cap_more;  /* owners: `one`, then n_owners - 1 in `more` */
     Owner one;
     Owner *more;                 /* kept across the entry's reuse after an eviction */
 } Entry;
-
-typedef struct { uint32_t hash; int32_t entry; } ASlot;   /* entry -1: empty */
 
 typedef struct {
     PyObject *ids;               /* dict: object -> its index (int) */
@@ -534,11 +679,7 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     Py_ssize_t capacity;
-    Entry *entries;
-    int32_t count, entries_cap;
-    ASlot *slots;
-    uint32_t mask;
-    int32_t oldest, newest;
+    Table t;                     /* of Entry */
     Interner nodes, incs;
     int busy;
 } ApproxTable;
@@ -628,60 +769,15 @@ static inline uint32_t key_hash(const unsigned char *k) {
     return (uint32_t)(h >> 32);
 }
 
-/* The slot holding `key`, or the empty slot where it would go. */
-static inline uint32_t find_slot(ApproxTable *self, const unsigned char *key, uint32_t hash) {
-    uint32_t i = hash & self->mask;
-    for (;;) {
-        ASlot *s = &self->slots[i];
-        if (s->entry < 0 || (s->hash == hash && memcmp(self->entries[s->entry].key, key, APPROX_KEY) == 0))
-            return i;
-        i = (i + 1) & self->mask;
-    }
+static inline Entry *entry_at(ApproxTable *self, int32_t e) { return (Entry *)self->t.entries + e; }
+
+static inline int same_block(const void *entries, int32_t e, const void *key) {
+    return memcmp(((const Entry *)entries)[e].key, key, APPROX_KEY) == 0;
 }
 
-static void delete_slot(ApproxTable *self, uint32_t i) {   /* backward shift: no tombstones */
-    uint32_t mask = self->mask, j = i;
-    for (;;) {
-        j = (j + 1) & mask;
-        if (self->slots[j].entry < 0) break;
-        uint32_t home = self->slots[j].hash & mask;
-        if (((j - home) & mask) >= ((j - i) & mask)) {   /* its home is not in (i, j]: it may move back to i */
-            self->slots[i] = self->slots[j];
-            i = j;
-        }
-    }
-    self->slots[i].entry = -1;
-}
-
-static int grow_slots(ApproxTable *self) {
-    size_t size = ((size_t)self->mask + 1) * 2;
-    ASlot *slots = PyMem_Malloc(sizeof(ASlot) * size);
-    if (slots == NULL) { PyErr_NoMemory(); return -1; }
-    memset(slots, 0xff, sizeof(ASlot) * size);
-    PyMem_Free(self->slots);
-    self->slots = slots;
-    self->mask = (uint32_t)(size - 1);
-    for (int32_t e = 0; e < self->count; e++) {
-        uint32_t hash = key_hash(self->entries[e].key);
-        uint32_t i = find_slot(self, self->entries[e].key, hash);
-        self->slots[i].hash = hash;
-        self->slots[i].entry = e;
-    }
-    return 0;
-}
-
-static void lru_unlink(ApproxTable *self, int32_t e) {
-    Entry *x = &self->entries[e];
-    if (x->prev >= 0) self->entries[x->prev].next = x->next; else self->oldest = x->next;
-    if (x->next >= 0) self->entries[x->next].prev = x->prev; else self->newest = x->prev;
-}
-
-static void lru_append(ApproxTable *self, int32_t e) {
-    Entry *x = &self->entries[e];
-    x->prev = self->newest;
-    x->next = -1;
-    if (self->newest >= 0) self->entries[self->newest].next = e; else self->oldest = e;
-    self->newest = e;
+/* The entry of `key`, or -1. */
+static inline int32_t find_block(ApproxTable *self, const unsigned char *key, uint32_t hash) {
+    return table_find(&self->t, hash, same_block, key);
 }
 
 static inline Owner *owner_at(Entry *x, int32_t k) { return k == 0 ? &x->one : &x->more[k - 1]; }
@@ -697,7 +793,7 @@ static void release_owners(ApproxTable *self, Entry *x) {
 
 /* `node`'s owner record of entry `e` set to (inc, time): updated in place, or added. */
 static int set_owner(ApproxTable *self, int32_t e, int32_t node, int32_t inc, double time) {
-    Entry *x = &self->entries[e];
+    Entry *x = entry_at(self, e);
     for (int32_t k = 0; k < x->n_owners; k++) {
         Owner *o = owner_at(x, k);
         if (o->node == node) {
@@ -779,15 +875,6 @@ static int parse_args(const char *fname, PyObject *const *args, Py_ssize_t nargs
     return 0;
 }
 
-static int enter(ApproxTable *self) {
-    if (self->busy) {
-        PyErr_SetString(PyExc_RuntimeError, "ApproxTable used from inside one of its own calls");
-        return -1;
-    }
-    self->busy = 1;
-    return 0;
-}
-
 static PyObject *approx_record(ApproxTable *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     static const char *const names[] = {"hashes", "node_id", "incarnation", "now"};
     PyObject *a[4];
@@ -809,7 +896,7 @@ static PyObject *approx_record(ApproxTable *self, PyObject *const *args, Py_ssiz
     if (now == -1.0 && PyErr_Occurred()) return NULL;
     PyObject *seq = hash_sequence(a[0], "record");
     if (seq == NULL) return NULL;
-    if (enter(self) < 0) { Py_DECREF(seq); return NULL; }
+    if (enter(&self->busy, "ApproxTable") < 0) { Py_DECREF(seq); return NULL; }
     PyObject *result = NULL;
     int32_t node = intern_hold(&self->nodes, a[1]), inc = -1;   /* held for the call: an eviction may drop
                                                                    every other reference to them */
@@ -819,50 +906,31 @@ static PyObject *approx_record(ApproxTable *self, PyObject *const *args, Py_ssiz
     for (Py_ssize_t j = 0; j < n; j++) {
         const unsigned char *key = (const unsigned char *)PyBytes_AS_STRING(items[j]);
         uint32_t hash = key_hash(key);
-        uint32_t i = find_slot(self, key, hash);
-        int32_t e = self->slots[i].entry;
+        int32_t e = find_block(self, key, hash);
         if (e >= 0) {                                   /* held: this node's record updated, most recent now */
             if (set_owner(self, e, node, inc, now) < 0) goto done;
-            if (e != self->newest) {
-                lru_unlink(self, e);
-                lru_append(self, e);
-            }
+            lru_touch(&self->t, sizeof(Entry), e);
             continue;
         }
         if (self->capacity == 0) continue;              /* added and evicted at once */
-        if (self->count == self->capacity) {            /* full: the least recently used entry is reused */
-            e = self->oldest;
-            Entry *x = &self->entries[e];
+        Entry *x;
+        if (self->t.count == self->capacity) {          /* full: the least recently used entry is reused */
+            e = self->t.oldest;
+            x = entry_at(self, e);
             release_owners(self, x);
-            delete_slot(self, find_slot(self, x->key, key_hash(x->key)));
-            lru_unlink(self, e);
-            i = find_slot(self, key, hash);
+            table_remove(&self->t, sizeof(Entry), e, key_hash(x->key));
         } else {
-            if (((size_t)self->count + 1) * 2 > (size_t)self->mask + 1) {
-                if (grow_slots(self) < 0) goto done;
-                i = find_slot(self, key, hash);
-            }
-            if (self->count == self->entries_cap) {
-                Py_ssize_t cap = self->entries_cap ? (Py_ssize_t)self->entries_cap * 2 : 64;
-                if (cap > self->capacity) cap = self->capacity;
-                Entry *entries = PyMem_Realloc(self->entries, sizeof(Entry) * cap);
-                if (entries == NULL) { PyErr_NoMemory(); goto done; }
-                self->entries = entries;
-                self->entries_cap = (int32_t)cap;
-            }
-            e = self->count++;
-            self->entries[e].more = NULL;
-            self->entries[e].cap_more = 0;
+            if ((e = table_new_entry(&self->t, sizeof(Entry), self->capacity)) < 0) goto done;
+            x = entry_at(self, e);
+            x->more = NULL;
+            x->cap_more = 0;
         }
-        Entry *x = &self->entries[e];
         memcpy(x->key, key, APPROX_KEY);
         x->n_owners = 1;
         x->one = (Owner){node, inc, now};
         self->nodes.refs[node]++;
         self->incs.refs[inc]++;
-        self->slots[i].hash = hash;
-        self->slots[i].entry = e;
-        lru_append(self, e);
+        table_insert(&self->t, sizeof(Entry), hash, e);
     }
     result = Py_None;
     Py_INCREF(result);
@@ -896,7 +964,7 @@ static PyObject *approx_lookup(ApproxTable *self, PyObject *const *args, Py_ssiz
     if (incarnations == NULL) return NULL;
     PyObject *seq = hash_sequence(a[0], "lookup");
     if (seq == NULL) { Py_DECREF(incarnations); return NULL; }
-    if (enter(self) < 0) { Py_DECREF(seq); Py_DECREF(incarnations); return NULL; }
+    if (enter(&self->busy, "ApproxTable") < 0) { Py_DECREF(seq); Py_DECREF(incarnations); return NULL; }
     PyObject *result = NULL;
     Py_ssize_t nq = PyDict_GET_SIZE(incarnations), q = 0, pending = 0, pos = 0;
     Query stack[16], *qs = nq <= 16 ? stack : PyMem_Malloc(sizeof(Query) * nq);
@@ -921,9 +989,9 @@ static PyObject *approx_lookup(ApproxTable *self, PyObject *const *args, Py_ssiz
     PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t j = n - 1; j >= 0 && pending; j--) {   /* from the end: the first valid entry is the match */
         const unsigned char *key = (const unsigned char *)PyBytes_AS_STRING(items[j]);
-        int32_t e = self->slots[find_slot(self, key, key_hash(key))].entry;
+        int32_t e = find_block(self, key, key_hash(key));
         if (e < 0) continue;
-        Entry *x = &self->entries[e];
+        Entry *x = entry_at(self, e);
         for (int32_t o = 0; o < x->n_owners; o++) {
             Owner *w = owner_at(x, o);
             int32_t s = self->nodes.query[w->node];
@@ -967,13 +1035,13 @@ static PyObject *approx_owner(ApproxTable *self, PyObject *const *args, Py_ssize
         return NULL;
     }
     const unsigned char *key = (const unsigned char *)PyBytes_AS_STRING(h);
-    int32_t e = self->slots[find_slot(self, key, key_hash(key))].entry;
+    int32_t e = find_block(self, key, key_hash(key));
     if (e < 0) Py_RETURN_NONE;
-    if (enter(self) < 0) return NULL;
+    if (enter(&self->busy, "ApproxTable") < 0) return NULL;
     int32_t node = intern_get(&self->nodes, args[1]);
     self->busy = 0;
     if (node == -2) return NULL;
-    Entry *x = &self->entries[e];
+    Entry *x = entry_at(self, e);
     for (int32_t k = 0; node >= 0 && k < x->n_owners; k++) {
         Owner *o = owner_at(x, k);
         if (o->node == node) {
@@ -987,11 +1055,11 @@ static PyObject *approx_owner(ApproxTable *self, PyObject *const *args, Py_ssize
     Py_RETURN_NONE;
 }
 
-static PyObject *approx_keys(ApproxTable *self, PyObject *unused) {
-    PyObject *out = PyList_New(self->count);
+static PyObject *approx_keys(ApproxTable *self, PyObject *Py_UNUSED(unused)) {
+    PyObject *out = PyList_New(self->t.count);
     Py_ssize_t i = 0;
-    for (int32_t e = self->oldest; out != NULL && e >= 0; e = self->entries[e].next) {
-        PyObject *key = PyBytes_FromStringAndSize((const char *)self->entries[e].key, APPROX_KEY);
+    for (int32_t e = self->t.oldest; out != NULL && e >= 0; e = entry_at(self, e)->lru.next) {
+        PyObject *key = PyBytes_FromStringAndSize((const char *)entry_at(self, e)->key, APPROX_KEY);
         if (key == NULL) { Py_CLEAR(out); break; }
         PyList_SET_ITEM(out, i++, key);
     }
@@ -1009,25 +1077,20 @@ static PyObject *approx_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
     ApproxTable *self = (ApproxTable *)type->tp_alloc(type, 0);
     if (self == NULL) return NULL;
     self->capacity = capacity;
-    self->oldest = self->newest = -1;
-    self->mask = 15;
-    self->slots = PyMem_Malloc(sizeof(ASlot) * 16);
-    if (self->slots == NULL) { Py_DECREF(self); return PyErr_NoMemory(); }
-    memset(self->slots, 0xff, sizeof(ASlot) * 16);
+    if (table_init(&self->t) < 0) { Py_DECREF(self); return NULL; }
     if (interner_init(&self->nodes) < 0 || interner_init(&self->incs) < 0) { Py_DECREF(self); return NULL; }
     return (PyObject *)self;
 }
 
 static void approx_dealloc(ApproxTable *self) {
-    for (int32_t e = 0; e < self->count; e++) PyMem_Free(self->entries[e].more);
-    PyMem_Free(self->entries);
-    PyMem_Free(self->slots);
+    for (int32_t e = 0; e < self->t.count; e++) PyMem_Free(entry_at(self, e)->more);
+    table_free(&self->t);
     interner_free(&self->nodes);
     interner_free(&self->incs);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static Py_ssize_t approx_length(ApproxTable *self) { return self->count; }
+static Py_ssize_t approx_length(ApproxTable *self) { return self->t.count; }
 
 static PyMethodDef approx_methods[] = {
     {"record", (PyCFunction)(void (*)(void))approx_record, METH_FASTCALL | METH_KEYWORDS,
@@ -1075,87 +1138,29 @@ static PyTypeObject ApproxTableType = {
  * `capacity`. Chunks are str; the ids lists are kept as given (not copied). One thread. */
 
 typedef struct {
+    Links lru;                    /* first: the Table's */
     PyObject *key, *ids, *json;   /* owned: str, list of ints, bytes */
-    Py_hash_t hash;
-    int32_t prev, next;
+    uint32_t hash;                /* the key's hash, as the Table keeps it */
 } ChunkEntry;
-
-typedef struct { Py_hash_t hash; int32_t entry; } CSlot;
 
 typedef struct {
     PyObject_HEAD
     PyObject *encode_fresh;
     Py_ssize_t capacity;
-    ChunkEntry *entries;
-    int32_t count, entries_cap;
-    CSlot *slots;
-    size_t mask;
-    int32_t oldest, newest;
+    Table t;                      /* of ChunkEntry, keyed by str */
     int busy;
 } ChunkLRU;
 
-/* The slot of `key` (an exact or sub- str), or the empty slot where it would go; -1 with an error set. */
-static Py_ssize_t chunk_find(ChunkLRU *self, PyObject *key, Py_hash_t hash) {
-    size_t i = (size_t)hash & self->mask;
-    for (;;) {
-        CSlot *s = &self->slots[i];
-        if (s->entry < 0) return (Py_ssize_t)i;
-        if (s->hash == hash) {
-            PyObject *other = self->entries[s->entry].key;
-            if (other == key) return (Py_ssize_t)i;
-            if (PyUnicode_GET_LENGTH(other) != PyUnicode_GET_LENGTH(key)) goto next;
-            int eq = PyUnicode_Compare(other, key);
-            if (eq == -1 && PyErr_Occurred()) return -1;
-            if (eq == 0) return (Py_ssize_t)i;
-        }
-    next:
-        i = (i + 1) & self->mask;
-    }
-}
+static inline ChunkEntry *chunk_at(ChunkLRU *self, int32_t e) { return (ChunkEntry *)self->t.entries + e; }
 
-static void chunk_delete_slot(ChunkLRU *self, size_t i) {
-    size_t mask = self->mask, j = i;
-    for (;;) {
-        j = (j + 1) & mask;
-        if (self->slots[j].entry < 0) break;
-        size_t home = (size_t)self->slots[j].hash & mask;
-        if (((j - home) & mask) >= ((j - i) & mask)) {
-            self->slots[i] = self->slots[j];
-            i = j;
-        }
-    }
-    self->slots[i].entry = -1;
-}
-
-static int chunk_grow_slots(ChunkLRU *self) {
-    size_t size = (self->mask + 1) * 2;
-    CSlot *slots = PyMem_Malloc(sizeof(CSlot) * size);
-    if (slots == NULL) { PyErr_NoMemory(); return -1; }
-    for (size_t k = 0; k < size; k++) slots[k].entry = -1;
-    PyMem_Free(self->slots);
-    self->slots = slots;
-    self->mask = size - 1;
-    for (int32_t e = 0; e < self->count; e++) {   /* keys are distinct: the first empty slot from home */
-        size_t i = (size_t)self->entries[e].hash & self->mask;
-        while (self->slots[i].entry >= 0) i = (i + 1) & self->mask;
-        self->slots[i].hash = self->entries[e].hash;
-        self->slots[i].entry = e;
-    }
-    return 0;
-}
-
-static void chunk_unlink(ChunkLRU *self, int32_t e) {
-    ChunkEntry *x = &self->entries[e];
-    if (x->prev >= 0) self->entries[x->prev].next = x->next; else self->oldest = x->next;
-    if (x->next >= 0) self->entries[x->next].prev = x->prev; else self->newest = x->prev;
-}
-
-static void chunk_append(ChunkLRU *self, int32_t e) {
-    ChunkEntry *x = &self->entries[e];
-    x->prev = self->newest;
-    x->next = -1;
-    if (self->newest >= 0) self->entries[self->newest].next = e; else self->oldest = e;
-    self->newest = e;
+/* `key` (an exact or sub- str) against entry e's, lengths first; -1 with an error set. */
+static inline int same_chunk(const void *entries, int32_t e, const void *key) {
+    PyObject *other = ((const ChunkEntry *)entries)[e].key, *k = (PyObject *)key;
+    if (other == k) return 1;
+    if (PyUnicode_GET_LENGTH(other) != PyUnicode_GET_LENGTH(k)) return 0;
+    int eq = PyUnicode_Compare(other, k);
+    if (eq == -1 && PyErr_Occurred()) return -1;
+    return eq == 0;
 }
 
 /* ",".join(map(str, ids)).encode(): the ids' JSON without brackets. */
@@ -1217,11 +1222,7 @@ static PyObject *chunk_run(ChunkLRU *self, PyObject *const *args, Py_ssize_t nar
             PyErr_SetString(PyExc_TypeError, "ChunkLRU.run: the chunks must be str");
             return NULL;
         }
-    if (self->busy) {
-        PyErr_SetString(PyExc_RuntimeError, "ChunkLRU used from inside one of its own calls");
-        return NULL;
-    }
-    self->busy = 1;
+    if (enter(&self->busy, "ChunkLRU") < 0) return NULL;
     PyObject *result = NULL, *out_ids = NULL, *out_json = NULL, *shared = NULL;
     PyObject **got = PyMem_Calloc(2 * (n ? n : 1), sizeof(PyObject *));   /* per chunk: ids, json (owned) */
     Py_ssize_t hits = 0, misses = 0, n_shared = 0, total = PyList_GET_SIZE(lead);
@@ -1233,14 +1234,13 @@ static PyObject *chunk_run(ChunkLRU *self, PyObject *const *args, Py_ssize_t nar
         PyObject *chunk = PyList_GET_ITEM(chunks, k);
         Py_hash_t hash = PyObject_Hash(chunk);
         if (hash == -1) goto done;
-        Py_ssize_t i = chunk_find(self, chunk, hash);
-        if (i < 0) goto done;
-        int32_t e = self->slots[i].entry;
+        int32_t e = table_find(&self->t, (uint32_t)hash, same_chunk, chunk);
+        if (e == -2) goto done;
         if (e >= 0) {
             hits++;
-            if (e != self->newest) { chunk_unlink(self, e); chunk_append(self, e); }
-            got[2 * k] = self->entries[e].ids;
-            got[2 * k + 1] = self->entries[e].json;
+            lru_touch(&self->t, sizeof(ChunkEntry), e);
+            got[2 * k] = chunk_at(self, e)->ids;
+            got[2 * k + 1] = chunk_at(self, e)->json;
             Py_INCREF(got[2 * k]);
             Py_INCREF(got[2 * k + 1]);
         } else {
@@ -1248,35 +1248,21 @@ static PyObject *chunk_run(ChunkLRU *self, PyObject *const *args, Py_ssize_t nar
             in_prefix = 0;
             if (chunk_encode(self, chunk, &got[2 * k], &got[2 * k + 1]) < 0) goto done;
             if (self->capacity > 0) {
-                if (self->count == self->capacity) {   /* full: the least recently used entry is reused */
-                    e = self->oldest;
-                    ChunkEntry *x = &self->entries[e];
-                    Py_ssize_t at = chunk_find(self, x->key, x->hash);   /* str == str: no error */
-                    chunk_delete_slot(self, (size_t)at);
-                    chunk_unlink(self, e);
+                ChunkEntry *x;
+                if (self->t.count == self->capacity) {   /* full: the least recently used entry is reused */
+                    e = self->t.oldest;
+                    x = chunk_at(self, e);
+                    table_remove(&self->t, sizeof(ChunkEntry), e, x->hash);
                     Py_CLEAR(x->key); Py_CLEAR(x->ids); Py_CLEAR(x->json);
                 } else {
-                    if (((size_t)self->count + 1) * 2 > self->mask + 1 && chunk_grow_slots(self) < 0) goto done;
-                    if (self->count == self->entries_cap) {
-                        Py_ssize_t cap = self->entries_cap ? (Py_ssize_t)self->entries_cap * 2 : 64;
-                        if (cap > self->capacity) cap = self->capacity;
-                        ChunkEntry *entries = PyMem_Realloc(self->entries, sizeof(ChunkEntry) * cap);
-                        if (entries == NULL) { PyErr_NoMemory(); goto done; }
-                        self->entries = entries;
-                        self->entries_cap = (int32_t)cap;
-                    }
-                    e = self->count++;
+                    if ((e = table_new_entry(&self->t, sizeof(ChunkEntry), self->capacity)) < 0) goto done;
+                    x = chunk_at(self, e);
                 }
-                i = chunk_find(self, chunk, hash);
-                if (i < 0) goto done;
-                ChunkEntry *x = &self->entries[e];
                 x->key = chunk; Py_INCREF(chunk);
                 x->ids = got[2 * k]; Py_INCREF(x->ids);
                 x->json = got[2 * k + 1]; Py_INCREF(x->json);
-                x->hash = hash;
-                self->slots[i].hash = hash;
-                self->slots[i].entry = e;
-                chunk_append(self, e);
+                x->hash = (uint32_t)hash;
+                table_insert(&self->t, sizeof(ChunkEntry), x->hash, e);
             }
         }
         total += PyList_GET_SIZE(got[2 * k]);
@@ -1334,12 +1320,12 @@ done:
     return result;
 }
 
-static PyObject *chunk_keys(ChunkLRU *self, PyObject *unused) {
-    PyObject *out = PyList_New(self->count);
+static PyObject *chunk_keys(ChunkLRU *self, PyObject *Py_UNUSED(unused)) {
+    PyObject *out = PyList_New(self->t.count);
     Py_ssize_t i = 0;
-    for (int32_t e = self->oldest; out != NULL && e >= 0; e = self->entries[e].next) {
-        Py_INCREF(self->entries[e].key);
-        PyList_SET_ITEM(out, i++, self->entries[e].key);
+    for (int32_t e = self->t.oldest; out != NULL && e >= 0; e = chunk_at(self, e)->lru.next) {
+        Py_INCREF(chunk_at(self, e)->key);
+        PyList_SET_ITEM(out, i++, chunk_at(self, e)->key);
     }
     return out;
 }
@@ -1356,27 +1342,23 @@ static PyObject *chunk_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     ChunkLRU *self = (ChunkLRU *)type->tp_alloc(type, 0);
     if (self == NULL) return NULL;
     self->capacity = capacity;
-    self->oldest = self->newest = -1;
-    self->mask = 15;
-    self->slots = PyMem_Malloc(sizeof(CSlot) * 16);
-    if (self->slots == NULL) { Py_DECREF(self); return PyErr_NoMemory(); }
-    for (int k = 0; k < 16; k++) self->slots[k].entry = -1;
+    if (table_init(&self->t) < 0) { Py_DECREF(self); return NULL; }
     Py_INCREF(encode_fresh);
     self->encode_fresh = encode_fresh;
     return (PyObject *)self;
 }
 
 static void chunk_dealloc(ChunkLRU *self) {
-    for (int32_t e = 0; e < self->count; e++) {
-        Py_XDECREF(self->entries[e].key); Py_XDECREF(self->entries[e].ids); Py_XDECREF(self->entries[e].json);
+    for (int32_t e = 0; e < self->t.count; e++) {
+        ChunkEntry *x = chunk_at(self, e);
+        Py_XDECREF(x->key); Py_XDECREF(x->ids); Py_XDECREF(x->json);
     }
-    PyMem_Free(self->entries);
-    PyMem_Free(self->slots);
+    table_free(&self->t);
     Py_XDECREF(self->encode_fresh);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static Py_ssize_t chunk_length(ChunkLRU *self) { return self->count; }
+static Py_ssize_t chunk_length(ChunkLRU *self) { return self->t.count; }
 
 static PyMethodDef chunk_methods[] = {
     {"run", (PyCFunction)(void (*)(void))chunk_run, METH_FASTCALL,
