@@ -165,8 +165,11 @@ class PieceEncoder:
 
         raw = tokenizer._tok
         self._encode_raw = raw.encode
-        self._tokenize = raw.model.tokenize
-        self._byte_chars = _byte_level_alphabet()
+        # The BPE model's ids of one piece, for the C table's misses: a function of the tokenizer alone. A bound
+        # method would hold this encoder from inside the table it holds, a cycle that the collector cannot see
+        # (the C table is not tracked) and so never frees: 25 MB of table per encoder, whose pages a fork must
+        # still be able to commit (a test process that made hundreds of encoders could no longer fork).
+        self._bpe = partial(_bpe_ids, raw.model.tokenize, _byte_level_alphabet())
         self._pieces = regex.compile(self.PATTERN)
         ascii_pieces = re.compile(self.ASCII_PATTERN)
         self._ascii_pieces = (ascii_pieces if ascii_pieces.findall(self.ASCII_PROBE)
@@ -202,11 +205,6 @@ class PieceEncoder:
     @property
     def native(self) -> bool:
         return self._table is not None
-
-    def _bpe(self, piece: str) -> list[int]:
-        """The BPE model's ids of one pre-tokenizer piece."""
-        chars = self._byte_chars
-        return [t.id for t in self._tokenize("".join([chars[b] for b in piece.encode()]))]
 
     def encode_entry(self, text: str) -> tuple | list:
         """``(ids, their JSON without brackets)`` when the native table did the whole text (ASCII, no added
@@ -251,6 +249,11 @@ class PieceEncoder:
                     cache.clear()
                 cache[piece] = piece_ids
             ids.extend(piece_ids)
+
+
+def _bpe_ids(tokenize, chars: list[str], piece: str) -> list[int]:
+    """The BPE model's ids of one pre-tokenizer piece: its UTF-8 bytes as the byte-level alphabet's characters."""
+    return [t.id for t in tokenize("".join([chars[b] for b in piece.encode()]))]
 
 
 def _native_piece_table(miss, capacity: int):
