@@ -232,8 +232,7 @@ class Router:
     async def model(self, request: Request):
         name = request.path[len("/v1/models/"):]
         if name not in self.served_names:
-            raise APIError(f"The model {protocol.short_repr(name)} does not exist. Served: {self.served_names}",
-                           status=404, param="model", code="model_not_found")
+            raise protocol.model_not_found(name, self.served_names)
         return _json(self._model_card())
 
     async def health_live(self, request: Request):

@@ -151,8 +151,7 @@ async def model(request: web.Request) -> web.Response:
     """``GET /v1/models/{model}`` (OpenAI's retrieve): the card of a served name, else a 404 naming what is."""
     card = _model_card(request)
     if request.match_info["model"] != card["id"]:
-        raise APIError(f"The model {protocol.short_repr(request.match_info['model'])} does not exist. Served: "
-                       f"{[card['id']]}", status=404, param="model", code="model_not_found")
+        raise protocol.model_not_found(request.match_info["model"], [card["id"]])
     return web.json_response(card)
 
 

@@ -219,6 +219,12 @@ def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
     return get_bool(opts, "include_usage"), get_bool(opts, "continuous_usage_stats")
 
 
+def model_not_found(model: str, served_model_names: list[str]) -> APIError:
+    """The 404 for a model name this server does not serve (a request's ``model``, or ``GET /v1/models/{model}``)."""
+    return APIError(f"The model {short_repr(model)} does not exist. Served: {served_model_names}", status=404,
+                    param="model", code="model_not_found")
+
+
 def _common(body: dict, kind: str, served_model_names: list[str]) -> dict:
     model = body.get("model")
     if model is None:
@@ -226,8 +232,7 @@ def _common(body: dict, kind: str, served_model_names: list[str]) -> dict:
     if not isinstance(model, str):
         raise APIError("'model' must be a string", param="model")
     if model not in served_model_names:
-        raise APIError(f"The model '{model}' does not exist. Served: {served_model_names}", status=404,
-                       param="model", code="model_not_found")
+        raise model_not_found(model, served_model_names)
     stream = get_bool(body, "stream")
     include_usage, continuous = _stream_options(body, stream)
     n = get_int(body, "n", 1, ge=1, le=MAX_N)
