@@ -162,18 +162,20 @@ class RequestPath:
                 d.node_id, 0) * self.scheduler.block_size
             ticket = self.inflight.add(d.node_id, uncached)
             self.index.record(plan.block_hashes, d)
-            if decode_only is not None and not attempt:
-                self._note(plan, decode_only)
-                log_lines.info(logger, "route: decode-only %s (matched blocks %s)", d.node_id, plan.matched_blocks)
+            # The decision's metrics and log line wait until the answer is on its way (``_announce``): the node
+            # often answers before the router would have got this far.
+            note = [plan, decode_only, d] if decode_only is not None and not attempt else None
             try:
-                return await self._decode_on(exchange, rr, plan, d, opened, hide_usage, ticket)
+                return await self._decode_on(exchange, rr, plan, d, opened, hide_usage, ticket, note)
             except UpstreamError as err:
+                self._announce(note)
                 last = err
                 self._failed(d, err)
                 if handle is not None:  # the next node prefills locally; free the lease now
                     self._release(plan.prefill, handle, rr.request_id)
                     handle = None
             except BaseException:  # the client left, or the node refused the request itself (4xx)
+                self._announce(note)
                 if handle is not None:
                     self._release(plan.prefill, handle, rr.request_id)
                 raise
@@ -181,7 +183,16 @@ class RequestPath:
                 ticket.done()
         raise APIError(f"every decode node tried failed; last: {last}", status=503, code="upstream_unavailable")
 
-    async def _decode_on(self, exchange, rr, plan, d, opened, hide_usage, ticket) -> None:
+    def _announce(self, note: list | None) -> None:
+        """A decode-only decision's metrics and log line, once (``note``: [plan, decision, decode node])."""
+        if note:
+            plan, decision, d = note
+            note.clear()
+            self._note(plan, decision)
+            log_lines.info(logger, "route: %s %s (matched blocks %s)", decision.replace("_", "-"), d.node_id,
+                           plan.matched_blocks)
+
+    async def _decode_on(self, exchange, rr, plan, d, opened, hide_usage, ticket, note) -> None:
         resp = await opened
         try:
             kind = classify_status(resp.status)
@@ -197,6 +208,7 @@ class RequestPath:
                     raise UpstreamError("stream_broken", f"{d.node_id}: {type(exc).__name__}: {exc}") from exc
                 exchange.respond(200, data, "application/json", {REQUEST_ID_HEADER: rr.request_id})
                 ticket.prefill_done()   # the bookkeeping after the answer is on its way
+                self._announce(note)
                 self._answered(d)
                 try:
                     payload = json.loads(data)
@@ -204,11 +216,11 @@ class RequestPath:
                     payload = None
                 self._count_hits("decode", rr, plan, d, _cached_tokens(payload))
                 return
-            return await self._stream(exchange, rr, plan, d, resp, hide_usage, ticket)
+            return await self._stream(exchange, rr, plan, d, resp, hide_usage, ticket, note)
         finally:
             resp.close()
 
-    async def _stream(self, exchange, rr, plan, d, resp, hide_usage, ticket) -> None:
+    async def _stream(self, exchange, rr, plan, d, resp, hide_usage, ticket, note) -> None:
         relay = SSERelay(hide_usage)
         try:
             first = await resp.readany()
@@ -227,6 +239,8 @@ class RequestPath:
                 data = relay.feed(chunk)
                 if data:
                     await exchange.write(data)
+                if note:
+                    self._announce(note)
                 chunk = await resp.readany()
         except TRANSPORT_ERRORS as exc:
             error = f"{type(exc).__name__}: {exc}"

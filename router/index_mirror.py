@@ -33,6 +33,7 @@ import hashlib
 import json
 import logging
 import time
+from itertools import takewhile
 from typing import Sequence
 
 from pdpool.block_hash import HASH_BYTES
@@ -127,14 +128,8 @@ class IndexMirror:
                 out[n] = 0
             elif incarnation is not None and node.incarnation != incarnation:
                 out[n] = 0
-            else:
-                blocks = node.blocks
-                held = 0
-                for h in hashes:
-                    if h not in blocks:
-                        break
-                    held += 1
-                out[n] = held
+            else:   # the leading hashes held: takewhile calls the set's own __contains__, no Python per hash
+                out[n] = len(list(takewhile(node.blocks.__contains__, hashes)))
         return out
 
     # ---- lifecycle --------------------------------------------------------------------------------------
