@@ -58,11 +58,12 @@ class Pool:
         return not self.spec["redis"].get("url")
 
     @property
-    def redis_password(self) -> SecretRef:
+    def redis_password(self) -> SecretRef | None:
+        """None: an external Redis without a password (redis.url alone)."""
         if self.managed_redis:
             return SecretRef(f"{self.name}-redis", "password")
-        ref = self.spec["redis"]["passwordSecretRef"]
-        return SecretRef(ref["name"], ref.get("key", "password"))
+        ref = self.spec["redis"].get("passwordSecretRef")
+        return SecretRef(ref["name"], ref.get("key", "password")) if ref else None
 
     @property
     def api_key(self) -> SecretRef | None:

@@ -33,9 +33,10 @@ def common_env(pool: Pool) -> list[dict]:
     env = [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        secret_env("PDPOOL_REDIS_PASSWORD", pool.redis_password),
-        secret_env("PDPOOL_INTERNAL_TOKEN", SecretRef(f"{pool.name}-internal", "token")),
     ]
+    if pool.redis_password:
+        env.append(secret_env("PDPOOL_REDIS_PASSWORD", pool.redis_password))
+    env.append(secret_env("PDPOOL_INTERNAL_TOKEN", SecretRef(f"{pool.name}-internal", "token")))
     if pool.api_key:
         env.append(secret_env("PDPOOL_API_KEY", pool.api_key))
     return env

@@ -111,6 +111,23 @@ def test_external_redis_means_no_managed_redis():
     assert env["PDPOOL_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "shared-redis", "key": "password"}
 
 
+def test_external_redis_without_a_password():
+    """redis.url alone (a Redis without auth): no password env, nothing waits for a Secret (a KeyError before)."""
+    pool = parse_pool(make_body({"redis": {"url": "redis://redis.infra.svc:6379/0"}}))
+    assert pool.redis_password is None
+    objs = builders.render(pool, token=lambda: "t")
+    for obj in objs:
+        kubernetes_validate.validate(obj, "1.35", strict=True)
+    assert not [o for o in objs if o["metadata"]["name"] == "p-redis"]
+    deps = _deployments(objs)
+    for role in ("prefill", "decode", "router"):
+        (c,) = deps[role]["spec"]["template"]["spec"]["containers"]
+        assert "PDPOOL_REDIS_PASSWORD" not in {e["name"] for e in c["env"]}, role
+        assert "redis://redis.infra.svc:6379/0" in c["args"]
+    assert _parse_serve(deps["decode"]["spec"]["template"]["spec"]["containers"][0]["args"]).disagg.redis_password \
+        is None
+
+
 def test_managed_redis_and_network_policies():
     objs = {f"{o['kind']}/{o['metadata']['name']}": o for o in render("cpu-demo")}
     assert objs["Secret/demo-redis"]["data"]["password"]
