@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ROLES = ("prefill", "decode", "router")
+# Roles a pool can serve without: with no prefill node, the router sends every request decode-only.
+OPTIONAL_ROLES = ("prefill",)
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ def compute(*, generation: int, applied_generation: int, deployments: dict[str, 
     else:
         rolling = [f"{r.name} ({r.updated}/{r.desired} updated)" for r in rollouts.values() if not r.done]
         short = [f"{r.name} ({r.ready}/{r.desired} ready)" for r in rollouts.values()
-                 if r.done and (r.ready < r.desired or r.desired == 0)]
+                 if r.done and (r.ready < r.desired or (r.desired == 0 and r.name not in OPTIONAL_ROLES))]
         degraded = (True, "RolloutFailed", "; ".join(failed)) if failed else (False, "AsExpected", "")
         if rolling:
             msg = "rolling out: " + ", ".join(rolling)

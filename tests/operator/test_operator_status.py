@@ -31,6 +31,15 @@ def test_ready_when_every_role_is_rolled_out_and_ready():
     assert st["observedGeneration"] == 1 and st["endpoint"] == "http://p.default.svc:80"
 
 
+def test_a_decode_only_pool_is_ready_and_a_pool_without_decode_is_not():
+    st = compute({"prefill": dep(0), "decode": dep(2), "router": dep()})
+    assert st["phase"] == "Ready" and cond(st, "Ready")["status"] == "True", cond(st, "Ready")
+    assert st["replicas"]["prefill"]["summary"] == "0/0"
+    for role in ("decode", "router"):
+        st = compute({"prefill": dep(), "decode": dep(), "router": dep(), role: dep(0)})
+        assert cond(st, "Ready")["status"] == "False" and f"{role} (0/0 ready)" in cond(st, "Ready")["message"]
+
+
 def test_not_ready_while_a_deployment_rollout_is_in_progress():
     for stale in (dep(generation=2, observed=1), dep(2, updated=1), dep(1, total=2)):
         st = compute({"prefill": dep(), "decode": stale, "router": dep()})
