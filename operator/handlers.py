@@ -103,7 +103,8 @@ def register(registry: kopf.OperatorRegistry, options: Options) -> None:
             raise kopf.PermanentError(f"invalid spec: {exc}") from None
         try:
             async with memo.locks[pool.uid]:  # never interleaved with the timer's drift repair
-                result = await reconcile.apply(memo.kube, builders.render(pool), pool.uid)
+                result = await reconcile.apply(memo.kube, builders.render(pool), pool.uid,
+                                               builders.prunable(pool))
         except reconcile.ChildConflict as exc:
             _set_status(patch, body, await observe(memo.kube, body, pool, ("ChildConflict", str(exc)), generation))
             kopf.warn(body, reason="ChildConflict", message=str(exc))
@@ -111,7 +112,7 @@ def register(registry: kopf.OperatorRegistry, options: Options) -> None:
         except ApiError as exc:  # conflicts, throttling, a webhook down: try again soon
             raise kopf.TemporaryError(f"API: {exc}", delay=5) from None
         if result.writes:
-            logger.info(f"created {result.created}, patched {result.patched}")
+            logger.info(f"created {result.created}, patched {result.patched}, deleted {result.deleted}")
         waiting = await missing_secrets(memo.kube, pool)
         error = ("SecretMissing", waiting) if waiting else None
         _set_status(patch, body, await observe(memo.kube, body, pool, error, generation))
@@ -131,9 +132,11 @@ def register(registry: kopf.OperatorRegistry, options: Options) -> None:
                 pool, error = None, ("InvalidSpec", str(exc))
             if pool is not None and applied == pool.generation and not meta.get("deletionTimestamp"):
                 try:
-                    result = await reconcile.apply(memo.kube, builders.render(pool), pool.uid)
+                    result = await reconcile.apply(memo.kube, builders.render(pool), pool.uid,
+                                               builders.prunable(pool))
                     if result.writes:
-                        logger.info(f"repaired drift: created {result.created}, patched {result.patched}")
+                        logger.info(f"repaired drift: created {result.created}, patched {result.patched}, "
+                                    f"deleted {result.deleted}")
                 except reconcile.ChildConflict as exc:
                     error = ("ChildConflict", str(exc))
         if pool is not None and error is None:

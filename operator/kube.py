@@ -140,6 +140,17 @@ class Kube:
                           subresource: str | None = None) -> dict:
         return await self._request("PATCH", path_of(kind, namespace, name, subresource), patch, MERGE_PATCH)
 
+    async def delete(self, kind: str, namespace: str | None, name: str) -> bool:
+        """False when it was already gone. Background propagation: the API server's garbage collector removes
+        what the object owns (a Deployment's ReplicaSets and pods)."""
+        try:
+            await self._request("DELETE", path_of(kind, namespace, name), {"propagationPolicy": "Background"})
+        except ApiError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()

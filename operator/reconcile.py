@@ -5,7 +5,10 @@
 - hash differs → one JSON merge patch of the desired fields, plus ``null`` for fields the operator set before
   and no longer wants. Fields the operator never sets (defaults the API server fills in, a Deployment's
   ``replicas`` when an autoscaler owns them, a Service's ``clusterIP``) are never in the patch;
-- Secrets are create-only: a generated password is never rotated by a reconcile.
+- Secrets are create-only: a generated password is never rotated by a reconcile;
+- a child that only some specs have (``prunable``: the managed Redis, the router's RBAC) and the current spec no
+  longer wants is deleted, once everything wanted is applied, if this pool owns it: a pool moved to an external
+  Redis or back to Redis discovery leaves nothing running behind.
 """
 
 from __future__ import annotations
@@ -31,10 +34,11 @@ class Result:
     created: list[str] = field(default_factory=list)
     patched: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
 
     @property
     def writes(self) -> int:
-        return len(self.created) + len(self.patched)
+        return len(self.created) + len(self.patched) + len(self.deleted)
 
 
 def key(obj: dict) -> str:
@@ -73,8 +77,9 @@ def _replicas_drifted(desired: dict, actual: dict) -> bool:
     return want is not None and (actual.get("spec") or {}).get("replicas") != want
 
 
-async def apply(kube, desired: list[dict], uid: str) -> Result:
-    """Bring the children to ``desired``; ``kube`` is a ``pdpool.operator.kube.Kube``."""
+async def apply(kube, desired: list[dict], uid: str, prunable: list[tuple[str, str, str]] = ()) -> Result:
+    """Bring the children to ``desired``; ``kube`` is a ``pdpool.operator.kube.Kube``. ``prunable``: (kind,
+    namespace, name) of the children only some specs have; those not in ``desired`` are deleted when owned."""
     result = Result()
     for obj in desired:
         meta = obj["metadata"]
@@ -97,4 +102,11 @@ async def apply(kube, desired: list[dict], uid: str) -> Result:
             continue
         await kube.merge_patch(obj["kind"], meta["namespace"], meta["name"], merge_patch(obj, actual))
         result.patched.append(key(obj))
+    wanted = {(o["kind"], o["metadata"]["namespace"], o["metadata"]["name"]) for o in desired}
+    for kind, namespace, name in prunable:
+        if (kind, namespace, name) in wanted:
+            continue
+        actual = await kube.get(kind, namespace, name)
+        if actual is not None and is_owned_by(actual, uid) and await kube.delete(kind, namespace, name):
+            result.deleted.append(f"{kind}/{name}")
     return result

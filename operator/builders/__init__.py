@@ -9,10 +9,11 @@ from pdpool.operator.builders.common import metadata, with_hash
 from pdpool.operator.builders.network import nodes_policy, redis_policy
 from pdpool.operator.builders.nodes import node_deployment, node_service
 from pdpool.operator.builders.redis import generated_secret, redis_deployment, redis_service
-from pdpool.operator.builders.router import endpoint, router_deployment, router_rbac, router_service
+from pdpool.operator.builders.router import (endpoint, router_account_name, router_deployment, router_rbac,
+                                             router_service)
 from pdpool.operator.spec import NODE_ROLES, Pool
 
-__all__ = ["render", "config_map", "endpoint", "new_token"]
+__all__ = ["render", "prunable", "config_map", "endpoint", "new_token"]
 
 
 def new_token() -> str:
@@ -29,6 +30,15 @@ def config_map(pool: Pool) -> dict:
         data["UCX_NET_DEVICES"] = disagg.ucx_net_devices
     return with_hash({"apiVersion": "v1", "kind": "ConfigMap",
                       "metadata": metadata(pool, f"{pool.name}-config", "config"), "data": data})
+
+
+def prunable(pool: Pool) -> list[tuple[str, str, str]]:
+    """(kind, namespace, name) of every child that only some specs have, in deletion order: the managed Redis
+    (redis.url unset) and the router's RBAC (router.discovery: kubernetes)."""
+    redis, router = f"{pool.name}-redis", router_account_name(pool)
+    return [(kind, pool.namespace, name) for kind, name in (
+        ("Deployment", redis), ("Service", redis), ("NetworkPolicy", redis), ("Secret", redis),
+        ("RoleBinding", router), ("Role", router), ("ServiceAccount", router))]
 
 
 def render(pool: Pool, token: Callable[[], str] = new_token) -> list[dict]:

@@ -282,6 +282,30 @@ def test_kubernetes_discovery_and_changed_children_are_patched(cluster, operator
                ["spec"], what="router back on Redis discovery")
     assert get(cluster, "deployment", "demo-router")["spec"]["template"]["spec"]["automountServiceAccountToken"] \
         is False
+    # the router's RBAC goes with it (nothing left behind that only another spec needed)
+    for kind in ("serviceaccount", "role", "rolebinding"):
+        wait_until(lambda: cluster.kubectl("get", kind, "demo-router", check=False).returncode != 0,
+                   what=f"{kind} demo-router deleted")
+
+
+def test_moving_to_an_external_redis_deletes_the_managed_one(cluster, operator, redis_server, tmp_path):
+    body = {"apiVersion": "pdpool.io/v1alpha1", "kind": "InferencePool", "metadata": {"name": "moving"}, "spec": {}}
+    path = tmp_path / "moving.yaml"
+    path.write_text(yaml.safe_dump(body))
+    cluster.kubectl("apply", "-f", str(path))
+    managed = ["deployment/moving-redis", "service/moving-redis", "networkpolicy/moving-redis", "secret/moving-redis"]
+    wait_until(lambda: all(cluster.kubectl("get", m, check=False).returncode == 0 for m in managed),
+               what="the managed Redis")
+    cluster.kubectl("patch", POOL, "moving", "--type=merge", "-p",
+                    json.dumps({"spec": {"redis": {"url": redis_server.url}}}))
+    wait_until(lambda: all(cluster.kubectl("get", m, check=False).returncode != 0 for m in managed),
+               what="the managed Redis deleted")
+    for role in ("prefill", "decode", "router"):
+        (c,) = get(cluster, "deployment", f"moving-{role}")["spec"]["template"]["spec"]["containers"]
+        assert redis_server.url in c["args"], role
+        assert "PDPOOL_REDIS_PASSWORD" not in {e["name"] for e in c["env"]}, role
+    assert "redis" not in get(cluster, POOL, "moving")["status"]["replicas"]
+    cluster.kubectl("delete", POOL, "moving", "--timeout=20s")
 
 
 def test_delete_runs_the_finalizer_on_real_redis(cluster, operator, redis_server):
