@@ -24,6 +24,12 @@ CRD_PATH = pathlib.Path(__file__).with_name("crd.yaml")
 # Processes whose settings the spec configures: pdpool serve (prefill, decode) and pdpool router.
 CONFIGURED = (config.NodeConfig, config.RouterCommandConfig)
 
+# A pool's name names its Services ("<pool>", "<pool>-prefill", "<pool>-decode", "<pool>-redis"): DNS-1035 labels
+# of at most 63 characters, the longest suffix being "-prefill". The API server refuses a longer name up front,
+# instead of the operator failing on every child Service.
+MAX_POOL_NAME = 63 - len("-prefill")
+POOL_NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
+
 _TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
 
 
@@ -136,7 +142,9 @@ def build_crd() -> dict:
                                    "model. Not the Gateway API's inferencepools.inference.networking.k8s.io.",
                     "properties": {
                         "apiVersion": {"type": "string"}, "kind": {"type": "string"},
-                        "metadata": {"type": "object"},
+                        # only name and generateName may be restricted here (structural schema rules)
+                        "metadata": {"type": "object", "properties": {"name": {
+                            "type": "string", "maxLength": MAX_POOL_NAME, "pattern": POOL_NAME_PATTERN}}},
                         "spec": spec_schema(),
                         "status": status_schema(),
                     }}},

@@ -106,6 +106,14 @@ def test_validation_of_builtins(client):
     assert reply.body["details"]["causes"][0]["field"] == "spec.template.spec.containers[0].name"
     bad_name = client.post(CONFIGMAPS, make_configmap("Bad_Name"))
     assert bad_name.status == 422
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "1web"},
+               "spec": {"ports": [{"port": 80}]}}
+    reply = client.post("/api/v1/namespaces/default/services", service)  # DNS-1035: a letter first
+    assert reply.status == 422 and "DNS-1035" in reply.body["details"]["causes"][0]["message"]
+    service["metadata"]["name"] = "w" * 64
+    reply = client.post("/api/v1/namespaces/default/services", service)
+    assert reply.status == 422 and "no more than 63 characters" in reply.body["details"]["causes"][0]["message"]
+    assert client.post(CONFIGMAPS, make_configmap("1cm")).status == 201  # a DNS-1123 subdomain may start so
     unknown = make_configmap("strict") | {"bogus": 1}
     assert client.post(CONFIGMAPS, unknown, params={"fieldValidation": "Strict"}).status == 400
     pruned = client.post(CONFIGMAPS, unknown)

@@ -68,6 +68,23 @@ def test_validation_causes(client):
     assert bad_size.status == 422 and bad_size.body["details"]["causes"][0]["field"] == "spec.size"
 
 
+def test_a_crd_may_restrict_the_name(k8s):
+    """Structural schemas may restrict metadata.name (and generateName); the API server validates the name."""
+    crd = make_widget_crd()
+    crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["metadata"] = {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 8, "pattern": "^[a-z]"}}}
+    client = k8s.client()
+    assert client.post(CRDS, crd).status == 201
+    assert client.post(WIDGETS, make_widget("w12345678")).body["details"]["causes"] == [
+        {"reason": "FieldValueTooLong", "field": "metadata.name", "message": "Too long: may not be more than 8 bytes"}]
+    (cause,) = client.post(WIDGETS, make_widget("1w")).body["details"]["causes"]
+    assert cause["field"] == "metadata.name" and "should match '^[a-z]'" in cause["message"]
+    generated = make_widget()
+    generated["metadata"] = {"generateName": "widget-"}  # widget-xxxxx: 12 characters
+    assert client.post(WIDGETS, generated).status == 422
+    assert client.post(WIDGETS, make_widget("w1")).status == 201
+
+
 def test_status_subresource_and_generation(client):
     client.post(WIDGETS, make_widget() | {"status": {"phase": "Ignored"}})
     obj = client.get(f"{WIDGETS}/w1").body

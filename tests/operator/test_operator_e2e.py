@@ -215,6 +215,28 @@ def test_invalid_pool_is_rejected_by_the_schema(cluster, operator, tmp_path):
     assert cluster.kubectl("get", POOL, "bad", check=False).returncode != 0
 
 
+def test_a_pool_name_its_services_cannot_carry_is_refused(cluster, operator, tmp_path):
+    """Its Services are <pool>, <pool>-prefill, ...: DNS-1035 labels of at most 63 characters. Before, such a pool
+    was accepted and the operator failed on its Services forever, the status saying only 'not applied yet'."""
+    def apply(name: str):
+        path = tmp_path / "named.yaml"
+        path.write_text(yaml.safe_dump({"apiVersion": "pdpool.io/v1alpha1", "kind": "InferencePool",
+                                        "metadata": {"name": name}, "spec": {}}))
+        return cluster.kubectl("apply", "-f", str(path), check=False)
+
+    too_long = apply("p" * 56)
+    assert too_long.returncode != 0 and "metadata.name: Too long: may not be more than 55" in too_long.stderr
+    digit = apply("7b-pool")
+    assert digit.returncode != 0 and "metadata.name in body should match" in digit.stderr
+    dotted = apply("my.pool")
+    assert dotted.returncode != 0 and "metadata.name in body should match" in dotted.stderr
+    longest = "p" * 55
+    assert apply(longest).returncode == 0
+    wait_until(lambda: all(cluster.kubectl("get", "service", f"{longest}{suffix}", check=False).returncode == 0
+                           for suffix in ("", "-prefill", "-decode", "-redis")), what="the longest name's Services")
+    cluster.kubectl("delete", POOL, longest, "--timeout=20s")
+
+
 def test_a_spec_the_schema_cannot_catch_is_degraded_with_an_event(cluster, operator, tmp_path):
     gpu = {"apiVersion": "pdpool.io/v1alpha1", "kind": "InferencePool", "metadata": {"name": "nogpu"},
            "spec": {"engine": {"device": "cuda"}}}
