@@ -20,6 +20,7 @@ from pdpool.engine.async_llm import (AsyncLLM, EngineClosedError, EngineStepErro
 from pdpool.engine.llm_engine import InvalidRequestError, QueueFullError, TokenLogprobs
 from pdpool.engine.output_processor import RequestOutput
 from pdpool.engine.sampling_params import SamplingParamsError
+from pdpool.logs import HEADER as REQUEST_ID_HEADER
 from pdpool.server.errors import APIError
 from pdpool.server.protocol import GenerationRequest
 
@@ -206,7 +207,9 @@ def _sse(data: dict | str) -> bytes:
 async def stream_response(gen: Generation, http_request: web.Request) -> web.StreamResponse:
     req = gen.req
     tokenizer = gen.llm.tokenizer
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    # The request id header here: the app's middleware adds it only to a response not yet prepared.
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       REQUEST_ID_HEADER: gen.request_id})
     await resp.prepare(http_request)
     merged: asyncio.Queue = asyncio.Queue()
 

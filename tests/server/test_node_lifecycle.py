@@ -102,3 +102,17 @@ def test_forwarded_token_ids_replace_tokenization(small_queue, demo_model_dir):
                        timeout=60)
         assert r.status_code == 400, (bad, r.text)
         assert json.loads(r.text)["error"]["param"] in ("pdpool_prompt_token_ids", "prompt")
+
+
+def test_request_id_comes_back_on_a_stream(small_queue):
+    """A streamed answer is prepared inside its handler, before the middleware could add the header."""
+    body = {"model": "demo", "prompt": "Hi", "max_tokens": 2, "stream": True}
+    with httpx.stream("POST", small_queue.url + "/v1/completions", headers={"X-Request-Id": "trace-stream-7"},
+                      json=body, timeout=120) as r:
+        events = [line for line in r.iter_lines() if line]
+    assert r.status_code == 200 and r.headers["X-Request-Id"] == "trace-stream-7"
+    assert events[-1] == "data: [DONE]" and json.loads(events[0][6:])["id"] == "cmpl-trace-stream-7"
+    chat = {"model": "demo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True}
+    with httpx.stream("POST", small_queue.url + "/v1/chat/completions", json=chat, timeout=120) as r:
+        first = next(line for line in r.iter_lines() if line)
+    assert json.loads(first[6:])["id"] == "chatcmpl-" + r.headers["X-Request-Id"]
