@@ -129,10 +129,20 @@ def completion_logprobs(tokenizer, entries: list[TokenLogprobs], choice: _Choice
         s = _token_str(tokenizer, e.token_id)
         tokens.append(s)
         token_logprobs.append(e.logprob)
-        top.append({_token_str(tokenizer, t): lp for t, lp in e.top} if e.top is not None else None)
+        top.append(_top_with_sampled(tokenizer, s, e))
         offsets.append(choice.text_offset)
         choice.text_offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _top_with_sampled(tokenizer, sampled: str, e: TokenLogprobs) -> dict[str, float]:
+    """One position's ``top_logprobs`` as vLLM (and OpenAI's legacy completions) give it: the sampled token, then
+    the top N (N + 1 entries when the sampled one is not among them; with ``logprobs=0``, the sampled one alone).
+    Two ids that decode to the same text keep the first's value."""
+    top = {sampled: e.logprob}
+    for t, lp in e.top or ():
+        top.setdefault(_token_str(tokenizer, t), lp)
+    return top
 
 
 def chat_logprobs(tokenizer, entries: list[TokenLogprobs]) -> dict:

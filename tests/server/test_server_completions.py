@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from hypothesis_profiles import scaled
 
 PROMPT = "The three primary colors are"
 LOGPROB_TOL = 2e-3  # float32 engine vs float32 HF: different matmul orders, same math
@@ -143,3 +146,25 @@ def test_extra_fields_are_accepted(client):
                     "repetition_penalty": 1.1, "stop_token_ids": [2], "min_tokens": 8,
                     "kv_transfer_params": {"do_remote_decode": False}}, seed=3)
     assert r.usage.completion_tokens == 8
+
+
+@settings(max_examples=scaled(6), suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(0, 4), seed=st.integers(0, 2**31), stream=st.booleans())
+def test_top_logprobs_hold_the_top_n_and_the_sampled_token(client, n, seed, stream):
+    """vLLM's (and OpenAI's legacy) completions format: each position's ``top_logprobs`` maps the N most likely
+    tokens and the sampled one (N + 1 entries at most), so ``logprobs=0`` gives the sampled token alone."""
+    kw = dict(model="demo", prompt=PROMPT, max_tokens=6, temperature=1.5, seed=seed, logprobs=n)
+    if stream:
+        chunks = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kw) if c.choices]
+        tokens = [t for lp in chunks if lp for t in lp.tokens]
+        token_logprobs = [x for lp in chunks if lp for x in lp.token_logprobs]
+        tops = [t for lp in chunks if lp for t in lp.top_logprobs]
+    else:
+        lp = client.completions.create(**kw).choices[0].logprobs
+        tokens, token_logprobs, tops = lp.tokens, lp.token_logprobs, lp.top_logprobs
+    assert len(tokens) == len(token_logprobs) == len(tops) == 6
+    for token, logprob, top in zip(tokens, token_logprobs, tops):
+        assert isinstance(top, dict) and max(n, 1) <= len(top) <= n + 1, top
+        assert top[token] == logprob
+        if len(top) == n + 1:  # the sampled token is not among the top N: each of them is at least as likely
+            assert all(v >= logprob for v in top.values())
