@@ -207,6 +207,27 @@ def test_operator_network_policy_admits_nothing_without_scrapers():
     assert "NetworkPolicy" not in {d["kind"] for d in render("--set", "networkPolicy.enabled=false")}
 
 
+@pytest.mark.parametrize("values, name", [
+    (["--set", "nameOverride=serving"], "pdpool-serving"),
+    (["--set", "fullnameOverride=ops"], "ops"),
+    (["--set", "nameOverride=serving", "--set", "fullnameOverride=ops"], "ops"),
+])
+def test_name_overrides_rename_every_object_and_its_references(values, name):
+    """The usual chart values (before, values.schema.json refused them); the references follow the names."""
+    docs = render(*values)
+    for doc in docs:
+        if doc["apiVersion"] in BUILT_IN_API_GROUPS and doc["kind"] != "CustomResourceDefinition":
+            kubernetes_validate.validate(doc, "1.35", strict=True)
+            assert doc["metadata"]["name"].startswith(name), doc["metadata"]["name"]
+    pod = one(docs, "Deployment", name)["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == name and one(docs, "ServiceAccount", name)
+    assert {v["configMap"]["name"] for v in pod["volumes"] if "configMap" in v} == {f"{name}-pool-defaults"}
+    assert one(docs, "ConfigMap", f"{name}-pool-defaults")
+    binding = one(docs, "ClusterRoleBinding", name)
+    assert binding["roleRef"]["name"] == name and binding["subjects"][0]["name"] == name
+    assert one(docs, "RoleBinding", f"{name}-leader")["subjects"][0]["name"] == name
+
+
 @pytest.mark.parametrize("values, message", [
     (["--set", "operater.replicas=1"], "additional properties 'operater' not allowed"),
     (["--set", "operator.replicas=two"], "got string, want integer"),
@@ -219,6 +240,9 @@ def test_operator_network_policy_admits_nothing_without_scrapers():
     (["--set", "examplePool.enabeld=true"], "additional properties 'enabeld' not allowed"),
     (["--set", "crds.install=yes"], "want boolean"),
     (["--set", "operator.image.pullPolicy=Sometimes"], "pullPolicy"),
+    (["--set", "examplePool.name=7b"], "examplePool/name"),  # the CRD's name rule: a DNS-1035 label
+    (["--set", "examplePool.name=" + "p" * 56], "examplePool/name"),
+    (["--set", "nameOverride=Ops"], "nameOverride"),
 ])
 def test_values_schema_rejects_typos_and_wrong_types(values, message):
     out = helm("template", "r", str(CHART), *values, check=False)

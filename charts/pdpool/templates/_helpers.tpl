@@ -1,9 +1,15 @@
-{{/* The release's full name: "<release>" when it already contains the chart name, else "<release>-pdpool". */}}
+{{/* The release's full name: fullnameOverride; else "<release>" when it already contains the chart name (or
+nameOverride), else "<release>-<chart name or nameOverride>". */}}
 {{- define "pdpool.fullname" -}}
-{{- if contains .Chart.Name .Release.Name -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
 {{- .Release.Name | trunc 63 | trimSuffix "-" -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 
