@@ -2,6 +2,7 @@
 
     plan -> [prefill: do_remote_decode, max_tokens 1, stream false] -> decode (+ kv_transfer_params) -> client
             prefill fails (connect, 5xx, 429, timeout)  -> decode-only on the same decode node ("fallback")
+            prefill refuses the request (other 4xx)      -> the same: the decode node answers the client's request
             decode fails before its first byte          -> next decode node, at most --max-retries times
             decode fails after streaming started        -> a final SSE error event, then close
             client disconnects                          -> upstream connections closed (the nodes abort), and a
@@ -103,7 +104,8 @@ class RequestPath:
         self.metrics.decisions[decision].inc()
 
     async def _prefill(self, rr: RoutedRequest, plan: RoutePlan) -> dict | None:
-        """The KV handle, or None when the request should go decode-only. A 4xx is the client's to see."""
+        """The KV handle, or None when the request should go decode-only (also when the prefill node refused it:
+        a 4xx for the client's own request comes from the decode node)."""
         p = plan.prefill
         body = rr.upstream_body(p.pdpool, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
         body.pop("stream_options", None)
@@ -123,8 +125,10 @@ class RequestPath:
         except UpstreamError as err:
             self._failed(p, err)
             return None
-        except ClientErrorReply as reply:
-            raise _PassThrough(reply) from None
+        except ClientErrorReply:
+            # The node refused the one-token request the router made of the client's (its message may name that
+            # max_tokens 1): the decode leg sends the client's own, and its answer is the one the client sees.
+            return None
         finally:
             ticket.done()
         self._answered(p)

@@ -140,6 +140,18 @@ def test_bad_requests_get_clear_4xx(router, path, body, status, param):
         assert err["param"] == param, err
 
 
+def test_a_refused_prompt_gets_the_answer_a_node_gives_the_client(cluster, router):
+    """The prefill leg asks for one token (max_tokens 1): its 400 for a prompt past the context would name that
+    1, not the client's max_tokens. The client gets the decode node's answer to its own request instead."""
+    long_chat = [{"role": "user", "content": "x " * 600}]
+    for path, body in (("/v1/completions", {"model": "demo", "prompt": "x " * 600, "max_tokens": 4}),
+                       ("/v1/chat/completions", {"model": "demo", "messages": long_chat, "max_completion_tokens": 7})):
+        want = httpx.post(cluster["d0"].base_url + path[3:], json=body, timeout=60)
+        got = router.post(path, body)
+        assert got.status_code == want.status_code == 400, got.text
+        assert got.json() == want.json(), (got.text, want.text)  # "... (N in the prompt, 4 for the completion)"
+
+
 def test_malformed_json_is_400(router):
     r = httpx.post(router.url + "/v1/completions", content=b"{nope", timeout=30)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
