@@ -109,8 +109,15 @@ def register(registry: kopf.OperatorRegistry, options: Options) -> None:
             _set_status(patch, body, await observe(memo.kube, body, pool, ("ChildConflict", str(exc)), generation))
             kopf.warn(body, reason="ChildConflict", message=str(exc))
             raise kopf.TemporaryError(str(exc), delay=30) from None
-        except ApiError as exc:  # conflicts, throttling, a webhook down: try again soon
-            raise kopf.TemporaryError(f"API: {exc}", delay=5) from None
+        except ApiError as exc:
+            if exc.status not in (400, 422):  # conflicts, throttling, a webhook down: try again soon
+                raise kopf.TemporaryError(f"API: {exc}", delay=5) from None
+            # the API server refused a child the spec produced (a field only its Go validation checks, or a
+            # preserve-unknown-fields value such as scrapeFrom): the spec must change, say so where users look
+            message = f"the API server refused a child: {exc}"
+            _set_status(patch, body, await observe(memo.kube, body, pool, ("ChildRejected", message), generation))
+            kopf.warn(body, reason="ChildRejected", message=message)
+            raise kopf.TemporaryError(message, delay=10) from None
         if result.writes:
             logger.info(f"created {result.created}, patched {result.patched}, deleted {result.deleted}")
         waiting = await missing_secrets(memo.kube, pool)
@@ -139,6 +146,10 @@ def register(registry: kopf.OperatorRegistry, options: Options) -> None:
                                     f"deleted {result.deleted}")
                 except reconcile.ChildConflict as exc:
                     error = ("ChildConflict", str(exc))
+                except ApiError as exc:
+                    if exc.status not in (400, 422):
+                        raise
+                    error = ("ChildRejected", f"the API server refused a child: {exc}")
         if pool is not None and error is None:
             waiting = await missing_secrets(memo.kube, pool)
             error = ("SecretMissing", waiting) if waiting else None

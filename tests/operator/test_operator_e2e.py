@@ -255,6 +255,31 @@ def test_a_spec_the_schema_cannot_catch_is_degraded_with_an_event(cluster, opera
     cluster.kubectl("delete", POOL, "nogpu", "--timeout=20s")
 
 
+def test_a_child_the_api_server_refuses_is_degraded_with_its_message(cluster, operator, tmp_path):
+    """scrapeFrom peers are free-form in the CRD; a malformed one makes the API server refuse the NetworkPolicy.
+    Before, the operator retried every 5 s and the status said only 'generation 1 is not applied yet'."""
+    body = {"apiVersion": "pdpool.io/v1alpha1", "kind": "InferencePool", "metadata": {"name": "peers"},
+            "spec": {"networkPolicy": {"scrapeFrom": [{"ipBlock": "10.0.0.0/8"}]}}}
+    path = tmp_path / "peers.yaml"
+    path.write_text(yaml.safe_dump(body))
+    cluster.kubectl("apply", "-f", str(path))
+    pool = wait_condition(cluster, "peers", "Degraded", "True")
+    degraded = condition(pool, "Degraded")
+    assert degraded["reason"] == "ChildRejected" and "NetworkPolicy" in degraded["message"], degraded
+    assert "ipBlock" in degraded["message"], degraded
+    wait_until(lambda: [e for e in cluster.kubectl.json("get", "events")["items"]
+                        if e["involvedObject"].get("name") == "peers" and e["reason"] == "ChildRejected"],
+               what="ChildRejected event")
+    body["spec"]["networkPolicy"]["scrapeFrom"] = [{"ipBlock": {"cidr": "10.0.0.0/8"}}]
+    path.write_text(yaml.safe_dump(body))
+    cluster.kubectl("apply", "-f", str(path))
+    wait_until(lambda: get(cluster, "networkpolicy", "peers-nodes")["spec"]["ingress"][-1]["from"] == [
+        {"ipBlock": {"cidr": "10.0.0.0/8"}}], timeout=30, what="the fixed NetworkPolicy")
+    pool = wait_condition(cluster, "peers", "Degraded", "False")
+    assert pool["status"]["observedGeneration"] == pool["metadata"]["generation"]
+    cluster.kubectl("delete", POOL, "peers", "--timeout=20s")
+
+
 def test_a_missing_secret_is_reported_until_it_exists(cluster, operator, tmp_path):
     body = {"apiVersion": "pdpool.io/v1alpha1", "kind": "InferencePool", "metadata": {"name": "keyed"},
             "spec": {"router": {"apiKeySecretRef": {"name": "keyed-api-key"}}}}
