@@ -424,9 +424,17 @@ class ModelRunner:
         seed = request.sampling_params.seed
         if seed is None:
             return None
-        if request.request_id not in self.generators:
-            self.generators[request.request_id] = make_generator(seed, self.device)
-        return self.generators[request.request_id]
+        gen = self.generators.get(request.request_id)
+        if gen is None:
+            gen = self.generators[request.request_id] = make_generator(seed, self.device)
+            if request.output_token_ids and not request.sampling_params.is_greedy:
+                # Tokens sampled elsewhere (a prefill node's first token) took the generator's first draws: skip
+                # them, so the request's tokens are those of one node. One draw: one Exp(1) per vocab entry in
+                # float32 (the sampler's ``_exponentials``).
+                skipped = torch.empty(self.model_config.vocab_size, dtype=torch.float32, device=self.device)
+                for _ in request.output_token_ids:
+                    skipped.exponential_(generator=gen)
+        return gen
 
     def forget(self, request_id: str) -> None:
         """Drop per-request state (the seeded generator) of a finished or aborted request."""

@@ -109,3 +109,17 @@ def test_a_handle_for_another_trailing_partial_block_is_refused(nodes):
     handle = DisaggProxy(pe.url, nodes["de"].url).handle(completion_body(ids, 4))
     refused(nodes, completion_body(other, 4), copy.deepcopy(handle), "different prompt")
     wait_for(lambda: pe.kv()["leases"] == 0, 5, "the refusing decode node to release the lease")
+
+
+def test_a_seeded_sampled_answer_is_the_colocated_one(nodes):
+    """The prefill node's first token took the first draw of the request's seeded generator: the decode node's
+    generator starts past it, so a seeded request gives the same tokens disaggregated as on one node (whichever
+    way a router sends it)."""
+    pe, de = nodes["pe"], nodes["de"]
+    proxy = DisaggProxy(pe.url, de.url)
+    for seed in (1, 42, 2**40):
+        body = completion_body(PROMPT, 8, temperature=1.2, top_p=0.95, seed=seed, ignore_eos=True)
+        colocated = token_ids(de.complete(body))
+        assert token_ids(proxy.complete(body)) == colocated, seed
+        streamed = [t for e in proxy.stream(body) for c in e["choices"] for t in c.get("token_ids") or []]
+        assert streamed == colocated, seed
