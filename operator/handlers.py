@@ -18,7 +18,7 @@ import redis.exceptions
 from pdpool.kv_index.cleanup import delete_pool_keys
 from pdpool.operator import builders, crd, reconcile, status
 from pdpool.operator.kube import ApiError, Kube
-from pdpool.operator.spec import Pool, SpecError, parse_pool
+from pdpool.operator.spec import Pool, SpecError, merge_defaults, parse_pool
 
 FINALIZER = "pdpool.io/redis-keys"
 RESOURCE = (crd.GROUP, crd.VERSION, crd.PLURAL)
@@ -162,7 +162,11 @@ def register(registry: kopf.OperatorRegistry, options: Options) -> None:
     @kopf.on.delete(*RESOURCE, registry=registry)
     async def drop_redis_keys(body: kopf.Body, memo: kopf.Memo, retry: int, logger, **_) -> None:
         meta = body["metadata"]
-        url, password = await _redis_of(memo.kube, dict(body), options)
+        found = await _redis_of(memo.kube, dict(body), options)
+        if found is None:  # a managed Redis keeps nothing on disk and goes with the pool: so do its keys
+            logger.info(f"managed Redis: the keys of {meta['namespace']}/{meta['name']} go with it")
+            return
+        url, password = found
         try:
             deleted = await delete_pool_keys(url, password, meta["namespace"], meta["name"])
         except (redis.exceptions.RedisError, OSError) as exc:
@@ -173,9 +177,16 @@ def register(registry: kopf.OperatorRegistry, options: Options) -> None:
         logger.info(f"deleted {deleted} Redis keys of {meta['namespace']}/{meta['name']}")
 
 
-async def _redis_of(kube: Kube, body: dict, options: Options) -> tuple[str, str | None]:
-    """URL and password of the pool's Redis (its spec may be invalid: only spec.redis is read)."""
-    meta, redis_spec = body["metadata"], (body.get("spec") or {}).get("redis") or {}
+async def _redis_of(kube: Kube, body: dict, options: Options) -> tuple[str, str | None] | None:
+    """URL and password of the Redis whose keys the finalizer deletes (its spec may be invalid: only spec.redis,
+    over the --pool-defaults, is read). None for a managed Redis the operator does not reach through
+    --managed-redis-url: in the cluster its NetworkPolicy admits only the pool's pods, so trying would only hold
+    every deletion for the retries and end in a RedisKeysLeft warning."""
+    meta = body["metadata"]
+    redis_spec = merge_defaults(dict((body.get("spec") or {}).get("redis") or {}),
+                                dict(options.pool_defaults.get("redis") or {}))
+    if not redis_spec.get("url") and not options.managed_redis_url:
+        return None
     if redis_spec.get("url"):
         url, ref = redis_spec["url"], redis_spec.get("passwordSecretRef")
         ref = (ref["name"], ref.get("key", "password")) if ref else None
