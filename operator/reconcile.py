@@ -22,7 +22,7 @@ from pdpool.operator.kube import ApiError
 CREATE_ONLY = {"Secret"}
 # Optional pod-spec fields the builders may stop setting; a merge patch must null them out explicitly.
 OWNED_OPTIONAL_POD_FIELDS = ("nodeSelector", "tolerations", "volumes", "initContainers", "affinity",
-                             "serviceAccountName")
+                             "serviceAccountName", "imagePullSecrets")
 
 
 class ChildConflict(Exception):

@@ -51,6 +51,14 @@ ENV = {"type": "array", "description": "Extra environment variables of the conta
     }}}
 
 
+IMAGE_PULL_SECRETS = {
+    "type": "array", "description": "Secrets (kubernetes.io/dockerconfigjson, in the pool's namespace) to pull "
+    "images with: set on every pod of the pool (prefill, decode, router, the managed Redis), so they cover "
+    "image, redis.image, model.source.image and model.source.objectStore.image.",
+    "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"],
+    "items": {"type": "object", "required": ["name"], "properties": {"name": _str("Secret name.")}}}
+
+
 def _role(role: str) -> dict[str, dict]:
     return {
         f"{role}.replicas": _int(f"{role} pods. Leave unset when an HPA or KEDA scales them; the operator then "
@@ -106,6 +114,8 @@ DEPLOYMENT_FIELDS: dict[str, dict] = {
     "image": _str("Image with the pdpool package, for nodes and router.", default=DEFAULT_IMAGE),
     "imagePullPolicy": _str("Pull policy of that image.", enum=["Always", "IfNotPresent", "Never"],
                             default="IfNotPresent"),
+    # no schema default: a cluster may set it for every pool in the operator's --pool-defaults
+    "imagePullSecrets": IMAGE_PULL_SECRETS,
     "model.source": MODEL_SOURCE,
     "model.mountPath": _str("Where the model source is mounted; model.name must then lie under it.",
                             default="/models"),

@@ -54,6 +54,11 @@ class Pool:
         return self.spec["image"]
 
     @property
+    def image_pull_secrets(self) -> list[dict]:
+        """For every pod of the pool; empty: the pods carry no such field."""
+        return [{"name": ref["name"]} for ref in self.spec.get("imagePullSecrets") or []]
+
+    @property
     def managed_redis(self) -> bool:
         return not self.spec["redis"].get("url")
 

@@ -46,6 +46,11 @@ def metadata(pool: Pool, name: str, component: str, app: str = "pdpool") -> dict
             "ownerReferences": [owner_reference(pool)]}
 
 
+def pull_secrets(pool: Pool) -> dict:
+    """The pod-spec field every pod of the pool carries: nothing when unset, so unchanged pools do not roll."""
+    return {"imagePullSecrets": pool.image_pull_secrets} if pool.image_pull_secrets else {}
+
+
 def spec_hash(obj: dict) -> str:
     """Hash of everything the operator sets on a child (its own hash annotation excluded)."""
     meta = dict(obj["metadata"])

@@ -7,7 +7,8 @@ import math
 from dataclasses import dataclass, field
 
 from pdpool import config
-from pdpool.operator.builders.common import labels, metadata, pool_selector, selector_labels, with_hash
+from pdpool.operator.builders.common import (labels, metadata, pool_selector, pull_secrets, selector_labels,
+                                             with_hash)
 from pdpool.operator.spec import NODE_HTTP_PORT, Pool, SecretRef
 
 HEALTH_LIVE, HEALTH_READY = "/health/live", "/health/ready"
@@ -176,6 +177,7 @@ def node_deployment(pool: Pool, role: str) -> dict:
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
         "containers": [container],
+        **pull_secrets(pool),
         **pod_placement(pool, role),
     }
     if model.init_containers:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import base64
 
-from pdpool.operator.builders.common import metadata, selector_labels, labels, with_hash
+from pdpool.operator.builders.common import labels, metadata, pull_secrets, selector_labels, with_hash
 from pdpool.operator.spec import Pool
 
 REDIS_PORT = 6379
@@ -37,7 +37,7 @@ def redis_deployment(pool: Pool) -> dict:
                                "selector": {"matchLabels": selector_labels(pool, "redis")},
                                "template": {"metadata": {"labels": labels(pool, "redis", "redis")}, "spec": {
                                    "enableServiceLinks": False, "automountServiceAccountToken": False,
-                                   "containers": [container]}}}})
+                                   "containers": [container], **pull_secrets(pool)}}}})
 
 
 def redis_service(pool: Pool) -> dict:

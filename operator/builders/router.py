@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from pdpool import config
-from pdpool.operator.builders.common import labels, metadata, selector_labels, with_hash
+from pdpool.operator.builders.common import labels, metadata, pull_secrets, selector_labels, with_hash
 from pdpool.operator.builders.nodes import (HEALTH_LIVE, HEALTH_READY, common_env, http_probe, model_volume,
                                             pod_placement)
 from pdpool.operator.spec import Pool
@@ -64,7 +64,7 @@ def router_deployment(pool: Pool) -> dict:
     if mounts:
         container["volumeMounts"] = [dict(m, readOnly=True) for m in mounts]
     pod_spec = {"enableServiceLinks": False, "automountServiceAccountToken": pool.kubernetes_discovery,
-                "containers": [container], **pod_placement(pool, "router")}
+                "containers": [container], **pull_secrets(pool), **pod_placement(pool, "router")}
     if pool.kubernetes_discovery:
         pod_spec["serviceAccountName"] = router_account_name(pool)
     if model.init_containers:

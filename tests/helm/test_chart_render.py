@@ -151,6 +151,24 @@ def test_rdma_values_become_pool_defaults_the_operator_accepts():
     assert len(hashes) == 3
 
 
+def test_pool_image_pull_secrets_pass_through_pool_defaults_and_the_example_pool():
+    """A private registry: poolDefaults gives every pool its pull secrets (each pool's namespace needs the Secret);
+    examplePool.spec sets them on the demo pool; both are checked as the CRD checks them."""
+    secrets = '[{"name": "ghcr-pull"}]'
+    docs = render("--set-json", f"poolDefaults.imagePullSecrets={secrets}", "--set", "examplePool.enabled=true",
+                  "--set-json", f"examplePool.spec.imagePullSecrets={secrets}")
+    defaults = pool_defaults(docs)
+    assert defaults == {"imagePullSecrets": [{"name": "ghcr-pull"}]}
+    assert schema_errors(defaults, spec_schema(), "poolDefaults") == []
+    assert defaulted_paths(defaults, spec_schema(), "poolDefaults") == []
+    pool = one(docs, "InferencePool")
+    assert pool["spec"]["imagePullSecrets"] == [{"name": "ghcr-pull"}]
+    assert schema_errors(pool["spec"], spec_schema(), "spec") == []
+    typo = helm("template", "r", str(CHART), "--set-json", 'poolDefaults.imagePullSecrets=[{"nmae": "x"}]',
+                check=False)
+    assert typo.returncode != 0 and "nmae" in typo.stderr, typo.stderr
+
+
 def test_monitoring():
     docs = render(*VALUE_SETS["monitoring"])
     operator_pod = one(docs, "Deployment")["spec"]["template"]

@@ -178,6 +178,32 @@ def test_pool_defaults_apply_under_the_pool_and_the_pool_wins(tmp_path):
         load_pool_defaults(str(path))
 
 
+def test_image_pull_secrets_reach_every_pod_of_the_pool():
+    body = gpu_body()
+    del body["spec"]["redis"]  # a managed Redis: its pod pulls redis.image, which may be mirrored privately too
+    body["spec"]["model"]["source"] = {"objectStore": {"uri": "s3://models/llama"}}  # an init container's image
+    body["spec"]["imagePullSecrets"] = [{"name": "ghcr-pull"}, {"name": "mirror-pull"}]
+    objs = render(body)  # every object validates against the 1.33 schemas
+    for obj in objs.values():
+        kubernetes_validate.validate(obj, "1.35", strict=True)
+    pods = {name: pod(objs, name) for name in
+            ("llama-2p4d-prefill", "llama-2p4d-decode", "llama-2p4d-router", "llama-2p4d-redis")}
+    for name, spec in pods.items():
+        assert spec["imagePullSecrets"] == [{"name": "ghcr-pull"}, {"name": "mirror-pull"}], name
+    # set in the operator's --pool-defaults, it applies to pools that do not set it (a list: the pool's replaces it)
+    spec_schema = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert crd.schema_errors({"imagePullSecrets": [{"name": "x"}]}, spec_schema, "poolDefaults") == []
+    assert crd.schema_errors({"imagePullSecrets": [{"nmae": "x"}]}, spec_schema, "poolDefaults") != []
+    del body["spec"]["imagePullSecrets"]
+    defaulted = render(body, {"imagePullSecrets": [{"name": "cluster-pull"}]})
+    assert pod(defaulted, "llama-2p4d-redis")["imagePullSecrets"] == [{"name": "cluster-pull"}]
+    # removed from the spec: the Deployment's field is nulled by the merge patch, not left behind
+    plain = render(body)
+    assert all("imagePullSecrets" not in pod(plain, name) for name in pods)
+    patch = merge_patch(plain["Deployment/llama-2p4d-decode"], objs["Deployment/llama-2p4d-decode"])
+    assert patch["spec"]["template"]["spec"]["imagePullSecrets"] is None
+
+
 def test_example_pools_still_render_the_same_without_the_new_fields():
     body = example_body("cpu-demo")
     assert render(copy.deepcopy(body)) == render(body, {})

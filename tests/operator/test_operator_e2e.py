@@ -335,6 +335,19 @@ def test_kubernetes_discovery_and_changed_children_are_patched(cluster, operator
                    what=f"{kind} demo-router deleted")
 
 
+def test_image_pull_secrets_reach_every_pod_and_go_when_removed(cluster, operator):
+    deployments = ("demo-prefill", "demo-decode", "demo-router", "demo-redis")
+
+    def pull_secrets() -> list:
+        return [get(cluster, "deployment", n)["spec"]["template"]["spec"].get("imagePullSecrets") for n in deployments]
+
+    cluster.kubectl("patch", POOL, "demo", "--type=merge", "-p",
+                    json.dumps({"spec": {"imagePullSecrets": [{"name": "ghcr-pull"}]}}))
+    wait_until(lambda: pull_secrets() == [[{"name": "ghcr-pull"}]] * 4, what="pull secrets on every Deployment")
+    cluster.kubectl("patch", POOL, "demo", "--type=merge", "-p", '{"spec": {"imagePullSecrets": null}}')
+    wait_until(lambda: pull_secrets() == [None] * 4, what="pull secrets removed from every Deployment")
+
+
 def test_moving_to_an_external_redis_deletes_the_managed_one(cluster, operator, redis_server, tmp_path):
     body = {"apiVersion": "pdpool.io/v1alpha1", "kind": "InferencePool", "metadata": {"name": "moving"}, "spec": {}}
     path = tmp_path / "moving.yaml"
