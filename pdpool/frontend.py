@@ -78,6 +78,10 @@ def _token_text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
+# transformers' marker of where the final message's content ends (continue_final_message)
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
 class Tokenizer:
     """A Hugging Face fast tokenizer read with ``tokenizers``: encode, decode, and the chat template."""
 
@@ -107,11 +111,31 @@ class Tokenizer:
     def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str | None]:
         return [self._tok.id_to_token(t) for t in token_ids]
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> str:
+        """``continue_final_message``: the text ends inside the last message (an assistant's partial answer, for
+        the model to go on with), not after its end-of-turn tokens: transformers' way, which vLLM calls: render
+        with a tag after that message's content, then cut the text at the tag."""
         if self._template is None:
             raise ValueError("this model's tokenizer has no chat template")
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ValueError("continue_final_message and add_generation_prompt are not compatible")
+            if not messages:
+                raise ValueError("continue_final_message is set but the conversation is empty")
+            final = messages[-1]
+            messages = [*messages[:-1], {**final, "content": final.get("content", "") + _CONTINUE_TAG}]
+        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
                                      documents=None, **{k: v for k, v in self.special_tokens.items() if v})
+        if not continue_final_message:
+            return text
+        tag_at = text.rfind(_CONTINUE_TAG.strip())
+        if tag_at < 0 or final.get("content", "").strip() not in text:
+            raise ValueError("continue_final_message is set but the final message does not appear in the chat after "
+                             "applying the chat template (the template drops part of it)")
+        if text.startswith(_CONTINUE_TAG, tag_at):
+            return text[:tag_at]
+        return text[:tag_at].rstrip()  # the template trimmed the content's trailing space (and the tag's)
 
     @cached_property
     def _template(self):
@@ -572,10 +596,11 @@ class Frontend:
         path = resolve_model(model)
         return cls(ModelFiles.read(path), Tokenizer(path), token_cache_chunks)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> str:
         """The chat template applied to ``messages``; raises ``InvalidRequestError`` (param ``messages``) when it fails."""
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt, continue_final_message)
         except Exception as exc:  # noqa: BLE001 - a template error is the client's message list
             raise InvalidRequestError(f"cannot apply the chat template: {exc}", param="messages") from None
 

@@ -381,8 +381,20 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
+def _check_continuation(messages: list[dict], add_generation_prompt: bool) -> None:
+    """vLLM's refusals for ``continue_final_message``: the model goes on with the last message, so it must be the
+    assistant's, and no new assistant turn may be opened after it (``add_generation_prompt`` defaults to true)."""
+    if add_generation_prompt:
+        raise APIError("Cannot set both 'continue_final_message' and 'add_generation_prompt' to true (send "
+                       "'add_generation_prompt': false to continue the final message)", param="add_generation_prompt")
+    if messages[-1]["role"] != "assistant":
+        raise APIError(f"'continue_final_message' needs the last message to be the assistant's, got role "
+                       f"{short_repr(messages[-1]['role'])}", param="messages")
+
+
 def parse_chat(body: dict, served_model_names: list[str], render) -> GenerationRequest:
-    """``render(messages, add_generation_prompt) -> str`` applies the tokenizer's chat template."""
+    """``render(messages, add_generation_prompt, continue_final_message) -> str`` applies the tokenizer's chat
+    template."""
     common = _common(body, "chat", served_model_names)
     messages = _messages(body)
     want_logprobs = get_bool(body, "logprobs")
@@ -394,8 +406,11 @@ def parse_chat(body: dict, served_model_names: list[str], render) -> GenerationR
     if max_tokens is None:
         max_tokens = get_int(body, "max_tokens", None, ge=1)
     add_generation_prompt = get_bool(body, "add_generation_prompt", True)
+    continue_final_message = get_bool(body, "continue_final_message")
+    if continue_final_message:
+        _check_continuation(messages, add_generation_prompt)
     try:
-        prompt = render(messages, add_generation_prompt)
+        prompt = render(messages, add_generation_prompt, continue_final_message)
     except Exception as exc:  # noqa: BLE001 - a template error is the client's message list
         raise APIError(f"cannot apply the chat template: {exc}", param="messages") from None
     # Without max_tokens (None) the engine fills the rest of the context.

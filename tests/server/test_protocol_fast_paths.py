@@ -127,7 +127,7 @@ def test_sampling_is_every_field_read(body, max_tokens, logprobs, drop):
 def _parse(kind: str, body: dict):
     if kind == "completion":
         return protocol.parse_completion(body, [MODEL])
-    return protocol.parse_chat(body, [MODEL], lambda messages, add_generation_prompt: json.dumps(messages))
+    return protocol.parse_chat(body, [MODEL], lambda messages, *flags: json.dumps(messages))
 
 
 @settings(max_examples=400, deadline=None)
