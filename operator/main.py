@@ -35,7 +35,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--status-interval", type=float, default=5.0, help="Seconds between status refreshes.")
     p.add_argument("--leader-election", action=argparse.BooleanOptionalAction, default=True,
                    help="Lead through a coordination.k8s.io Lease before reconciling.")
-    p.add_argument("--lease-name", default="pdpool-operator")
+    p.add_argument("--lease-name", default="pdpool-operator",
+                   help="Name of the Lease; operators that share it elect one leader (the chart: one per release).")
     p.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE"),
                    help="Namespace of the Lease (default: $POD_NAMESPACE, else the first --namespace, else default).")
     p.add_argument("--lease-seconds", type=float, default=15.0, help="Lease duration.")

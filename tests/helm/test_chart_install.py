@@ -60,8 +60,9 @@ def installed(k8s, kubectl, kubeconfig, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "pdpool.cli", "operator", *args, "--health-host", "127.0.0.1",
                              "--crd-wait-seconds", "0.3"], env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
+        (lease,) = [a.split("=", 1)[1] for a in args if a.startswith("--lease-name=")]
         yield {"k8s": k8s, "kubectl": kubectl, "crd": crd, "pools": pools, "health": health, "proc": proc,
-               "log": tmp_path / "operator.log"}
+               "log": tmp_path / "operator.log", "lease": lease}
     finally:
         proc.terminate()
         proc.wait(15)
@@ -78,7 +79,7 @@ def test_chart_output_installs_and_the_example_pool_reconciles(installed):
     kubectl("apply", "-f", "-", input=json.dumps(installed["crd"][0]))
     wait_until(lambda: http_get(url + "/readyz")[0] == 200, timeout=20, what="/readyz once the CRD is served")
     wait_until(lambda: "pdpool_operator_leader 1.0" in http_get(url + "/metrics")[1], what="leading")
-    lease = kubectl.json("get", "lease", "pdpool-operator", "-n", NAMESPACE)
+    lease = kubectl.json("get", "lease", installed["lease"], "-n", NAMESPACE)
     assert lease["spec"]["holderIdentity"] == "pdpool-0"
 
     (pool,) = installed["pools"]
@@ -116,7 +117,7 @@ def test_chart_output_installs_and_the_example_pool_reconciles(installed):
     assert installed["proc"].poll() is None, installed["log"].read_text()[-3000:]
 
     # the cluster-wide operator's calls, as the rendered ClusterRole and leader Role allow them
-    from test_chart_rbac import OPERATOR_AGENTS, called, triples
+    from test_chart_rbac import OPERATOR_AGENTS, allows, called, triples
     docs = [d for d in yaml.safe_load_all(template(*VALUE_SETS["example-pool"], *VALUE_SETS["rdma"])) if d]
     (cluster_role,) = [d for d in docs if d["kind"] == "ClusterRole"]
     (leader,) = [d for d in docs if d["kind"] == "Role"]
@@ -124,5 +125,6 @@ def test_chart_output_installs_and_the_example_pool_reconciles(installed):
     leases = [r for r in requests if r["resource"] == "leases"]
     assert {r["namespace"] for r in leases} == {NAMESPACE}
     assert called(leases) <= triples(leader["rules"])
+    assert all(allows(leader["rules"], r) for r in leases), "only the release's own Lease is read and updated"
     assert called([r for r in requests if r["resource"] != "leases"]) <= triples(cluster_role["rules"])
     assert any(r["namespace"] is None and r["verb"] == "watch" for r in requests), "a cluster-wide watch"

@@ -43,6 +43,13 @@ def e2e_requests(tmp_path_factory) -> list[dict]:
     return mine
 
 
+def allows(rules: list[dict], request: dict) -> bool:
+    """As the RBAC authorizer decides: a rule with resourceNames allows only requests for those names."""
+    return any(request["verb"] in rule["verbs"] and request["group"] in rule["apiGroups"]
+               and request["resource"] in rule["resources"]
+               and (not rule.get("resourceNames") or request["name"] in rule["resourceNames"]) for rule in rules)
+
+
 def test_every_call_is_allowed_and_every_rule_is_used(e2e_requests):
     docs = render(*VALUE_SETS["namespaced"])
     roles = {(d["metadata"]["namespace"], d["metadata"]["name"]): d for d in docs if d["kind"] == "Role"}
@@ -53,6 +60,8 @@ def test_every_call_is_allowed_and_every_rule_is_used(e2e_requests):
     # the e2e operator watches "default" and keeps its Lease there: the chart's two Roles, by what they cover
     missing = (called(rest) - pools) | (called(leases) - leader)
     assert not missing, f"calls the chart does not allow: {sorted(missing)}"
+    refused = {(r["verb"], r["name"]) for r in leases if not allows(roles[(NAMESPACE, "pdpool-leader")]["rules"], r)}
+    assert not refused, f"Lease calls outside the release's own Lease: {sorted(refused)}"
     unused = (pools - called(rest) - triples(DISCOVERY_RULES)) | (leader - called(leases))
     assert not unused, f"rules no call uses: {sorted(unused)}"
     assert triples(DISCOVERY_RULES) <= pools, "the operator must hold what it grants the router"

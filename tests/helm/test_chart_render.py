@@ -88,6 +88,34 @@ def test_operator_pod_is_restricted_probed_and_leader_elected():
     assert tagged["spec"]["template"]["spec"]["containers"][0]["image"].endswith(":0.2.0")
 
 
+def lease_and_leader_role(release: str, *values: str) -> tuple[str, dict]:
+    """(the operator's --lease-name, the leader Role) of one release rendered into NAMESPACE."""
+    docs = [d for d in yaml.safe_load_all(helm("template", release, str(CHART), "--namespace", NAMESPACE,
+                                               *values).stdout) if d]
+    args = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    (lease,) = [a.split("=", 1)[1] for a in args if a.startswith("--lease-name=")]
+    (role,) = [d for d in docs if d["kind"] == "Role" and d["metadata"]["namespace"] == NAMESPACE]
+    return lease, role
+
+
+def test_two_releases_in_one_namespace_elect_through_their_own_leases():
+    """Before, every release's operators took the Lease "pdpool-operator": a second release in the namespace never
+    led (or, leading, paused the first). The name follows the full name; only the Lease's get/update is named."""
+    (a, role_a), (b, role_b) = lease_and_leader_role("a"), lease_and_leader_role("b")
+    assert (a, b) == ("a-pdpool-operator", "b-pdpool-operator")
+    assert role_a["metadata"]["name"] != role_b["metadata"]["name"]
+    for lease, role in ((a, role_a), (b, role_b)):
+        named = [r for r in role["rules"] if r.get("resourceNames")]
+        assert named == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                          "resourceNames": [lease], "verbs": ["get", "update"]}]
+    # the documented release name keeps its Lease (an upgrade does not elect a second leader); overrides follow
+    assert lease_and_leader_role("pdpool")[0] == "pdpool-operator"
+    assert lease_and_leader_role("r", "--set", "fullnameOverride=ops")[0] == "ops-operator"
+    assert lease_and_leader_role("r", "--set", "operator.leaseName=shared.lease")[0] == "shared.lease"
+    bad = helm("template", "r", str(CHART), "--set", "operator.leaseName=Bad_Lease", check=False)
+    assert bad.returncode != 0 and "leaseName" in bad.stderr, bad.stderr
+
+
 def test_cluster_wide_rbac_by_default():
     kinds = {(d["kind"], d["metadata"]["name"]) for d in render()}
     assert ("ClusterRole", "pdpool") in kinds and ("ClusterRoleBinding", "pdpool") in kinds

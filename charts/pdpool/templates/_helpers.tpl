@@ -36,6 +36,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- end -}}
 
+{{/* The operator's leader-election Lease: one per release, so that two releases in a namespace each elect their
+own leader. "<full name>-operator" keeps "pdpool-operator" for the release named pdpool (an upgrade keeps its
+Lease). */}}
+{{- define "pdpool.leaseName" -}}
+{{- default (printf "%s-operator" (include "pdpool.fullname" .)) .Values.operator.leaseName -}}
+{{- end -}}
+
 {{- define "pdpool.operatorImage" -}}
 {{- printf "%s:%s" .Values.operator.image.repository (default .Chart.AppVersion .Values.operator.image.tag) -}}
 {{- end -}}
