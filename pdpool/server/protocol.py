@@ -350,9 +350,11 @@ def parse_completion(body: dict, served_model_names: list[str]) -> GenerationReq
     echo = get_bool(body, "echo")
     if echo and logprobs is not None:
         raise APIError("'echo' together with 'logprobs' (prompt logprobs) is not supported", param="echo")
-    max_tokens = get_int(body, "max_tokens", 16, ge=1)
+    # vLLM's rule: 16 when the field is absent (OpenAI's default); an explicit null, the rest of the context.
+    max_tokens = get_int(body, "max_tokens", None if "max_tokens" in body else 16, ge=1)
     return _checked(GenerationRequest(prompts=prompts, params=_sampling(body, max_tokens, logprobs),
-                                      max_tokens_given=True, echo=echo, logprobs=logprobs, **common))
+                                      max_tokens_given=max_tokens is not None, echo=echo, logprobs=logprobs,
+                                      **common))
 
 
 # ---- /v1/chat/completions ------------------------------------------------------------------------
