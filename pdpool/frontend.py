@@ -47,6 +47,7 @@ class ModelFiles:
     path: Path
     vocab_size: int
     eos_token_ids: tuple[int, ...]   # every id that ends generation (generation_config.json first, then config.json)
+    max_position_embeddings: int | None = None   # the model's longest context (a node may serve less)
 
     @classmethod
     def read(cls, path: Path) -> "ModelFiles":
@@ -61,7 +62,8 @@ class ModelFiles:
             for token in ([value] if isinstance(value, int) else value or []):
                 if isinstance(token, int) and token not in eos:
                     eos.append(token)
-        return cls(path, vocab, tuple(eos))
+        positions = config.get("max_position_embeddings") or text_config.get("max_position_embeddings")
+        return cls(path, vocab, tuple(eos), positions if isinstance(positions, int) else None)
 
 
 def _read_json(path: Path) -> dict | None:

@@ -232,7 +232,8 @@ class Node:
             return NodeInfo(self.node_id, self.role, url, self.incarnation, self.agent_name, self.draining, load,
                             fingerprint=fingerprint,
                             prefix_cache_queried_tokens=scheduler.prefix_cache_queried_tokens,
-                            prefix_cache_hit_tokens=scheduler.prefix_cache_hit_tokens)
+                            prefix_cache_hit_tokens=scheduler.prefix_cache_hit_tokens,
+                            max_model_len=engine.max_model_len)
 
         self.heartbeat = HeartbeatThread(self.index, info, period)  # started once the engine is ready
 

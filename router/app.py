@@ -223,8 +223,18 @@ class Router:
             self.num_inflight -= 1
 
     def _model_card(self) -> dict:
-        return {"id": self.served_names[0], "object": "model", "created": self.created, "owned_by": "pdpool",
+        card = {"id": self.served_names[0], "object": "model", "created": self.created, "owned_by": "pdpool",
                 "root": self.cfg.router.model, "parent": None}
+        max_model_len = self.max_model_len()
+        if max_model_len is not None:
+            card["max_model_len"] = max_model_len
+        return card
+
+    def max_model_len(self) -> int | None:
+        """What every node accepts: the smallest limit the nodes advertise (their --max-model-len may be below the
+        model's), else the model's own from the front end's config.json."""
+        advertised = [e.max_model_len for e in self.pool.endpoints.values() if isinstance(e.max_model_len, int)]
+        return min(advertised) if advertised else self.frontend.files.max_position_embeddings
 
     async def models(self, request: Request):
         return _json({"object": "list", "data": [self._model_card()]})

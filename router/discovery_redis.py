@@ -24,7 +24,7 @@ def endpoint_of(info: NodeInfo) -> Endpoint:
             fp = None
     return Endpoint(node_id=info.node_id, url=info.url.rstrip("/"), role=info.role, source="redis", pdpool=True,
                     incarnation=info.incarnation, fingerprint=fp, ready=True, draining=info.draining,
-                    load=info.load)
+                    load=info.load, max_model_len=info.max_model_len)
 
 
 class RedisDiscovery:

@@ -45,6 +45,7 @@ class NodeInfo:
     # Prefix-cache counters since the node started (tokens looked up, tokens found), for `pdpool status`.
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    max_model_len: int | None = None   # the node's context limit, for the router's /v1/models card
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
