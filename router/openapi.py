@@ -42,7 +42,9 @@ def spec(routes, title: str = "pdpool router") -> dict:
             op["requestBody"] = {"required": True, "content": {"application/json": {"schema": {
                 "type": "object", "required": required, "additionalProperties": True,
                 "properties": {"model": {"type": "string"}, "stream": {"type": "boolean"},
-                               "max_tokens": {"type": "integer", "minimum": 1},
+                               "max_tokens": {"type": ["integer", "null"], "minimum": 1, "description": (
+                                   "null: the rest of the context; absent: 16 on completions, the rest of the "
+                                   "context on chat")},
                                "stream_options": {"type": "object"}}}}}}
             op["responses"] = _GEN_RESPONSES
             op["security"] = [{"bearer": []}]

@@ -104,6 +104,9 @@ def test_models_health_openapi_metrics(router):
     spec = httpx.get(router.url + "/openapi.json").json()
     assert set(spec["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}",
                                   "/health/live", "/health/ready", "/metrics", "/openapi.json"}
+    body = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body["properties"]["max_tokens"]["type"] == ["integer", "null"]   # null: the rest of the context
+    router.client().completions.create(model="demo", prompt="metrics", max_tokens=1)   # a decision, also alone
     m = router.metrics()
     assert m['pdpool_router_index_mode{mode="precise"}'] == 1
     assert m["pdpool_router_decision_seconds_count"] > 0
