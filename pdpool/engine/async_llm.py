@@ -68,8 +68,9 @@ class _Timing:
 class RequestStream:
     """The outputs (deltas) of one added request, in order; iterate it once."""
 
-    def __init__(self, owner: "AsyncLLM", request_id: str) -> None:
+    def __init__(self, owner: "AsyncLLM", request_id: str, prompt_token_ids: list[int] | None = None) -> None:
         self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids   # known before the first output (a stream's first chunk)
         self._owner = owner
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
@@ -152,7 +153,7 @@ class AsyncLLM:
                                           add_special_tokens)
         self._ensure_loop()
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        stream = RequestStream(self, request_id)
+        stream = RequestStream(self, request_id, ids)
         self._streams[request_id] = stream
         self._timings[request_id] = _Timing(arrival)
         self.output_processor.add(request_id, prompt if isinstance(prompt, str) else None, ids, params)

@@ -202,6 +202,8 @@ async def full_response(gen: Generation) -> dict:
     body = {"id": gen.id, "object": "chat.completion" if req.kind == "chat" else "text_completion",
             "created": gen.created, "model": req.model, "choices": choices,
             "usage": gen.usage([c.final for c in gen.choices])}
+    if req.return_token_ids and req.kind == "chat" and gen.choices:   # vLLM's place for chat (one prompt)
+        body["prompt_token_ids"] = gen.choices[0].final.prompt_token_ids
     if len(gen.choices) == 1 and gen.choices[0].final.kv_transfer_params is not None:
         body["kv_transfer_params"] = gen.choices[0].final.kv_transfer_params
     return body
@@ -243,16 +245,25 @@ async def stream_response(gen: Generation, http_request: web.Request) -> web.Str
     tasks = [asyncio.ensure_future(pump(c)) for c in gen.choices]
     latest: dict[int, RequestOutput] = {}
     try:
+        # return_token_ids: the prompt's ids come once per choice, in its first chunk (vLLM's places: the chunk's
+        # top level for chat, the choice for completions); then each chunk's new ids.
+        ids_sent: set[int] = set()
         if req.kind == "chat":
             for c in gen.choices:  # role first, as OpenAI does
-                await resp.write(_sse(chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None}])))
+                first = chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None}])
+                if req.return_token_ids:
+                    first["prompt_token_ids"] = c.stream.prompt_token_ids
+                await resp.write(_sse(first))
         if req.echo:
             for c in gen.choices:
                 prompt = req.prompts[c.index // req.n]
                 text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
-                await resp.write(_sse(chunk([{"index": c.index, "text": text, "logprobs": None,
-                                              "finish_reason": None}])))
+                choice = {"index": c.index, "text": text, "logprobs": None, "finish_reason": None}
+                if req.return_token_ids:
+                    choice["prompt_token_ids"] = c.stream.prompt_token_ids
+                    ids_sent.add(c.index)
+                await resp.write(_sse(chunk([choice])))
         pending = len(tasks)
         while pending:
             c, out = await merged.get()
@@ -279,6 +290,9 @@ async def stream_response(gen: Generation, http_request: web.Request) -> web.Str
             if out.finished:
                 choice["stop_reason"] = out.stop_reason
             if req.return_token_ids:
+                if req.kind != "chat" and c.index not in ids_sent:
+                    ids_sent.add(c.index)
+                    choice["prompt_token_ids"] = out.prompt_token_ids
                 choice["token_ids"] = out.new_token_ids
             usage = None
             if req.include_usage and req.continuous_usage:
