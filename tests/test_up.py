@@ -140,6 +140,25 @@ def test_the_operators_schema_checks_the_file(tmp_path, engine, message):
         load_pool(tmp_path / "p.yaml")
 
 
+@pytest.mark.parametrize("text, message", [
+    ("apiVersion: pdpool.io/v1alpha1\nkind: [InferencePool\n", "not valid YAML (line 3, column 1)"),
+    ("apiVersion: pdpool.io/v1alpha1\nkind: InferencePool\nmetadata: demo\n", "metadata: expected object"),
+    ("apiVersion: pdpool.io/v1alpha1\nkind: InferencePool\nmetadata: {name: Demo_1}\nspec: {}\n",
+     "metadata.name 'Demo_1' must be a DNS-1035 label"),
+    (f"apiVersion: pdpool.io/v1alpha1\nkind: InferencePool\nmetadata: {{name: {'a' * 56}}}\nspec: {{}}\n",
+     "of at most 55 characters"),
+])
+def test_a_malformed_file_is_one_line_of_error(tmp_path, text, message):
+    """What the user wrote wrong, on one line, exit 2: no traceback (a YAML syntax error and a non-mapping metadata
+    raised one), and no pool under a name the CRD refuses (the API server would refuse that file)."""
+    (tmp_path / "p.yaml").write_text(text)
+    out = subprocess.run([sys.executable, "-m", "pdpool.cli", "up", str(tmp_path / "p.yaml"), "--dry-run"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr
+    assert out.stderr.startswith(f"pdpool up: error: {tmp_path / 'p.yaml'}: ") and message in out.stderr
+    assert len(out.stderr.splitlines()) == 1, out.stderr
+
+
 def test_default_example_is_one_prefill_one_decode_on_cpu():
     out = subprocess.run([sys.executable, "-m", "pdpool.cli", "up", "--dry-run", "--port", "8123"],
                          capture_output=True, text=True, timeout=60)

@@ -9,6 +9,7 @@ addresses, local ports, the local Redis, a node id per process. So the same file
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -74,15 +75,28 @@ def ignored_fields(spec: dict) -> list[str]:
 
 def load_pool(path: str | Path | None) -> tuple[Pool, list[str]]:
     """(the parsed pool, the Kubernetes-only fields it sets); ``None`` is the built-in example."""
-    body = DEFAULT_POOL if path is None else yaml.safe_load(Path(path).read_text())
     where = "the built-in example" if path is None else str(path)
+    try:
+        body = DEFAULT_POOL if path is None else yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as exc:  # its message spans lines (the offending line, a caret): keep the first
+        mark = getattr(exc, "problem_mark", None)
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise PoolFileError(f"{where}: not valid YAML{at}: {getattr(exc, 'problem', None) or exc}") from None
     if not isinstance(body, dict):
         raise PoolFileError(f"{where}: not a YAML mapping")
     if (body.get("apiVersion"), body.get("kind")) != (crd.API_VERSION, crd.KIND):
         raise PoolFileError(f"{where}: expected apiVersion {crd.API_VERSION} and kind {crd.KIND}, got "
                             f"{body.get('apiVersion')} and {body.get('kind')}")
-    if not (body.get("metadata") or {}).get("name"):
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise PoolFileError(f"{where}: metadata: expected object, got {metadata!r}")
+    name = (metadata or {}).get("name")
+    if not name:
         raise PoolFileError(f"{where}: metadata.name is required (the pool's name)")
+    # what the CRD's metadata.name restriction makes the API server refuse: the same file means the same pool
+    if not isinstance(name, str) or len(name) > crd.MAX_POOL_NAME or not re.match(crd.POOL_NAME_PATTERN, name):
+        raise PoolFileError(f"{where}: metadata.name {name!r} must be a DNS-1035 label of at most "
+                            f"{crd.MAX_POOL_NAME} characters (lowercase letters, digits and '-', a letter first)")
     root = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     errors = crd.schema_errors(body.get("spec") or {}, root, "spec")
     if errors:
