@@ -429,6 +429,13 @@ class IndexReader:
             raise IndexUnavailableError(f"live node listing failed: {exc}") from exc
         return {flat[i].decode(): NodeInfo.from_json(flat[i + 1]) for i in range(0, len(flat), 2)}
 
+    def server_run_id(self) -> str:
+        """The Redis server's ``run_id``: it changes when the server restarts (its keys may be gone then)."""
+        try:
+            return str(self.client.info("server")["run_id"])
+        except (*_REDIS_ERRORS, KeyError) as exc:
+            raise IndexUnavailableError(f"server info failed: {exc}") from exc
+
     def agent_metadata(self, node_id: str, incarnation: str) -> bytes | None:
         """A peer's KV agent metadata, or None (unknown node, or another incarnation of it)."""
         try:
