@@ -41,6 +41,7 @@ class LeaseTable:
         self.num_notified = 0
         self.num_leased_blocks = 0  # sum over leases, kept up to date by issue/notify/expire
         self._ended: dict[str, bool] = {}  # lease id -> held at notification (answers a repeated notify)
+        self._by_request: dict[str, str] = {}  # request id -> its live lease's id
 
     def reserve(self, request_id: str, num_blocks: int) -> bool:
         """Count a prefill's blocks against the cap before it runs; False when they do not fit."""
@@ -57,8 +58,13 @@ class LeaseTable:
         self.reserved.pop(request_id, None)
         lease = Lease(uuid.uuid4().hex, request_id, list(block_ids), self.clock() + self.lease_seconds)
         self.leases[lease.lease_id] = lease
+        self._by_request[request_id] = lease.lease_id
         self.num_leased_blocks += len(lease.block_ids)
         return lease
+
+    def lease_of(self, request_id: str) -> str | None:
+        """The id of the request's lease while it is in the table."""
+        return self._by_request.get(request_id)
 
     def remaining(self, lease: Lease) -> float:
         return max(0.0, lease.expires_at - self.clock())
@@ -76,6 +82,7 @@ class LeaseTable:
         if lease is None:
             return self._ended.get(lease_id, False), None
         del self.leases[lease_id]
+        self._by_request.pop(lease.request_id, None)
         self.num_leased_blocks -= len(lease.block_ids)
         self.num_notified += 1
         self._remember(lease_id, True)
@@ -89,6 +96,7 @@ class LeaseTable:
             if lease.expires_at > now:
                 break
             del self.leases[lease.lease_id]
+            self._by_request.pop(lease.request_id, None)
             self.num_leased_blocks -= len(lease.block_ids)
             self._remember(lease.lease_id, False)
             ended.append(lease)

@@ -92,6 +92,13 @@ class PrefillSide:
         for rid in request_ids:
             self.table.unreserve(rid)
             self.prefilling.pop(rid, None)
+            lease_id = self.table.lease_of(rid)
+            if lease_id is not None:
+                # It finished (lease issued) in a step whose output its client never took: the abort comes from a
+                # stream that stopped waiting (client gone), so the handle is never delivered. Free it now.
+                logger.info("lease %s: request %s aborted before its handle was delivered; releasing it",
+                            lease_id, rid)
+                self.notify(lease_id)
         return set()
 
     # ---- leases (engine thread) ------------------------------------------------------------------
