@@ -159,6 +159,46 @@ def test_a_malformed_file_is_one_line_of_error(tmp_path, text, message):
     assert len(out.stderr.splitlines()) == 1, out.stderr
 
 
+def external_redis_pool(tmp_path: Path, url: str) -> Path:
+    body = copy.deepcopy(DEFAULT_POOL)
+    body["spec"]["redis"] = {"url": url}
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(body))
+    return tmp_path / "p.yaml"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--port", "99999"], "argument --port: '99999' is not a TCP port (1 to 65535)"),
+    (["--port", "0"], "argument --port: '0' is not a TCP port"),
+    (["--host", "192.0.2.1"], "cannot listen on 192.0.2.1:"),  # TEST-NET-1: an address of no interface here
+    (["--host", "no-such-host.invalid"], "--host no-such-host.invalid: "),
+    (["pool:notaurl"], "spec.redis.url 'notaurl' must start with redis://, rediss://, unix://"),
+])
+def test_bad_flags_and_addresses_are_one_line_of_error(tmp_path, args, message):
+    """Refused before anything starts, on one line, exit 2 (--port 99999 and a Redis URL without a scheme raised a
+    traceback; an address this machine does not have was called 'port in use')."""
+    args = [str(external_redis_pool(tmp_path, a.split(":", 1)[1])) if a.startswith("pool:") else a for a in args]
+    out = subprocess.run([sys.executable, "-m", "pdpool.cli", "up", *args], capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, PDPOOL_CACHE=str(tmp_path)))
+    assert out.returncode == 2 and message in out.stderr, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr and "in use" not in out.stderr
+
+
+def test_an_unreachable_redis_is_one_error_and_nothing_to_clean(tmp_path):
+    """Nothing started: no 'could not clean the pool's Redis keys' after the error (it tried the same dead Redis)."""
+    path = external_redis_pool(tmp_path, f"redis://127.0.0.1:{free_port()}/0")
+    out = subprocess.run([sys.executable, "-m", "pdpool.cli", "up", str(path), "--port", str(free_port())],
+                         capture_output=True, text=True, timeout=60, env=dict(os.environ, PDPOOL_CACHE=str(tmp_path)))
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "error: cannot reach the pool's Redis at redis://127.0.0.1:" in out.stdout
+    assert "could not clean" not in out.stdout and "Traceback" not in out.stderr
+
+
+def test_an_ipv6_router_address_makes_valid_urls():
+    pool, _ = load_pool(None)
+    assert router_spec(pool, "::1", 8123, "redis://127.0.0.1:1").url == "http://[::1]:8123"
+    assert router_spec(pool, "::", 8123, "redis://127.0.0.1:1").url == "http://127.0.0.1:8123"
+
+
 def test_default_example_is_one_prefill_one_decode_on_cpu():
     out = subprocess.run([sys.executable, "-m", "pdpool.cli", "up", "--dry-run", "--port", "8123"],
                          capture_output=True, text=True, timeout=60)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import importlib.util
 import os
 import secrets
@@ -32,10 +33,17 @@ from pdpool.up import state
 from pdpool.up.pool import PoolFileError, connect_host, load_pool, plan, replicas, shared_env
 from pdpool.up.supervisor import Child, Output
 
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")  # what redis-py (the nodes', the router's client) takes
 ROUTER_STOP_GRACE = 30.0
 PROGRESS_EVERY = 15.0
 TICK = 0.5
 SIGNAL_DEBOUNCE = 1.0  # seconds: a second signal within it is the first one again
+
+
+def tcp_port(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (1 to 65535)")
+    return int(text)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -48,7 +56,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         epilog="Flags after -- go to every node's `pdpool serve` (e.g. -- --num-kv-blocks 256).")
     parser.add_argument("pool", nargs="?", help="InferencePool YAML, as the operator takes it (default: the "
                         "built-in example: the demo model, 1 prefill + 1 decode node on CPU)")
-    parser.add_argument("--port", type=int, help="the router's port (default: the pool's router.port, 8000)")
+    parser.add_argument("--port", type=tcp_port, help="the router's port (default: the pool's router.port, 8000)")
     parser.add_argument("--host", default="127.0.0.1", help="the router's address (default: %(default)s)")
     parser.add_argument("--dry-run", action="store_true", help="print the processes it would start, and exit")
     args = parser.parse_args(argv)
@@ -65,6 +73,9 @@ class Up:
         self.state_path = state.state_path(self.port)
         self.redis: local_redis.ManagedRedis | None = None
         self.redis_url = self.pool.spec["redis"].get("url")
+        if self.redis_url is not None and not self.redis_url.startswith(REDIS_SCHEMES):
+            raise PoolFileError(f"{args.pool}: spec.redis.url {self.redis_url!r} must start with "
+                                f"{', '.join(REDIS_SCHEMES)}")
         self.redis_password = None if self.pool.managed_redis else os.environ.get("PDPOOL_REDIS_PASSWORD")
         self.children: list[Child] = []
         self.run_dir: str | None = None
@@ -215,7 +226,8 @@ class Up:
                 child.wait_stopped(deadline)
             self.write_state()
         code = 0
-        if self.redis_url is not None and (self.redis is None or self.redis.proc.poll() is None):
+        started = bool(self.children)  # nothing ran (an unreachable Redis, say): nothing to clean up after
+        if started and self.redis_url is not None and (self.redis is None or self.redis.proc.poll() is None):
             code = self.clean_redis()
         if self.redis is not None:
             self.redis.stop()
@@ -266,9 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         up.say(f"ignoring Kubernetes-only fields: {', '.join(up.ignored)}")
     if args.dry_run:
         return up.dry_run()
-    if not port_free(args.host, up.port):
-        print(f"pdpool up: error: port {up.port} is in use (another pool? see pdpool status); give --port",
-              file=sys.stderr)
+    bind_error = port_taken(args.host, up.port)
+    if bind_error is not None:
+        print(f"pdpool up: error: {bind_error}", file=sys.stderr)
         return 2
     if not nixl_installed():
         print(f"pdpool up: error: {NIXL_HINT}", file=sys.stderr)
@@ -300,11 +312,19 @@ def nixl_installed() -> bool:
     return any(importlib.util.find_spec(name) is not None for name in NIXL_PACKAGES)
 
 
-def port_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
+def port_taken(host: str, port: int) -> str | None:
+    """Why the router could not listen on ``host:port`` (None: it can)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return f"--host {host}: {exc.strerror}"
+    family, _, _, _, address = infos[0]
+    with socket.socket(family) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
+            s.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return f"port {port} is in use (another pool? see pdpool status); give --port"
+            return f"cannot listen on {host}:{port}: {exc.strerror}"
+    return None

@@ -149,8 +149,11 @@ def router_spec(pool: Pool, host: str, port: int, redis_url: str) -> ProcessSpec
 
 
 def connect_host(host: str) -> str:
-    """Where a client on this machine reaches a server listening on ``host``."""
-    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    """Where a client on this machine reaches a server listening on ``host``, as a URL's host (an IPv6 address
+    in brackets)."""
+    if host in ("0.0.0.0", "::", ""):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def plan(pool: Pool, *, redis_url: str, router_host: str, router_port: int, node_port: Callable[[], int],
