@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from pdpool.bench import datasets, load, report, stats
 from pdpool.bench.stats import RequestRecord
+from pdpool.node_process import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -322,9 +323,35 @@ def test_refused_requests_are_failures_not_latencies(node, tmp_path):
     (["--slo", "ttft"], "--slo"),
     (["--extra-body", "[1]"], "--extra-body must be a JSON object"),
     (["--dataset", "jsonl"], "--dataset-path"),
+    # each of these raised a traceback (after sending, for --out) or ran something other than asked (0 requests
+    # ran 100, concurrency 0 ran unbounded)
+    (["--concurrency", "0"], "argument --concurrency: '0' must be > 0"),
+    (["--concurrency", "-1"], "argument --concurrency: '-1' must be > 0"),
+    (["--rate", "0"], "argument --rate: '0' must be > 0"),
+    (["--num-requests", "0"], "argument --num-requests: '0' must be > 0"),
+    (["--time-limit", "0"], "argument --time-limit: '0' must be > 0"),
+    (["--request-timeout", "-5"], "argument --request-timeout: '-5' must be > 0"),
+    (["--sweep", "1,0"], "--sweep: rate 0 must be > 0"),
+    (["--sweep", "1,x"], "--sweep: 'x' is not a rate"),
+    (["--slo-attainment", "2"], "--slo-attainment 2 must be in (0, 1]"),
+    (["--out", "/proc/no-such-folder"], "No such file or directory: '/proc/no-such-folder'"),
+    (["--url", "127.0.0.1:9"], "--url '127.0.0.1:9' must start with http:// or https://"),
 ])
 def test_bad_arguments_are_refused_before_sending(flags, message):
     proc = subprocess.run([sys.executable, "-m", "pdpool.cli", "bench", "--url", "http://127.0.0.1:9", "--model",
-                           "demo", "--num-requests", "1", *flags], capture_output=True, text=True, cwd=ROOT,
-                          timeout=120)
-    assert proc.returncode != 0 and message in proc.stderr
+                           "demo", "--num-requests", "1", "--no-progress", *flags],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""  # refused before any run: no table
+
+
+def test_why_requests_failed_is_said_without_out(tmp_path):
+    """The table only counts failures; the error itself was only in bench.json, so a run without --out against a
+    wrong URL said nothing of why."""
+    port = free_port()  # nothing listens there
+    proc = subprocess.run([sys.executable, "-m", "pdpool.cli", "bench", "--url", f"http://127.0.0.1:{port}",
+                           "--model", "demo", "--num-requests", "2", "--tokenizer", "none", "--no-progress"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 1 and "0 / 2" in proc.stdout
+    assert f"pdpool bench: 2 of 2 requests failed: ClientConnectorError: Cannot connect to host 127.0.0.1:{port}" \
+        in proc.stderr, proc.stderr

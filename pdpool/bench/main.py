@@ -15,6 +15,22 @@ import aiohttp
 from pdpool.bench import client, datasets, load, plots, report, stats
 
 
+def _positive(kind):
+    """An argparse type: a number > 0 (0 or less is no load, no time, no requests: refused, not run)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+        return value
+    return parse
+
+
+POSITIVE_INT, POSITIVE = _positive(int), _positive(float)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdpool bench", description="Measure an OpenAI-compatible endpoint "
                                 "(`pdpool bench compare A.json B.json ... --out DIR` plots several runs together).")
@@ -30,19 +46,19 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--random-input-len", default="128", help="N or MIN:MAX prompt length")
     g.add_argument("--random-output-len", default="64", help="N or MIN:MAX max_tokens")
     g.add_argument("--random-token-ids", action="store_true", help="token-id prompts instead of text")
-    g.add_argument("--num-groups", type=int, default=4, help="shared-prefix: number of system prompts")
-    g.add_argument("--prompts-per-group", type=int, default=8, help="shared-prefix: users per system prompt")
-    g.add_argument("--system-prompt-len", type=int, default=256)
-    g.add_argument("--question-len", type=int, default=32)
-    g.add_argument("--output-len", type=int, default=32, help="shared-prefix max_tokens; JSONL default")
+    g.add_argument("--num-groups", type=POSITIVE_INT, default=4, help="shared-prefix: number of system prompts")
+    g.add_argument("--prompts-per-group", type=POSITIVE_INT, default=8, help="shared-prefix: users per system prompt")
+    g.add_argument("--system-prompt-len", type=POSITIVE_INT, default=256)
+    g.add_argument("--question-len", type=POSITIVE_INT, default=32)
+    g.add_argument("--output-len", type=POSITIVE_INT, default=32, help="shared-prefix max_tokens; JSONL default")
     g = p.add_argument_group("load (every run is bounded by --num-requests and --time-limit)")
-    g.add_argument("--num-requests", type=int, default=None,
+    g.add_argument("--num-requests", type=POSITIVE_INT, default=None,
                    help="default: the dataset's size (random: 100); a shorter dataset is cycled")
-    g.add_argument("--time-limit", type=float, default=600.0, help="seconds per run")
-    g.add_argument("--concurrency", type=int, default=None, help="requests in flight at most")
-    g.add_argument("--rate", type=float, default=None, help="Poisson arrivals at this rate (req/s)")
+    g.add_argument("--time-limit", type=POSITIVE, default=600.0, help="seconds per run")
+    g.add_argument("--concurrency", type=POSITIVE_INT, default=None, help="requests in flight at most")
+    g.add_argument("--rate", type=POSITIVE, default=None, help="Poisson arrivals at this rate (req/s)")
     g.add_argument("--sweep", default=None, help="comma-separated rates, one run each")
-    g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    g.add_argument("--request-timeout", type=POSITIVE, default=600.0, help="seconds per request")
     g = p.add_argument_group("requests")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM/pdpool extension)")
@@ -71,6 +87,16 @@ def _frontend(args):
             raise SystemExit(f"pdpool bench: --tokenizer {name}: {exc}") from None
         print(f"pdpool bench: no tokenizer for {name!r} ({exc}); lengths are in words", file=sys.stderr)
         return None
+
+
+def _sweep_rate(text: str) -> float:
+    try:
+        rate = float(text)
+    except ValueError:
+        raise ValueError(f"--sweep: {text.strip()!r} is not a rate") from None
+    if not rate > 0:
+        raise ValueError(f"--sweep: rate {text.strip()} must be > 0")
+    return rate
 
 
 def _requests(args, lengths: datasets.Lengths, seed: int) -> list[datasets.BenchRequest]:
@@ -129,9 +155,15 @@ def run(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
         slo = stats.parse_slo(args.slo) if args.slo else None
-        rates = [float(x) for x in args.sweep.split(",") if x.strip()] if args.sweep else [args.rate]
+        rates = [_sweep_rate(x) for x in args.sweep.split(",") if x.strip()] if args.sweep else [args.rate]
         sampling = _sampling(args)
-    except ValueError as exc:
+        if not 0 < args.slo_attainment <= 1:
+            raise ValueError(f"--slo-attainment {args.slo_attainment:g} must be in (0, 1]")
+        if not args.url.startswith(("http://", "https://")):
+            raise ValueError(f"--url {args.url!r} must start with http:// or https://")
+        if args.out:  # before the run, not after it: a folder that cannot be made would lose the whole run
+            args.out.mkdir(parents=True, exist_ok=True)
+    except (ValueError, OSError) as exc:
         raise SystemExit(f"pdpool bench: {exc}") from None
     lengths = datasets.Lengths(_frontend(args))
     label = args.label or (args.out.name if args.out else f"{args.dataset} @ {args.url}")
@@ -150,6 +182,8 @@ def run(argv: list[str]) -> int:
         sweep = {"rates": rates, "slo_attainment_target": args.slo_attainment,
                  "max_rate_meeting_slo": stats.max_rate_meeting_attainment(runs, args.slo_attainment) if slo else None}
     print(report.table(label, runs))
+    for line in report.failures(runs):  # without --out the table alone never said why requests failed
+        print(f"pdpool bench: {line}", file=sys.stderr)
     if sweep and slo:
         print(f"highest rate with SLO attainment >= {args.slo_attainment:g}: {sweep['max_rate_meeting_slo']}")
     if args.out:

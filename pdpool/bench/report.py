@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 from pathlib import Path
 
 from pdpool.bench.stats import RequestRecord
@@ -77,3 +78,16 @@ def table(label: str, runs: list[dict]) -> str:
             d = s[key]
             lines.append(f"{name:<6}{_ms(d['mean']):>10}{_ms(d['p50']):>10}{_ms(d['p90']):>10}{_ms(d['p99']):>10}")
     return "\n".join(lines)
+
+
+def failures(runs: list[dict], most: int = 3) -> list[str]:
+    """The commonest errors of each run's failed requests, one line each (``N of M requests failed: error``)."""
+    lines = []
+    for run in runs:
+        records = run["records"]
+        errors = Counter((r["error"] if isinstance(r, dict) else r.error) for r in records)
+        errors.pop(None, None)
+        for error, n in errors.most_common(most):
+            where = "" if len(runs) == 1 else f"{load_name(run)}: "
+            lines.append(f"{where}{n} of {len(records)} requests failed: {error.splitlines()[0][:300]}")
+    return lines
