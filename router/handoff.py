@@ -5,9 +5,10 @@
             prefill refuses the request (other 4xx)      -> the same: the decode node answers the client's request
             decode fails before its first byte          -> next decode node, at most --max-retries times
             decode fails after streaming started        -> a final SSE error event, then close
-            client disconnects                          -> upstream connections closed (the nodes abort), and a
-                                                           prefill lease the decode node may not have reached is
-                                                           released at once (POST .../notify {"release": true})
+            client disconnects                          -> upstream connections closed (the nodes abort, the
+                                                           prefill leg included), and a prefill lease the decode
+                                                           node may not have reached is released at once
+                                                           (POST .../notify {"release": true})
 """
 
 from __future__ import annotations
@@ -119,8 +120,11 @@ class RequestPath:
         try:
             payload = await asyncio.shield(leg)
         except asyncio.CancelledError:
-            # The client left mid-prefill: let the (one-token) prefill finish, then free its lease at once.
+            # The client left mid-prefill: close the leg, so the node aborts a prefill nobody waits for (queued
+            # behind others, it would hold blocks and compute for nothing; one that finished meanwhile has its
+            # lease freed by the node on that abort). A leg that had answered already: free its lease here.
             leg.add_done_callback(lambda t: self._release_after(t, p, rr.request_id))
+            leg.cancel()
             raise
         except UpstreamError as err:
             self._failed(p, err)
