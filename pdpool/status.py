@@ -114,8 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     ups = state.running()
     if args.url:
         url = args.url.rstrip("/").removesuffix("/v1")
+        url = url if "://" in url else f"http://{url}"  # localhost:8000, as curl takes it
         ups = [s for s in ups if s["router_url"] == url or url.endswith(":" + s["router_url"].rsplit(":", 1)[1])]
         if not ups:
+            try:
+                http_get(url + "/metrics", timeout=5)
+            except (OSError, ValueError) as exc:  # nothing of the pool to show: an error, not an empty table
+                print(f"pdpool status: no router answers at {url} ({getattr(exc, 'reason', exc)}) and no "
+                      "`pdpool up` here runs it", file=sys.stderr)
+                return 1
             print(show(url, pool=args.pool, namespace=args.namespace, redis_url=args.redis,
                        password=os.environ.get("PDPOOL_REDIS_PASSWORD"), processes=[], title=f"ROUTER {url}"))
             return 0

@@ -199,6 +199,18 @@ def test_an_ipv6_router_address_makes_valid_urls():
     assert router_spec(pool, "::", 8123, "redis://127.0.0.1:1").url == "http://127.0.0.1:8123"
 
 
+@pytest.mark.parametrize("url", [None, "http://127.0.0.1:{port}/v1", "127.0.0.1:{port}"])
+def test_status_with_nothing_running_is_one_line_of_error(tmp_path, url):
+    """--url of a router nobody runs printed an empty table with 'unreachable' and exit 0; a URL without its
+    scheme (as curl takes it) was 'unknown url type'."""
+    args = [] if url is None else ["--url", url.format(port=free_port())]
+    out = subprocess.run([sys.executable, "-m", "pdpool.cli", "status", *args], capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, PDPOOL_CACHE=str(tmp_path)))
+    assert out.returncode == 1 and out.stdout == "", out.stdout + out.stderr
+    assert out.stderr.startswith("pdpool status: ") and len(out.stderr.splitlines()) == 1, out.stderr
+    assert "unknown url type" not in out.stderr
+
+
 def test_default_example_is_one_prefill_one_decode_on_cpu():
     out = subprocess.run([sys.executable, "-m", "pdpool.cli", "up", "--dry-run", "--port", "8123"],
                          capture_output=True, text=True, timeout=60)
