@@ -183,6 +183,19 @@ def test_bad_flags_and_addresses_are_one_line_of_error(tmp_path, args, message):
     assert "Traceback" not in out.stderr and "in use" not in out.stderr
 
 
+def test_a_model_that_is_not_here_is_refused_before_anything_starts(tmp_path):
+    """Every node and the router failed on it with a traceback and restarted, with backoff, forever."""
+    body = copy.deepcopy(DEFAULT_POOL)
+    body["spec"]["model"]["name"] = str(tmp_path / "no-model")
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(body))
+    out = subprocess.run([sys.executable, "-m", "pdpool.cli", "up", str(tmp_path / "p.yaml"), "--port",
+                          str(free_port())], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PDPOOL_CACHE=str(tmp_path)))
+    assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr
+    assert out.stderr == (f"pdpool up: error: model.name '{tmp_path / 'no-model'}' is not 'demo' nor a local "
+                          "folder with a config.json (models are never downloaded)\n")
+
+
 def test_an_unreachable_redis_is_one_error_and_nothing_to_clean(tmp_path):
     """Nothing started: no 'could not clean the pool's Redis keys' after the error (it tried the same dead Redis)."""
     path = external_redis_pool(tmp_path, f"redis://127.0.0.1:{free_port()}/0")

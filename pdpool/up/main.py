@@ -278,6 +278,12 @@ def main(argv: list[str] | None = None) -> int:
         up.say(f"ignoring Kubernetes-only fields: {', '.join(up.ignored)}")
     if args.dry_run:
         return up.dry_run()
+    model = up.pool.node.model.model
+    if model != "demo" and not (Path(model).expanduser() / "config.json").is_file():
+        # every node and the router would fail on it and restart, with backoff, forever
+        print(f"pdpool up: error: model.name {model!r} is not 'demo' nor a local folder with a config.json "
+              "(models are never downloaded)", file=sys.stderr)
+        return 2
     bind_error = port_taken(args.host, up.port)
     if bind_error is not None:
         print(f"pdpool up: error: {bind_error}", file=sys.stderr)
