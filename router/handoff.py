@@ -260,7 +260,8 @@ class RequestPath:
             self.metrics.upstream_errors.labels(d.node_id, "stream_broken").inc()
             self.pool.cool_down(d.node_id)
             logger.warning("decode stream from %s broke after it started: %s", d.node_id, error)
-            err = APIError(f"upstream node failed mid-stream: {error}", status=502, code="upstream_stream_broken")
+            err = APIError(f"upstream node failed mid-stream: {error}", status=502, type="internal_server_error",
+                           code="upstream_stream_broken")
             await exchange.write((b"\n\n" if tail else b"") + b"data: " + json.dumps(err.body()).encode() + b"\n\n")
         self._count_hits("decode", rr, plan, d, _cached_tokens({"usage": relay.usage}))
         await exchange.end_stream()

@@ -426,6 +426,8 @@ def test_decode_failures_retry_or_end_the_stream(cluster, start_router):
         cluster[victim].kill()
         rest = [line for line in lines if line.startswith("data: ")]
     assert rest and "error" in json.loads(rest[-1][6:]), rest[-3:]
+    error = json.loads(rest[-1][6:])["error"]  # a server-side failure, not the client's ("invalid_request_error")
+    assert (error["code"], error["type"]) == ("upstream_stream_broken", "internal_server_error"), error
     start_p0 = cluster["p0"].kv()["free"]
     codes = [static.post("/v1/completions", completion_body(PROMPT + f" retry {i}", 3)).status_code
              for i in range(4)]
