@@ -299,6 +299,31 @@ def test_managed_redis_and_sigterm_while_starting(demo_model_dir, pdpool_cache, 
     assert not (Path(pdpool_cache) / "up" / f"{port}.json").exists()
 
 
+def test_a_second_signal_kills_everything_and_says_so_in_the_exit_code(demo_model_dir, pdpool_cache, tmp_path):
+    """The first SIGTERM stops cleanly; a router that does not stop (SIGSTOP here, a long stream in real life) gets
+    the second one: every process is killed at once, and the exit code is 128 + that signal (it was 0, as for a
+    clean stop)."""
+    port = free_port()
+    up = UpProcess([str(empty_pool(tmp_path, "twice")), "--port", str(port)],
+                   dict(os.environ, PDPOOL_CACHE=str(pdpool_cache)))
+    try:
+        up.wait_for_line(r"^router-0 +\| .*listening", timeout=120)
+        saved = json.loads((Path(pdpool_cache) / "up" / f"{port}.json").read_text())
+        pids = [saved["redis_pid"], *(p["pid"] for p in saved["processes"])]
+        (router,) = (p["pid"] for p in saved["processes"] if p["role"] == "router")
+        os.kill(router, signal.SIGSTOP)
+        up.proc.send_signal(signal.SIGTERM)
+        up.wait_for_line(r"^up +\| stopping:", timeout=30)
+        time.sleep(1.5)  # past the debounce: a second signal, not the first one forwarded twice
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(60) == 128 + signal.SIGTERM, up.log()
+    finally:
+        if up.proc.poll() is None:
+            os.killpg(up.proc.pid, signal.SIGKILL)
+    assert "second signal: killing every process now" in up.log()
+    assert_gone(pids)
+
+
 def empty_pool(tmp_path: Path, name: str) -> Path:
     body = copy.deepcopy(DEFAULT_POOL)
     body["metadata"]["name"] = name

@@ -6,7 +6,8 @@ Order of events: read and check the pool; start Redis (unless the pool names one
 router, each output line prefixed with its name; show each process's state until the router sees every node;
 print how to call the pool; supervise (restarts with backoff). On SIGINT/SIGTERM: the router stops first (what it
 has in flight finishes), then the nodes (they drain, release their leases and deregister), then the pool's Redis
-keys that are left (a killed node's) are deleted, then Redis. A second signal kills everything at once.
+keys that are left (a killed node's) are deleted, then Redis. A second signal kills everything at once (exit code
+128 + that signal; a clean stop exits 0).
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class Up:
         self.run_dir: str | None = None
         self.stop_signals = 0
         self.first_signal = 0.0
+        self.killed_by: int | None = None  # the second signal, which killed every process without a clean stop
         self.ready = False
         self.router_url = f"http://{connect_host(args.host)}:{self.port}"
 
@@ -207,6 +209,7 @@ class Up:
         self.stop_signals += 1
         self.first_signal = self.first_signal or now
         if self.stop_signals > 1:  # only signals here: the main thread may be inside a wait()
+            self.killed_by = signum
             self.say("second signal: killing every process now")
             for child in self.children:
                 child.kill_now()
@@ -246,7 +249,7 @@ class Up:
             left = local_redis.count_pool_keys(self.redis_url, self.redis_password, p.namespace, p.name)
             if left:
                 deleted = asyncio.run(delete_pool_keys(self.redis_url, self.redis_password, p.namespace, p.name))
-                self.say(f"deleted {deleted} pool keys left in Redis (a killed node's)")
+                self.say(f"deleted {deleted} pool keys left in Redis")
             else:
                 self.say("no pool keys left in Redis")
         except Exception as exc:  # noqa: BLE001 (a Redis error must not keep Redis and the rest running)
@@ -305,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         code = 1
     finally:
         stopped = up.stop()
+    if up.killed_by is not None:  # requests in flight were cut and nodes did not deregister: not a clean stop
+        return 128 + up.killed_by
     return code or stopped
 
 
