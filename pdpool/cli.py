@@ -6,6 +6,7 @@ Every ``serve`` flag comes from the config schema (``pdpool/config.py``); nothin
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from pdpool import config
@@ -69,7 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: pdpool <command> [flags]\n\ncommands:\n" + "\n".join(lines), file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     run, _ = COMMANDS[argv[0]]
-    return run(argv[1:])
+    try:
+        return run(argv[1:])
+    except KeyboardInterrupt:  # Ctrl-C is how a user stops a bench or a command still starting: no traceback
+        print(f"pdpool {argv[0]}: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

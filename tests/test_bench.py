@@ -355,3 +355,22 @@ def test_why_requests_failed_is_said_without_out(tmp_path):
     assert proc.returncode == 1 and "0 / 2" in proc.stdout
     assert f"pdpool bench: 2 of 2 requests failed: ClientConnectorError: Cannot connect to host 127.0.0.1:{port}" \
         in proc.stderr, proc.stderr
+
+
+def test_ctrl_c_stops_a_run_without_a_traceback():
+    """Ctrl-C (SIGINT) during a run printed asyncio's CancelledError and KeyboardInterrupt tracebacks."""
+    import signal
+    import socket
+
+    with socket.socket() as silent:  # accepts and never answers: the requests hang until the Ctrl-C
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        proc = subprocess.Popen([sys.executable, "-m", "pdpool.cli", "bench", "--url",
+                                 f"http://127.0.0.1:{silent.getsockname()[1]}", "--model", "demo", "--num-requests",
+                                 "2", "--tokenizer", "none", "--no-progress"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        time.sleep(3)  # past the imports: inside the run
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err == "pdpool bench: interrupted\n", err
