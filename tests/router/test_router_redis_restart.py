@@ -56,3 +56,25 @@ def test_nodes_survive_a_redis_restart_and_departures_still_count(redis_server, 
     decode.deregister()                               # a clean departure, same server: gone at the next refresh
     assert asyncio.run(discovery.refresh())
     assert set(pool.endpoints) == {"p0"}
+
+
+def test_nodes_whose_heartbeats_expired_during_an_outage_are_kept(redis_server):
+    """Redis unreachable (frozen here, as a hung or partitioned server) longer than the heartbeat TTL: its keys
+    expire, the same server answers again without them; the nodes could not renew them, they are not gone."""
+    import signal
+    import time
+
+    index = NodeIndex(connect(redis_server.url, redis_server.password), KEYS, "d0", "i1", heartbeat_ttl=0.3)
+    assert index.heartbeat(NodeInfo("d0", "decode", "http://d0:8000", "i1"))
+    pool = Pool()
+    discovery = RedisDiscovery(IndexReader(connect(redis_server.url, redis_server.password, timeout=0.2), KEYS),
+                               pool, 0.5, run_sync)
+    assert asyncio.run(discovery.refresh()) and set(pool.endpoints) == {"d0"}
+    redis_server.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert not asyncio.run(discovery.refresh())
+        time.sleep(0.5)                               # past the heartbeat TTL
+    finally:
+        redis_server.proc.send_signal(signal.SIGCONT)
+    assert asyncio.run(discovery.refresh())
+    assert set(pool.endpoints) == {"d0"}              # before the fix: {} until d0's next heartbeat
