@@ -172,10 +172,15 @@ def external_redis_pool(tmp_path: Path, url: str) -> Path:
     (["--host", "192.0.2.1"], "cannot listen on 192.0.2.1:"),  # TEST-NET-1: an address of no interface here
     (["--host", "no-such-host.invalid"], "--host no-such-host.invalid: "),
     (["pool:notaurl"], "spec.redis.url 'notaurl' must start with redis://, rediss://, unix://"),
+    # a node refuses these at its start: each node exited and was restarted, with backoff, forever
+    (["--", "--no-such-flag"], "prefill-0's pdpool serve flags (the pool's, and those after --): unrecognized "
+                               "arguments: --no-such-flag"),
+    (["--", "--max-num-seqs", "0"], "--max-num-seqs: 0 is below the minimum 1"),
 ])
 def test_bad_flags_and_addresses_are_one_line_of_error(tmp_path, args, message):
     """Refused before anything starts, on one line, exit 2 (--port 99999 and a Redis URL without a scheme raised a
-    traceback; an address this machine does not have was called 'port in use')."""
+    traceback; an address this machine does not have was called 'port in use'; bad node flags were found by each
+    node, which exited and was restarted forever)."""
     args = [str(external_redis_pool(tmp_path, a.split(":", 1)[1])) if a.startswith("pool:") else a for a in args]
     out = subprocess.run([sys.executable, "-m", "pdpool.cli", "up", *args], capture_output=True, text=True,
                          timeout=60, env=dict(os.environ, PDPOOL_CACHE=str(tmp_path)))

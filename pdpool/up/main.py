@@ -281,6 +281,10 @@ def main(argv: list[str] | None = None) -> int:
         up.say(f"ignoring Kubernetes-only fields: {', '.join(up.ignored)}")
     if args.dry_run:
         return up.dry_run()
+    flags_error = check_serve_flags(up.specs(up.redis_url or "redis://127.0.0.1:6379/0"))
+    if flags_error is not None:  # each node would exit on it and be restarted, with backoff, forever
+        print(f"pdpool up: error: {flags_error}", file=sys.stderr)
+        return 2
     model = up.pool.node.model.model
     if model != "demo" and not (Path(model).expanduser() / "config.json").is_file():
         # every node and the router would fail on it and restart, with backoff, forever
@@ -321,6 +325,32 @@ NIXL_HINT = ("the pool's prefill and decode nodes move the KV cache with NIXL, w
 def nixl_installed() -> bool:
     """Checked before anything starts: without NIXL every node would fail to start, and restart, forever."""
     return any(importlib.util.find_spec(name) is not None for name in NIXL_PACKAGES)
+
+
+class _FlagError(Exception):
+    pass
+
+
+class _CheckingParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise _FlagError(message)
+
+
+def check_serve_flags(specs) -> str | None:
+    """What ``pdpool serve`` would refuse in a node's flags (the pool's own and those after --), before any
+    node starts."""
+    from pdpool import config
+
+    for spec in specs:
+        if spec.argv[:1] != ["serve"]:
+            continue
+        parser = _CheckingParser(prog="pdpool serve")
+        config.add_arguments(parser)
+        try:
+            config.from_args(parser.parse_args(spec.argv[1:]))
+        except (_FlagError, config.ConfigError, ValueError, OSError) as exc:
+            return f"{spec.name}'s pdpool serve flags (the pool's, and those after --): {exc}"
+    return None
 
 
 def port_taken(host: str, port: int) -> str | None:
