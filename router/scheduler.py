@@ -95,8 +95,10 @@ class Scheduler:
         ctx = Context("decode", num_prompt_tokens, self.block_size, matched, self.inflight)
         ranked = self._rank(ctx, decode)
         chosen_prefill = None
-        if prefill and any(e.pdpool for e in ranked[:1]) and ctx.uncached_tokens(ranked[0].node_id) >= max(
-                1, self.disagg_min_tokens):
+        # Only a decode-capable node takes a handoff: with no usable decode node, ``decode_candidates`` falls back
+        # to prefill nodes, and such a node serves the request whole (it refuses kv_transfer_params).
+        if prefill and ranked[0].can_decode and ranked[0].pdpool and ctx.uncached_tokens(
+                ranked[0].node_id) >= max(1, self.disagg_min_tokens):
             pctx = Context("prefill", num_prompt_tokens, self.block_size, matched, self.inflight, ctx.events)
             chosen_prefill = self._rank(pctx, prefill)[0]
         return RoutePlan(ranked, chosen_prefill, matched, hashes, ctx.events, time.perf_counter() - t0)

@@ -378,3 +378,33 @@ def test_compact_approx_index_is_the_dict_of_owners(make_index, records, capacit
         hashes = hashes_of(PATHS[p])
         for window in (None, float(since)):
             assert idx.lookup(hashes, incarnations, since=window) == ref.lookup(hashes, incarnations, window)
+
+
+def test_a_prefill_node_standing_in_for_decode_is_not_sent_a_handoff():
+    """With no usable decode node, a prefill node serves requests whole: the plan must not also pick a prefill leg
+    (a prefill-role node refuses a decode leg's kv_transfer_params with a 400)."""
+    import asyncio
+
+    from pdpool.router.endpoints import Pool
+    from pdpool.router.prefix_index import ApproxIndex, PrefixIndex
+    from pdpool.router.scheduler import Scheduler
+    from pdpool.router.settings import SchedulerProfile
+    from pdpool.router.scorers import PrefixCacheScorer
+
+    pool = Pool()
+    prefill = [Endpoint(f"prefill-{i}", f"http://p{i}", "prefill", pdpool=True) for i in range(2)]
+    decode = Endpoint("decode-0", "http://d0", "decode", pdpool=True)
+    pool.replace("static", [*prefill, decode])
+    index = PrefixIndex(None, ApproxIndex(1000), run_sync=None)
+    scheduler = Scheduler(pool, index, InflightTracker(), SchedulerProfile([], [(PrefixCacheScorer(), 1.0)],
+                                                                          MaxScorePicker()),
+                          model_id="demo", dtype="float32", block_size=16, disagg_min_tokens=32)
+
+    def plan():
+        return asyncio.run(scheduler.plan(1000, lambda fp: [], disaggregable=True))
+
+    normal = plan()
+    assert normal.decode[0].node_id == "decode-0" and normal.prefill is not None
+    pool.cool_down("decode-0", 60)        # the only decode node restarts
+    stand_in = plan()
+    assert stand_in.decode[0].role == "prefill" and stand_in.prefill is None
