@@ -23,7 +23,8 @@ class APIError(Exception):
         self.message = message
         self.status = status
         self.param = param
-        self.type = type or _TYPES.get(status, "invalid_request_error")
+        self.type = type or _TYPES.get(status) or ("internal_server_error" if status >= 500 else
+                                                   "invalid_request_error")
         self.code = code if code is not None else status
 
     def body(self) -> dict:

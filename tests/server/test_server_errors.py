@@ -286,3 +286,14 @@ def test_a_request_that_fails_in_the_sampler_fails_alone(server):
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 8
     assert post(server, "/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_every_server_side_status_has_a_server_error_type():
+    """A 5xx is never typed as the client's fault (a client that retries only server errors must see them)."""
+    from pdpool.server.errors import APIError
+
+    for status in (500, 501, 502, 504, 507):
+        assert APIError("upstream failed", status=status).body()["error"]["type"] == "internal_server_error"
+    assert APIError("busy", status=503).type == "service_unavailable"
+    for status in (400, 405, 409, 413, 415, 422):
+        assert APIError("bad", status=status).type == "invalid_request_error"
