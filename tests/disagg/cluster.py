@@ -7,6 +7,7 @@ and ``kv_transfer_params.pdpool_test_hold`` may hold a transfer at a chosen poin
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -81,6 +82,19 @@ class Node(NodeProcess):
                 "ok": m.get('pdpool_kv_transfers_total{outcome="ok"}', 0.0),
                 "fail": m.get('pdpool_kv_transfers_total{outcome="fail"}', 0.0),
                 "expiries": m.get("pdpool_kv_lease_expiries_total", 0.0)}
+
+
+@contextlib.contextmanager
+def running_nodes(spec: dict[str, tuple[str, list[str]]], log_dir: Path, redis_url: str | None):
+    """``{"name": (role, [flags])}``: the nodes started, ready; stopped on the way out (a failed start too)."""
+    nodes = {name: Node(name, role, flags, log_dir, redis_url) for name, (role, flags) in spec.items()}
+    try:
+        for node in nodes.values():
+            node.wait_ready()
+        yield nodes
+    finally:
+        for node in nodes.values():
+            node.stop()
 
 
 def wait_for(cond, timeout: float = 10.0, what: str = "condition"):

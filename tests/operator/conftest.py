@@ -39,3 +39,13 @@ def cluster(k8s_module, tmp_path_factory, request):
     if log:
         Path(log).with_name(f"{Path(log).name}.{request.module.__name__}").write_text(
             json.dumps(k8s_module.requests()))
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    """A real redis-server for the module's operators (external Redis, finalizer key cleanup)."""
+    from operator_procs import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()

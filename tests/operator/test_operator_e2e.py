@@ -12,19 +12,12 @@ import redis
 import yaml
 
 from operator_examples import EXAMPLES, ROOT
-from operator_procs import OperatorProcess, RedisServer, wait_until
+from operator_procs import OperatorProcess, wait_until
 from pdpool.kv_index.keys import key_prefix
 
 POOL = "inferencepools.pdpool.io"
 CHILD_KINDS = {"deployments", "services", "configmaps", "secrets", "networkpolicies"}
 LEASE_SECONDS = 2.0
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

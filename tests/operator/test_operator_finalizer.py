@@ -10,18 +10,11 @@ import pytest
 import redis
 import yaml
 
-from operator_procs import OperatorProcess, RedisServer, wait_until
+from operator_procs import OperatorProcess, wait_until
 from operator_examples import ROOT
 from pdpool.kv_index.keys import key_prefix
 
 POOL = "inferencepools.pdpool.io"
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

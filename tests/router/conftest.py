@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "disagg"))
-from cluster import Node  # noqa: E402  (puts tests/ on sys.path)
+from cluster import running_nodes  # noqa: E402  (puts tests/ on sys.path)
 from routers import RouterProcess  # noqa: E402
 
 # Decode nodes get a small cache (40 blocks of 16 tokens) so that the prefix-routing workload cannot keep every
@@ -24,15 +24,8 @@ CLUSTER = {
 
 @pytest.fixture(scope="module")
 def cluster(demo_model_dir, tmp_path_factory, redis_module):
-    log_dir = tmp_path_factory.mktemp("nodes")
-    nodes = {name: Node(name, role, flags, log_dir, redis_module.url) for name, (role, flags) in CLUSTER.items()}
-    try:
-        for node in nodes.values():
-            node.wait_ready()
+    with running_nodes(CLUSTER, tmp_path_factory.mktemp("nodes"), redis_module.url) as nodes:
         yield nodes
-    finally:
-        for node in nodes.values():
-            node.stop()
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "disagg"))
-from cluster import Node, assert_no_leaks, completion_body, wait_for  # noqa: E402
+from cluster import assert_no_leaks, completion_body, running_nodes, wait_for  # noqa: E402
 from routers import redis_flags  # noqa: E402
 
 WORDS = ["river", "stone", "lamp", "orbit", "maple", "cloud", "anchor", "violet", "signal", "harbor"]
@@ -27,16 +27,9 @@ PROMPT_WORDS = 120  # about 400 tokens: 13 chunks of 32 tokens each
 
 @pytest.fixture(scope="module")
 def pair(demo_model_dir, tmp_path_factory, redis_module):
-    log_dir = tmp_path_factory.mktemp("nodes")
-    nodes = {"p0": Node("p0", "prefill", ["--max-num-batched-tokens", str(CHUNK)], log_dir, redis_module.url),
-             "d0": Node("d0", "decode", [], log_dir, redis_module.url)}
-    try:
-        for node in nodes.values():
-            node.wait_ready()
+    spec = {"p0": ("prefill", ["--max-num-batched-tokens", str(CHUNK)]), "d0": ("decode", [])}
+    with running_nodes(spec, tmp_path_factory.mktemp("nodes"), redis_module.url) as nodes:
         yield nodes
-    finally:
-        for node in nodes.values():
-            node.stop()
 
 
 def prompt(i: int) -> str:
