@@ -69,6 +69,19 @@ class _State:
             return new_ids[:-1]
         return new_ids
 
+    def cut_at_stop_string(self, num_kept: int) -> int:
+        """Keep the first ``num_kept`` output ids (those up to the one that completed a stop string) and their
+        logprobs; return how many were dropped. An output may carry several ids (a decode node's first one holds
+        the prefill node's token too): ids after the stop string were never the answer's, as one id per step
+        would have shown."""
+        dropped = len(self.output_token_ids) - num_kept
+        if dropped <= 0:
+            return 0
+        del self.output_token_ids[num_kept:]
+        if self.logprobs is not None:
+            del self.logprobs[num_kept:]
+        return dropped
+
 
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
@@ -111,14 +124,18 @@ class OutputProcessor:
 
     def _process_one(self, state: _State, out: EngineOutput) -> RequestOutput:
         detok = state.detokenizer
-        new_ids = out.new_token_ids
+        new_ids, new_logprobs = out.new_token_ids, out.new_logprobs
         new_text = detok.add_tokens(state.take(out))
         finished, finish_reason, stop_reason = out.finished, out.finish_reason, out.stop_reason
         if detok.stop_reason is not None:  # a stop string: the text is cut, the request ends
             finished, finish_reason, stop_reason = True, "stop", detok.stop_reason
+            dropped = state.cut_at_stop_string(len(detok.token_ids))
+            if dropped:
+                new_ids = new_ids[:len(new_ids) - dropped]
+                new_logprobs = new_logprobs[:len(new_ids)] if new_logprobs is not None else None
         result = RequestOutput(
             request_id=out.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
-            new_token_ids=new_ids, new_text=new_text, new_logprobs=out.new_logprobs,
+            new_token_ids=new_ids, new_text=new_text, new_logprobs=new_logprobs,
             num_output_tokens=len(state.output_token_ids), finished=finished,
             finish_reason=finish_reason if finished else None, stop_reason=stop_reason if finished else None,
             num_cached_tokens=out.num_cached_tokens, kv_transfer_params=out.kv_transfer_params if finished else None,
@@ -140,6 +157,7 @@ class OutputProcessor:
             detok.add_tokens(to_text)
             if detok.stop_reason is not None:
                 finished, finish_reason, stop_reason = True, "stop", detok.stop_reason
+                state.cut_at_stop_string(len(detok.token_ids))
         if not finished:
             return None
         ids = state.output_token_ids

@@ -246,6 +246,27 @@ def test_mixed_batch_equals_all_streamed(byte_level, data):
     assert len(old) == len(new) == 0
 
 
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_outputs_of_several_ids_end_at_a_stop_string_as_one_id_per_step(byte_level, data):
+    """An engine output may carry several ids (a decode node's first output holds the prefill node's token and
+    its own): a stop string completed by one of them ends the answer there, ids, usage and logprobs included,
+    exactly as one id per step would. Before, the ids after it stayed in the answer (found by a black-box pass:
+    stop [","] answered by a 1+1 pool gave token_ids [28, 260] and completion_tokens 2, a single node [28], 1)."""
+    spec = data.draw(request_strategy(byte_level))
+    prompt_ids = byte_level.encode(PROMPT)
+    one_by_one = dict(spec, chunks=[1])
+    for final_only in (False, True):
+        answers = []
+        for steps in (spec, one_by_one):
+            processor = OutputProcessor(byte_level)
+            processor.add("r", PROMPT, prompt_ids, params_of(steps), final_only=final_only)
+            got, _ = drive(processor, {"r": engine_outputs(byte_level, steps, "r")})
+            answers.append(totals(got["r"]))
+        assert answers[0] == answers[1]
+
+
 # ---- the engine: final-only requests get one EngineOutput, the same ids --------------------------------------
 
 @pytest.fixture(scope="module")
