@@ -331,6 +331,10 @@ def test_refused_requests_are_failures_not_latencies(node, tmp_path):
     (["--num-requests", "0"], "argument --num-requests: '0' must be > 0"),
     (["--time-limit", "0"], "argument --time-limit: '0' must be > 0"),
     (["--request-timeout", "-5"], "argument --request-timeout: '-5' must be > 0"),
+    # these named no flag ("invalid literal for int() with base 10: 'abc'")
+    (["--random-input-len", "abc"], "argument --random-input-len: 'abc' is not N or MIN:MAX with 1 <= MIN <= MAX"),
+    (["--random-output-len", "8:4"], "argument --random-output-len: '8:4' is not N or MIN:MAX"),
+    (["--random-input-len", "0"], "argument --random-input-len: '0' is not N or MIN:MAX"),
     (["--sweep", "1,0"], "--sweep: rate 0 must be > 0"),
     (["--sweep", "1,x"], "--sweep: 'x' is not a rate"),
     (["--slo-attainment", "2"], "--slo-attainment 2 must be in (0, 1]"),

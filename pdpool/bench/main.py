@@ -31,6 +31,15 @@ def _positive(kind):
 POSITIVE_INT, POSITIVE = _positive(int), _positive(float)
 
 
+def _length_range(text: str) -> str:
+    """An argparse type: ``N`` or ``MIN:MAX`` token lengths, checked here so that the error names the flag."""
+    try:
+        datasets.parse_range(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not N or MIN:MAX with 1 <= MIN <= MAX") from None
+    return text
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdpool bench", description="Measure an OpenAI-compatible endpoint "
                                 "(`pdpool bench compare A.json B.json ... --out DIR` plots several runs together).")
@@ -43,8 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("dataset")
     g.add_argument("--dataset", choices=("random", "shared-prefix", "jsonl"), default="random")
     g.add_argument("--dataset-path", type=Path, help="the JSONL file (--dataset jsonl)")
-    g.add_argument("--random-input-len", default="128", help="N or MIN:MAX prompt length")
-    g.add_argument("--random-output-len", default="64", help="N or MIN:MAX max_tokens")
+    g.add_argument("--random-input-len", type=_length_range, default="128", help="N or MIN:MAX prompt length")
+    g.add_argument("--random-output-len", type=_length_range, default="64", help="N or MIN:MAX max_tokens")
     g.add_argument("--random-token-ids", action="store_true", help="token-id prompts instead of text")
     g.add_argument("--num-groups", type=POSITIVE_INT, default=4, help="shared-prefix: number of system prompts")
     g.add_argument("--prompts-per-group", type=POSITIVE_INT, default=8, help="shared-prefix: users per system prompt")
