@@ -159,7 +159,7 @@ async def main_async(args) -> None:
     procs: list[subprocess.Popen] = []
     spawn = ro.spawner(procs, work / "logs")
     try:
-        redis, redis_url = ro.start_redis(spawn)
+        redis, redis_url = ro.start_redis(spawn, args.redis_server)
         stubs, _ = ro.start_stubs(spawn, redis_url, "--pool", "replay")
         for s in stubs:
             await ro.wait_http(s + "/health")
@@ -233,6 +233,9 @@ def main() -> None:
                     help="bodies per second (each router gets this rate); 0: as fast as the routers answer")
     ap.add_argument("--warmup", type=int, default=200, help="requests before each measurement (not measured)")
     ap.add_argument("--work", default="/tmp/router-cpu-replay", help="snapshots and logs")
+    ap.add_argument("--redis-server", default=None, help="the redis-server binary (default: the one on PATH)")
+    ap.add_argument("--venvs", help=argparse.SUPPRESS)   # passed by benchmarks/router_device.sh's runner; unused
+    ap.add_argument("--logs", help=argparse.SUPPRESS)    # the same; logs go under --work
     ap.add_argument("--router-args", nargs=argparse.REMAINDER, default=[],
                     help="more flags for every router (last on the line)")
     args = ap.parse_args()

@@ -165,7 +165,9 @@ class RequestPath:
                 changes["stream_options"] = {**(rr.body.get("stream_options") or {}), "include_usage": True}
                 hide_usage = True
             body = rr.upstream_body(d.pdpool, **changes) if changes else rr.upstream_bytes(d.pdpool)
-            opened = self.upstream.send(d.url + rr.path, body, rr.request_id)   # on the wire when it can be
+            relay = None if rr.stream else _Relay(exchange, rr.request_id)
+            opened = self.upstream.send(d.url + rr.path, body, rr.request_id,   # on the wire when it can be
+                                        on_complete=relay)
             uncached = 0 if handle is not None else rr.num_prompt_tokens - plan.matched_blocks.get(
                 d.node_id, 0) * self.scheduler.block_size
             ticket = self.inflight.add(d.node_id, uncached)
@@ -174,7 +176,7 @@ class RequestPath:
             # often answers before the router would have got this far.
             note = [plan, decode_only, d] if decode_only is not None and not attempt else None
             try:
-                return await self._decode_on(exchange, rr, plan, d, opened, hide_usage, ticket, note)
+                return await self._decode_on(exchange, rr, plan, d, opened, hide_usage, ticket, note, relay)
             except UpstreamError as err:
                 self._announce(note)
                 last = err
@@ -200,7 +202,7 @@ class RequestPath:
             log_lines.info(logger, "route: %s %s (matched blocks %s)", decision.replace("_", "-"), d.node_id,
                            plan.matched_blocks)
 
-    async def _decode_on(self, exchange, rr, plan, d, opened, hide_usage, ticket, note) -> None:
+    async def _decode_on(self, exchange, rr, plan, d, opened, hide_usage, ticket, note, relay) -> None:
         resp = await opened
         try:
             kind = classify_status(resp.status)
@@ -210,11 +212,13 @@ class RequestPath:
                     raise UpstreamError(kind, f"{d.node_id} answered {resp.status}: {data[:300]!r}", resp.status)
                 raise _PassThrough(ClientErrorReply(resp.status, data, resp.content_type))
             if not rr.stream:
-                try:
-                    data = await resp.read()
-                except TRANSPORT_ERRORS as exc:
-                    raise UpstreamError("stream_broken", f"{d.node_id}: {type(exc).__name__}: {exc}") from exc
-                exchange.respond(200, data, "application/json", {REQUEST_ID_HEADER: rr.request_id})
+                data = relay.body
+                if data is None:      # not answered from the connection's callback (see _Relay)
+                    try:
+                        data = await resp.read()
+                    except TRANSPORT_ERRORS as exc:
+                        raise UpstreamError("stream_broken", f"{d.node_id}: {type(exc).__name__}: {exc}") from exc
+                    exchange.respond(200, data, "application/json", {REQUEST_ID_HEADER: rr.request_id})
                 ticket.prefill_done()   # the bookkeeping after the answer is on its way
                 self._announce(note)
                 self._answered(d)
@@ -265,6 +269,24 @@ class RequestPath:
             await exchange.write((b"\n\n" if tail else b"") + b"data: " + json.dumps(err.body()).encode() + b"\n\n")
         self._count_hits("decode", rr, plan, d, _cached_tokens({"usage": relay.usage}))
         await exchange.end_stream()
+
+
+class _Relay:
+    """A node's whole 200 answer, sent to the client from the node connection's callback the moment it is read,
+    before the request's task wakes (one loop iteration and the await chain off the serial path); the task then
+    only keeps the books. ``body`` stays None when the answer is anything else: the task handles it as before."""
+
+    __slots__ = ("exchange", "request_id", "body")
+
+    def __init__(self, exchange, request_id: str) -> None:
+        self.exchange = exchange
+        self.request_id = request_id
+        self.body: bytes | None = None
+
+    def __call__(self, resp) -> None:
+        if resp.status == 200 and not self.exchange.started:
+            self.body = resp.take_body()
+            self.exchange.respond(200, self.body, "application/json", {REQUEST_ID_HEADER: self.request_id})
 
 
 class _PassThrough(Exception):

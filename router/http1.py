@@ -71,10 +71,12 @@ class Response:
     media type alone) are set when ``Http1Client.request`` returns."""
 
     __slots__ = ("status", "headers", "content_type", "keep_alive", "complete", "_conn", "_chunks", "_buffered",
-                 "_waiter", "_exc", "_timer", "_paused", "_until_eof", "_got_bytes", "_headers_done", "_released")
+                 "_waiter", "_exc", "_timer", "_paused", "_until_eof", "_got_bytes", "_headers_done", "_released",
+                 "_on_complete")
 
-    def __init__(self, conn: "_Connection") -> None:
+    def __init__(self, conn: "_Connection", on_complete=None) -> None:
         self._conn = conn
+        self._on_complete = on_complete
         self.status = 0
         self.headers: dict[str, str] = {}
         self.content_type = ""
@@ -144,6 +146,7 @@ class Response:
 
     async def readany(self) -> bytes:
         """The body bytes received so far and not yet read, waiting for some; b"" once the body ended."""
+        self._on_complete = None      # the caller reads the body itself
         while not self._chunks:
             if self._exc is not None:
                 raise self._exc
@@ -160,6 +163,12 @@ class Response:
     def _take(self):
         while self._chunks:
             yield self._chunks.popleft()
+
+    def take_body(self) -> bytes:
+        """The body bytes buffered and not read yet, read now (for ``on_complete``: the whole body)."""
+        data = b"".join(self._take())
+        self._buffered = 0
+        return data
 
     async def read(self) -> bytes:
         """The whole body (what is left of it)."""
@@ -251,12 +260,15 @@ class _Connection(asyncio.Protocol):
             return
         r.keep_alive = self.parser.should_keep_alive()
         self.parser = None        # anything after this message is unsolicited
+        r.complete = True
+        if r._on_complete is not None and r._exc is None:
+            r._on_complete(r)     # before the waiting task wakes (the router answers its client from here)
         r._finish()
 
     # ---- the client's side ------------------------------------------------------------------------------------
 
-    def start(self, head: bytes, body: bytes, deadline: float) -> Response:
-        r = Response(self)
+    def start(self, head: bytes, body: bytes, deadline: float, on_complete=None) -> Response:
+        r = Response(self, on_complete)
         self.response = r
         self.parser = httptools.HttpResponseParser(self)
         r._timer = self.loop.call_at(deadline, r._timed_out)
@@ -295,10 +307,11 @@ class Http1Client:
                                       method=method)
 
     def request_now(self, url: str, body: bytes, headers: dict[str, str], *, timeout: float,
-                    connect_timeout: float, method: str = "POST"):
+                    connect_timeout: float, method: str = "POST", on_complete=None):
         """``request``, with the request written before this returns when an idle pooled connection is there
         (else it is written once a new connection is made, when awaited). Returns an awaitable of the response,
-        which must be awaited."""
+        which must be awaited. ``on_complete(response)``, when given, is called from the connection's callback
+        once the whole response is read, before the awaiting task wakes."""
         host, port, path, host_header = _target(url)
         lines = [f"{method} {path} HTTP/1.1\r\nHost: {host_header}\r\nContent-Length: {len(body)}\r\n"]
         for name, value in headers.items():
@@ -310,11 +323,11 @@ class Http1Client:
         deadline = self.loop.time() + timeout
         key = (host, port)
         conn = self._take_idle(key)
-        first = conn.start(head, body, deadline) if conn is not None else None
-        return self._exchange(key, head, body, deadline, connect_timeout, first)
+        first = conn.start(head, body, deadline, on_complete) if conn is not None else None
+        return self._exchange(key, head, body, deadline, connect_timeout, first, on_complete)
 
     async def _exchange(self, key, head: bytes, body: bytes, deadline: float, connect_timeout: float,
-                        first: Response | None) -> Response:
+                        first: Response | None, on_complete=None) -> Response:
         for attempt in range(2):
             r, reused = (first, True) if attempt == 0 and first is not None else (None, False)
             if r is None:
@@ -322,7 +335,7 @@ class Http1Client:
                 reused = conn is not None
                 if conn is None:
                     conn = await self._connect(key, min(connect_timeout, max(0.0, deadline - self.loop.time())))
-                r = conn.start(head, body, deadline)
+                r = conn.start(head, body, deadline, on_complete)
             try:
                 await r._wait_headers()
             except ConnectionClosed:

@@ -1,7 +1,7 @@
 """The router's HTTP/1.1 server: a raw asyncio protocol on httptools' request parser (llhttp).
 
     bytes -> HttpRequestParser -> Request (method, path, headers, whole body) -> a queue per connection
-          -> one task per request, in arrival order -> handler(request, exchange)
+          -> one task per request, in arrival order, started eagerly -> handler(request, exchange)
           -> exchange.respond(status, body)                     head and body in one write
              or exchange.start_stream / write / end_stream      chunked (HTTP/1.0: until close), with back-pressure
 
@@ -29,6 +29,7 @@ from urllib.parse import unquote
 
 import httptools
 
+from pdpool.router.eager import start_eagerly
 from pdpool.server.errors import APIError
 
 logger = logging.getLogger("pdpool.router")
@@ -291,7 +292,10 @@ class HttpConnection(asyncio.Protocol):
             if r.error is not None:
                 self._answer_error(r)
                 return
-            self.task = self.loop.create_task(self._serve(r))
+            if asyncio.current_task(self.loop) is None:   # from a callback: the request's first step runs now
+                start_eagerly(self.loop, self._serve(r))   # (``_serve`` records its task)
+            else:                     # from the task of the request before it: on the loop's next iteration
+                self.task = self.loop.create_task(self._serve(r))
         else:
             incoming = self.incoming
             if incoming is None:
@@ -329,6 +333,7 @@ class HttpConnection(asyncio.Protocol):
         self.closed = True
 
     async def _serve(self, r: Request) -> None:
+        self.task = asyncio.current_task()
         ex = Exchange(self, r)
         try:
             await self.handler(r, ex)

@@ -92,14 +92,15 @@ class Upstream:
         (``readany()``, ``read()``) and closes the response."""
         return await self.send(url, body, request_id, timeout)
 
-    def send(self, url: str, body: dict | bytes, request_id: str, timeout: float | None = None):
+    def send(self, url: str, body: dict | bytes, request_id: str, timeout: float | None = None, on_complete=None):
         """``open``, with the request written now when a pooled connection to the node is idle (the lean
-        client), so that the caller's bookkeeping overlaps the node's work; await the result for the response."""
+        client), so that the caller's bookkeeping overlaps the node's work; await the result for the response.
+        ``on_complete(response)``: see ``Http1Client.request_now`` (the lean client only)."""
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         headers = {**self._headers, REQUEST_ID_HEADER: request_id}
         if self.http1 is not None and url.startswith("http://"):
             pending = self.http1.request_now(url, data, headers, timeout=timeout or self.request_timeout,
-                                             connect_timeout=self.connect_timeout)
+                                             connect_timeout=self.connect_timeout, on_complete=on_complete)
         else:
             pending = self.session.post(url, data=data, headers=headers, timeout=self.timeout(timeout))
         return self._opened(url, pending)

@@ -160,6 +160,34 @@ def test_bodies_of_any_size_and_chunking_arrive_whole_and_the_connection_is_reus
     assert upstream.peers[before] == upstream.peers[before + 1]  # one keep-alive connection for both
 
 
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(size=st.integers(0, 700_000), cuts=st.lists(st.integers(1, 700_000), max_size=12), chunked=st.booleans())
+def test_on_complete_gets_the_whole_body_or_leaves_all_of_it_to_the_reader(upstream, size, cuts, chunked):
+    """The router answers its client from ``on_complete`` (``router/handoff.py``'s ``_Relay``): called, it has
+    the whole body; once the caller reads (a body over the read-pause mark, or one still arriving when the caller
+    wakes) it is not called, and the reader gets everything."""
+    import json
+
+    spec = json.dumps({"size": size, "cuts": cuts, "chunked": chunked}).encode()
+
+    async def go(client):
+        relayed = []
+        pending = client.request_now(upstream.url + "/body", spec, {"Content-Type": "application/json"},
+                                     timeout=10.0, connect_timeout=2.0,
+                                     on_complete=lambda r: relayed.append(r.take_body()))
+        r = await pending
+        read = await r.read()
+        r.close()
+        return relayed, read
+
+    relayed, read = run(go)
+    assert len(relayed) <= 1
+    assert b"".join(relayed) + read == pattern(size)
+    assert not (relayed and read)
+    if size > 2 * HIGH_WATER:
+        assert not relayed
+
+
 class FakeTransport(asyncio.Transport):
     def __init__(self) -> None:
         super().__init__()
