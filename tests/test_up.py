@@ -147,6 +147,10 @@ def test_the_operators_schema_checks_the_file(tmp_path, engine, message):
      "metadata.name 'Demo_1' must be a DNS-1035 label"),
     (f"apiVersion: pdpool.io/v1alpha1\nkind: InferencePool\nmetadata: {{name: {'a' * 56}}}\nspec: {{}}\n",
      "of at most 55 characters"),
+    # the CRD requires spec: a null or missing one was run as an empty pool
+    ("apiVersion: pdpool.io/v1alpha1\nkind: InferencePool\nmetadata: {name: demo}\nspec: null\n", "spec is required"),
+    ("apiVersion: pdpool.io/v1alpha1\nkind: InferencePool\nmetadata: {name: demo}\n", "spec is required"),
+    ("apiVersion: pdpool.io/v1alpha1\nkind: InferencePool\nmetadata: {name: demo}\nspec: []\n", "spec: expected object"),
 ])
 def test_a_malformed_file_is_one_line_of_error(tmp_path, text, message):
     """What the user wrote wrong, on one line, exit 2: no traceback (a YAML syntax error and a non-mapping metadata

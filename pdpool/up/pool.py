@@ -97,8 +97,10 @@ def load_pool(path: str | Path | None) -> tuple[Pool, list[str]]:
     if not isinstance(name, str) or len(name) > crd.MAX_POOL_NAME or not re.match(crd.POOL_NAME_PATTERN, name):
         raise PoolFileError(f"{where}: metadata.name {name!r} must be a DNS-1035 label of at most "
                             f"{crd.MAX_POOL_NAME} characters (lowercase letters, digits and '-', a letter first)")
+    if body.get("spec") is None:  # the CRD requires it; the API server prunes a null one, then refuses the object
+        raise PoolFileError(f"{where}: spec is required (an empty pool is spec: {{}})")
     root = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    errors = crd.schema_errors(body.get("spec") or {}, root, "spec")
+    errors = crd.schema_errors(body["spec"], root, "spec")
     if errors:
         raise PoolFileError(f"{where}: " + "; ".join(errors))
     try:
