@@ -10,6 +10,11 @@
 4. ``before_step`` (engine thread) hands the outcome to the scheduler: loaded, or recompute locally
    (policy ``recompute``), or fail the request with an OpenAI error (policy ``fail``).
 
+While a handoff waits here (queued behind other requests: ``max_num_seqs``, free blocks), this node renews its
+lease at the prefill node (``POST /internal/kv/leases/renew``, batched per prefill node, at half the lease), so a
+busy decode node never loses the prefill work to expiry; the release on pull, abort or disconnect is what frees
+blocks, and expiry stays the safety net for a decode node that died. Renewal stops when the load starts.
+
 Every wait is bounded by ``kv_transfer_timeout``. An abort while a transfer writes into the request's
 blocks is deferred until the transfer has ended; an abort before it releases the prefill node's lease.
 """
@@ -55,6 +60,7 @@ class LoadJob:
     cancelled: bool = False           # aborted while the transfer runs: abort once it ended
     lease_ended: bool = False         # notified the prefill node (or the lease is gone anyway)
     push_unanswered: bool = False     # asked for a push that did not answer: it may still write our blocks
+    renew_at: float = 0.0             # local monotonic: when to renew the lease while queued (0: not yet set)
     test_hold: dict = field(default_factory=dict)
 
 
@@ -78,6 +84,9 @@ class DecodeSide:
         self.jobs: dict[str, LoadJob] = {}  # requests whose lease is not ended
         self.done: deque[tuple[str, str]] = deque()  # (request id, outcome), event loop -> engine thread
         self.tasks: set[asyncio.Task] = set()
+        self.queued: dict[str, LoadJob] = {}  # event loop only: accepted jobs whose leases this node renews
+        self._renewer: asyncio.Task | None = None
+        self._renew_wake = None  # asyncio.Event, made on the loop
         self.first_logprobs: dict[str, TokenLogprobs] = {}  # the prefill node's first token, for the first output
         self.finished_by_first_token: dict[str, RequestStatus] = {}  # finish at the next step, nothing to load
         self.finished_outputs: list = []  # their outputs, added to the step's
@@ -114,6 +123,7 @@ class DecodeSide:
             job.test_hold = dict(handle.extra.get(TEST_HOLD_KEY) or {})
         request.kv_load = job
         self.jobs[request.request_id] = job
+        self._on_loop(self._keep_alive, job)
         return None  # the handle is not echoed back to the client
 
     def _check(self, request: Request, handle: KVHandle) -> None:
@@ -198,6 +208,71 @@ class DecodeSide:
         task = self.loop.create_task(fn(job))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+
+    # ---- lease renewal while queued (event loop) ----------------------------------------------------
+
+    async def _keep_alive(self, job: LoadJob) -> None:
+        """Renew ``job``'s lease until its load starts or the lease ends (one renewer task for all jobs)."""
+        job.renew_at = job.deadline - job.handle.lease_remaining_s / 2
+        self.queued[job.request_id] = job
+        if self._renew_wake is None:
+            self._renew_wake = asyncio.Event()
+        self._renew_wake.set()
+        if self._renewer is None or self._renewer.done():
+            self._renewer = self.loop.create_task(self._renew_loop())
+
+    def stop_renewing(self) -> None:
+        """On the event loop, when the node stops: its leases are released or expire on their own."""
+        if self._renewer is not None:
+            self._renewer.cancel()
+
+    async def _renew_loop(self) -> None:
+        while self.queued:
+            now = time.monotonic()
+            due: dict[tuple[str, int], list[LoadJob]] = {}
+            for rid, job in list(self.queued.items()):
+                if job.started or job.lease_ended or job.cancelled:
+                    del self.queued[rid]
+                elif job.renew_at <= now:
+                    due.setdefault((job.handle.remote_host, job.handle.remote_port), []).append(job)
+            if due:
+                await asyncio.gather(*(self._renew(jobs) for jobs in due.values()))
+                continue
+            if not self.queued:
+                break
+            self._renew_wake.clear()
+            wait = min(job.renew_at for job in self.queued.values()) - time.monotonic()
+            try:
+                await asyncio.wait_for(self._renew_wake.wait(), timeout=max(0.01, wait))
+            except asyncio.TimeoutError:
+                pass
+
+    async def _renew(self, jobs: list[LoadJob]) -> None:
+        h = jobs[0].handle
+        url = internal_api.url(h.remote_host, h.remote_port, "kv/leases/renew")
+        sent = time.monotonic()
+        try:
+            async with self.session_of().post(url, json={"lease_ids": [j.handle.lease_id for j in jobs]},
+                                              headers=internal_api.headers(self.token),
+                                              timeout=aiohttp.ClientTimeout(total=self.timeout)) as resp:
+                reply = await resp.json(content_type=None)
+                if resp.status != 200:
+                    raise KVTransferError(f"renew at {h.node_id} answered {resp.status}: {reply}")
+            renewed = reply["renewed"]
+        except Exception as exc:  # noqa: BLE001 - the leases run on; try again soon
+            logger.info("could not renew %d leases at %s: %s", len(jobs), h.node_id, exc)
+            for job in jobs:
+                job.renew_at = time.monotonic() + max(0.05, job.handle.lease_remaining_s / 8)
+            return
+        for job in jobs:
+            remaining = renewed.get(job.handle.lease_id)
+            if remaining is None:  # gone at the prefill node: the load will recompute without reading
+                job.deadline = sent
+                job.renew_at = float("inf")
+                self.queued.pop(job.request_id, None)
+            else:
+                job.deadline = sent + float(remaining)
+                job.renew_at = job.deadline - job.handle.lease_remaining_s / 2
 
     # ---- the load (event loop) -------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ class KVMetrics:
         self.transfers = dict.fromkeys(OUTCOMES, 0)
         self.recomputes = 0
         self.lease_expiries = 0
+        self.lease_renewals = 0
         self.leased_blocks = lambda: 0   # set by the prefill side
         self.num_leases = lambda: 0
         self.bytes_pulled = lambda: 0    # set by the worker
@@ -53,6 +54,8 @@ class KVMetricsCollector:
                                   value=m.recomputes)
         yield CounterMetricFamily("pdpool_kv_lease_expiries", "Leases that ran out before a notification.",
                                   value=m.lease_expiries)
+        yield CounterMetricFamily("pdpool_kv_lease_renewals", "Lease renewals by decode nodes that queue the handoff.",
+                                  value=m.lease_renewals)
         yield GaugeMetricFamily("pdpool_kv_leased_blocks", "KV blocks held under lease for decode nodes.",
                                 value=m.leased_blocks())
         yield GaugeMetricFamily("pdpool_kv_leases", "Leases currently held.", value=m.num_leases())

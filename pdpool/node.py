@@ -297,6 +297,8 @@ class Node:
         await runner.cleanup()  # closes the listener; in-flight handlers run to the runner's shutdown timeout
         for task in self._tasks:
             task.cancel()
+        if self.decode is not None:
+            self.decode.stop_renewing()
         if self.llm is not None:
             await self.llm.shutdown()
         if self.decode is not None and self.decode.tasks:  # loads in flight end (each bounded by its timeout)

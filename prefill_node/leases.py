@@ -9,6 +9,10 @@ ends exactly once, by the first of:
   held when the notification arrived — the decode node uses the pulled KV only on True;
 * ``expire(now)``: its duration ran out (monotonic clock of this node only; peers get relative times).
 
+``renew(lease_id)`` starts a held lease's duration again: a decode node keeps alive the leases of handoffs it
+has accepted and queued, so expiry only frees the blocks of a decode node that stopped renewing (it died, or
+lost the request without telling us).
+
 The engine's blocks are released by the caller (``scheduler.release_held_blocks``) for every ended lease.
 """
 
@@ -39,6 +43,7 @@ class LeaseTable:
         self.reserved: dict[str, int] = {}  # request id -> blocks it will hold once prefilled
         self.num_expired = 0
         self.num_notified = 0
+        self.num_renewed = 0
         self.num_leased_blocks = 0  # sum over leases, kept up to date by issue/notify/expire
         self._ended: dict[str, bool] = {}  # lease id -> held at notification (answers a repeated notify)
         self._by_request: dict[str, str] = {}  # request id -> its live lease's id
@@ -74,6 +79,16 @@ class LeaseTable:
         lease = self.leases.get(lease_id)
         if lease is None or lease.expires_at <= self.clock():
             return None
+        return lease
+
+    def renew(self, lease_id: str) -> Lease | None:
+        """A full duration again from now, if the lease is still held; None otherwise."""
+        lease = self.get(lease_id)
+        if lease is None:
+            return None
+        lease.expires_at = self.clock() + self.lease_seconds
+        self.leases.move_to_end(lease_id)  # expiry order still holds: one duration for all, from now
+        self.num_renewed += 1
         return lease
 
     def notify(self, lease_id: str) -> tuple[bool, Lease | None]:

@@ -2,6 +2,9 @@
 
 * ``POST /internal/kv/leases/{lease_id}/notify``: the decode node finished pulling (or gave up). Answers
   ``{"held": bool}``: whether the lease was still held when the notification arrived. The blocks are freed.
+* ``POST /internal/kv/leases/renew``: body ``{"lease_ids": [...]}``, the decode node still queues these handoffs.
+  Answers ``{"renewed": {lease_id: seconds}}`` for the leases still held (a full duration again, less the handle's
+  safety margin); a lease missing from it is gone.
 * ``POST /internal/kv/leases/{lease_id}/push``: push mode. Body ``{"agent_metadata": b64, "block_ids":
   [decode's block ids], "remote_block_ids": [this node's]}``; WRITEs the blocks into the decode node, then
   ends the lease as a notification would, and answers ``{"held": bool}``.
@@ -32,6 +35,14 @@ def lease_routes(node, token: str | None) -> list[web.RouteDef]:
         held = await node.require_llm().call(node.prefill.notify, request.match_info["lease_id"])
         return web.json_response({"held": held})
 
+    async def renew(request: web.Request) -> web.Response:
+        internal_api.check(request, token)
+        lease_ids = protocol.read_json_body(await request.read()).get("lease_ids")
+        if not isinstance(lease_ids, list) or not all(isinstance(i, str) for i in lease_ids):
+            raise APIError("renew: lease_ids must be a list of lease ids")
+        renewed = await node.require_llm().call(node.prefill.renew, lease_ids)
+        return web.json_response({"renewed": renewed})
+
     async def push(request: web.Request) -> web.Response:
         internal_api.check(request, token)
         lease_id = request.match_info["lease_id"]
@@ -57,5 +68,6 @@ def lease_routes(node, token: str | None) -> list[web.RouteDef]:
         held = await llm.call(side.notify, lease_id)
         return web.json_response({"held": held})
 
-    return [web.post("/internal/kv/leases/{lease_id}/notify", notify),
+    return [web.post("/internal/kv/leases/renew", renew),
+            web.post("/internal/kv/leases/{lease_id}/notify", notify),
             web.post("/internal/kv/leases/{lease_id}/push", push)]

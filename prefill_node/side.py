@@ -2,7 +2,8 @@
 
 Engine thread (through ``KVConnector``): a request with ``kv_transfer_params.do_remote_decode`` reserves its
 blocks against ``max_leased_blocks`` (429 beyond it) and keeps them when it finishes; the finished output's
-``kv_transfer_params`` becomes the handle. Leases end on the decode node's notification or on expiry.
+``kv_transfer_params`` becomes the handle. Leases end on the decode node's notification or on expiry; the decode
+node renews the leases of handoffs queued there.
 HTTP side: ``prefill_node.routes``.
 """
 
@@ -119,6 +120,17 @@ class PrefillSide:
         if lease is not None:
             self.scheduler.release_held_blocks(lease.request_id)
         return held
+
+    def renew(self, lease_ids: list[str]) -> dict[str, float]:
+        """The decode node still wants these leases: {lease id: seconds it may count on} for those still held."""
+        self.expire_leases()
+        renewed = {}
+        for lease_id in lease_ids:
+            lease = self.table.renew(lease_id)
+            if lease is not None:
+                renewed[lease_id] = round(self.table.remaining(lease) * (1 - LEASE_SAFETY_MARGIN), 6)
+        self.metrics.lease_renewals += len(renewed)
+        return renewed
 
     def lease_blocks(self, lease_id: str) -> list[int] | None:
         lease = self.table.get(lease_id)

@@ -112,3 +112,25 @@ def test_a_scrape_while_the_engine_thread_changes_leases():
     finally:
         stop.set()
         thread.join()
+
+
+def test_renew_restarts_the_duration_and_keeps_expiry_order():
+    clock = Clock()
+    table = LeaseTable(2.0, clock=clock)
+    a, b = table.issue("a", [1]), table.issue("b", [2])
+    clock.now += 1.5
+    assert table.renew(a.lease_id) is a and table.remaining(a) == 2.0
+    clock.now += 1.0  # b ran out, a (renewed) did not
+    assert table.expire() == [b]
+    assert table.notify(a.lease_id) == (True, a) and table.num_renewed == 1
+
+
+def test_renew_never_revives_an_ended_lease():
+    clock = Clock()
+    table = LeaseTable(2.0, clock=clock)
+    expired, notified = table.issue("a", [1]), table.issue("b", [2])
+    table.notify(notified.lease_id)
+    clock.now += 2.0
+    assert table.renew(expired.lease_id) is None and table.renew(notified.lease_id) is None
+    assert table.renew("unknown") is None and table.num_renewed == 0
+    assert table.expire() == [expired] and table.num_leased_blocks == 0
