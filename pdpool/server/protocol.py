@@ -270,6 +270,10 @@ def _refuse_constrained(body: dict) -> None:
         if body.get(listed) and body.get(choice, "auto") != "none":
             raise APIError(f"tool calling is not supported: send '{choice}': \"none\" to have '{listed}' "
                            f"ignored and get text", param=listed)
+        # without tools too: "required" or a named function demands a call that plain text would not be
+        if body.get(choice) not in (None, "none", "auto"):
+            raise APIError(f"'{choice}' {short_repr(body.get(choice))} asks for a tool call, and tool calling is "
+                           f"not supported (only \"none\" and \"auto\" are taken, for a text answer)", param=choice)
 
 
 # The body fields ``_sampling_fields`` reads; a body with none of them gets ``SamplingParams``' defaults.

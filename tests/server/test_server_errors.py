@@ -84,6 +84,11 @@ TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type"
     ("/v1/chat/completions", {"tools": [TOOL]}, "tools"),
     ("/v1/chat/completions", {"tools": [TOOL], "tool_choice": "required"}, "tools"),
     ("/v1/chat/completions", {"functions": [TOOL["function"]]}, "functions"),
+    # a forced call without tools (or with an empty list) was answered in plain text (found by a black-box pass)
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"tools": [], "tool_choice": {"type": "function", "function": {"name": "lookup"}}},
+     "tool_choice"),
+    ("/v1/chat/completions", {"function_call": {"name": "lookup"}}, "function_call"),
     ("/v1/completions", {"guided_choice": ["yes", "no"]}, "guided_choice"),
 ])
 def test_what_would_be_silently_dropped_is_400(server, path, extra, param):
@@ -95,7 +100,8 @@ def test_what_would_be_silently_dropped_is_400(server, path, extra, param):
 
 def test_plain_text_format_and_tools_declined_by_tool_choice_are_served(server):
     messages = [{"role": "user", "content": "hi"}]
-    for extra in ({"response_format": {"type": "text"}}, {"tools": [TOOL], "tool_choice": "none"}):
+    for extra in ({"response_format": {"type": "text"}}, {"tools": [TOOL], "tool_choice": "none"},
+                  {"tool_choice": "auto"}, {"tools": [], "tool_choice": "none"}):
         r = post(server, "/v1/chat/completions", {"model": "demo", "messages": messages, "max_tokens": 2, **extra})
         assert r.status_code == 200, r.text
 
