@@ -242,6 +242,7 @@ def _common(body: dict, kind: str, served_model_names: list[str]) -> dict:
     if body.get("logit_bias"):
         raise APIError("'logit_bias' is not supported", param="logit_bias")
     _refuse_constrained(body)
+    _refuse_unimplemented(body, kind)
     kv = body.get("kv_transfer_params")
     if kv is not None and not isinstance(kv, dict):
         raise APIError("'kv_transfer_params' must be an object", param="kv_transfer_params")
@@ -274,6 +275,22 @@ def _refuse_constrained(body: dict) -> None:
         if body.get(choice) not in (None, "none", "auto"):
             raise APIError(f"'{choice}' {short_repr(body.get(choice))} asks for a tool call, and tool calling is "
                            f"not supported (only \"none\" and \"auto\" are taken, for a text answer)", param=choice)
+
+
+# vLLM's request fields that pdpool does not implement. Unknown fields are ignored, as in vLLM, but these vLLM
+# knows: dropped, each would answer another request than the one sent (every prompt token kept, no token banned,
+# no beam search, the model's own chat template), so any value but absent (null) or a no-op one is a 400.
+_UNIMPLEMENTED = ("allowed_token_ids", "bad_words", "prompt_logprobs", "truncate_prompt_tokens", "logits_processors",
+                  "use_beam_search", "return_tokens_as_token_ids", "chat_template")
+_UNIMPLEMENTED_CHAT = ("echo",)  # completions' echo is implemented; vLLM's chat echo is not
+_NO_OP = (None, False, [])
+
+
+def _refuse_unimplemented(body: dict, kind: str) -> None:
+    for name in _UNIMPLEMENTED + (_UNIMPLEMENTED_CHAT if kind == "chat" else ()):
+        value = body.get(name)
+        if not any(value is v or (isinstance(v, list) and value == v) for v in _NO_OP):
+            raise APIError(f"'{name}' is not supported (got {short_repr(value)})", param=name)
 
 
 # The body fields ``_sampling_fields`` reads; a body with none of them gets ``SamplingParams``' defaults.

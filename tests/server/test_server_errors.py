@@ -89,6 +89,16 @@ TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type"
     ("/v1/chat/completions", {"tools": [], "tool_choice": {"type": "function", "function": {"name": "lookup"}}},
      "tool_choice"),
     ("/v1/chat/completions", {"function_call": {"name": "lookup"}}, "function_call"),
+    # vLLM's fields pdpool does not implement were ignored: another answer than the one asked for
+    ("/v1/completions", {"allowed_token_ids": [28]}, "allowed_token_ids"),
+    ("/v1/completions", {"bad_words": ["the"]}, "bad_words"),
+    ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+    ("/v1/completions", {"truncate_prompt_tokens": 1}, "truncate_prompt_tokens"),
+    ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
+    ("/v1/completions", {"logits_processors": ["x"]}, "logits_processors"),
+    ("/v1/completions", {"return_tokens_as_token_ids": True, "logprobs": 1}, "return_tokens_as_token_ids"),
+    ("/v1/chat/completions", {"chat_template": "{{ 'x' }}"}, "chat_template"),
+    ("/v1/chat/completions", {"echo": True}, "echo"),
     ("/v1/completions", {"guided_choice": ["yes", "no"]}, "guided_choice"),
 ])
 def test_what_would_be_silently_dropped_is_400(server, path, extra, param):
@@ -101,7 +111,9 @@ def test_what_would_be_silently_dropped_is_400(server, path, extra, param):
 def test_plain_text_format_and_tools_declined_by_tool_choice_are_served(server):
     messages = [{"role": "user", "content": "hi"}]
     for extra in ({"response_format": {"type": "text"}}, {"tools": [TOOL], "tool_choice": "none"},
-                  {"tool_choice": "auto"}, {"tools": [], "tool_choice": "none"}):
+                  {"tool_choice": "auto"}, {"tools": [], "tool_choice": "none"},
+                  {"use_beam_search": False, "bad_words": [], "echo": False, "prompt_logprobs": None},
+                  {"some_field_vllm_does_not_know": 1}):
         r = post(server, "/v1/chat/completions", {"model": "demo", "messages": messages, "max_tokens": 2, **extra})
         assert r.status_code == 200, r.text
 
