@@ -241,8 +241,9 @@ def _common(body: dict, kind: str, served_model_names: list[str]) -> dict:
         raise APIError("'best_of' other than 'n' is not supported", param="best_of")
     if body.get("logit_bias"):
         raise APIError("'logit_bias' is not supported", param="logit_bias")
-    _refuse_constrained(body)
-    _refuse_unimplemented(body, kind)
+    if not _REFUSAL_FIELDS.isdisjoint(body):   # most bodies have none of them: no per-field reads
+        _refuse_constrained(body)
+        _refuse_unimplemented(body, kind)
     kv = body.get("kv_transfer_params")
     if kv is not None and not isinstance(kv, dict):
         raise APIError("'kv_transfer_params' must be an object", param="kv_transfer_params")
@@ -283,14 +284,18 @@ def _refuse_constrained(body: dict) -> None:
 _UNIMPLEMENTED = ("allowed_token_ids", "bad_words", "prompt_logprobs", "truncate_prompt_tokens", "logits_processors",
                   "use_beam_search", "return_tokens_as_token_ids", "chat_template")
 _UNIMPLEMENTED_CHAT = ("echo",)  # completions' echo is implemented; vLLM's chat echo is not
-_NO_OP = (None, False, [])
 
 
 def _refuse_unimplemented(body: dict, kind: str) -> None:
     for name in _UNIMPLEMENTED + (_UNIMPLEMENTED_CHAT if kind == "chat" else ()):
         value = body.get(name)
-        if not any(value is v or (isinstance(v, list) and value == v) for v in _NO_OP):
+        if value is not None and value is not False and not (isinstance(value, list) and not value):  # no-ops
             raise APIError(f"'{name}' is not supported (got {short_repr(value)})", param=name)
+
+
+# Every field the two functions above read.
+_REFUSAL_FIELDS = frozenset(("response_format", "tools", "tool_choice", "functions", "function_call", *_CONSTRAINED,
+                             *_UNIMPLEMENTED, *_UNIMPLEMENTED_CHAT))
 
 
 # The body fields ``_sampling_fields`` reads; a body with none of them gets ``SamplingParams``' defaults.

@@ -190,3 +190,46 @@ def test_every_field_the_reads_use_is_in_the_fast_paths_list():
             continue
         for value in ("x", -3, 0.5, True, [1], None):
             assert outcome(protocol._sampling_fields, {name: value}, 16, None) == empty, name
+
+
+class _Overlapping(frozenset):
+    """Stands for ``protocol._REFUSAL_FIELDS`` in the reference: every body is taken to hold a refusal field."""
+
+    def isdisjoint(self, other) -> bool:
+        return False
+
+
+refusal_values = st.one_of(st.sampled_from([None, False, [], True, 0, "x", {"type": "text"}, {"type": "json_object"},
+                                            "none", "auto", "required", [{"type": "function"}]]), json_values())
+
+
+@settings(max_examples=600, deadline=None)
+@given(data=st.data(), kind=st.sampled_from(["completion", "chat"]))
+def test_refusals_are_checked_whenever_a_refusal_field_is_there(data, kind):
+    """``_common`` reads the refusal fields only when the body has one of them (router overhead round 12): the
+    same answer as reading them on every body."""
+    body = dict(data.draw(bodies(kind, MODEL)))
+    body.update(data.draw(st.dictionaries(st.sampled_from(sorted(protocol._REFUSAL_FIELDS) + ["bogus"]),
+                                          refusal_values, max_size=3)))
+    got = outcome(_parse, kind, body)
+    fast = protocol._REFUSAL_FIELDS
+    protocol._REFUSAL_FIELDS = _Overlapping()
+    try:
+        old = outcome(_parse, kind, body)
+    finally:
+        protocol._REFUSAL_FIELDS = fast
+    assert got == old
+
+
+def test_every_field_the_refusals_read_is_in_the_list():
+    seen = set()
+
+    class Recorder(dict):
+        def get(self, key, default=None):
+            seen.add(key)
+            return default
+
+    for kind in ("completion", "chat"):
+        protocol._refuse_constrained(Recorder())
+        protocol._refuse_unimplemented(Recorder(), kind)
+    assert seen and seen <= protocol._REFUSAL_FIELDS
