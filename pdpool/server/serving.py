@@ -242,6 +242,17 @@ async def stream_response(gen: Generation, http_request: web.Request) -> web.Str
             d["usage"] = usage
         return d
 
+    def choice_usage(out: RequestOutput | None, prompt_tokens: int = 0) -> dict | None:
+        """continuous_usage_stats: each chunk's usage is its own choice's, as vLLM's: that choice's prompt and
+        its completion tokens so far (the role and echo chunks: the prompt, 0). The final chunk has the totals."""
+        if not (req.include_usage and req.continuous_usage):
+            return None
+        if out is not None:
+            prompt_tokens = len(out.prompt_token_ids)
+        completion = out.num_output_tokens if out is not None else 0
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion}
+
     tasks = [asyncio.ensure_future(pump(c)) for c in gen.choices]
     latest: dict[int, RequestOutput] = {}
     try:
@@ -251,7 +262,8 @@ async def stream_response(gen: Generation, http_request: web.Request) -> web.Str
         if req.kind == "chat":
             for c in gen.choices:  # role first, as OpenAI does
                 first = chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None, "finish_reason": None}])
+                                "logprobs": None, "finish_reason": None}],
+                              choice_usage(None, len(c.stream.prompt_token_ids)))
                 if req.return_token_ids:
                     first["prompt_token_ids"] = c.stream.prompt_token_ids
                 await resp.write(_sse(first))
@@ -263,7 +275,7 @@ async def stream_response(gen: Generation, http_request: web.Request) -> web.Str
                 if req.return_token_ids:
                     choice["prompt_token_ids"] = c.stream.prompt_token_ids
                     ids_sent.add(c.index)
-                await resp.write(_sse(chunk([choice])))
+                await resp.write(_sse(chunk([choice], choice_usage(None, len(c.stream.prompt_token_ids)))))
         pending = len(tasks)
         while pending:
             c, out = await merged.get()
@@ -294,10 +306,7 @@ async def stream_response(gen: Generation, http_request: web.Request) -> web.Str
                     ids_sent.add(c.index)
                     choice["prompt_token_ids"] = out.prompt_token_ids
                 choice["token_ids"] = out.new_token_ids
-            usage = None
-            if req.include_usage and req.continuous_usage:
-                usage = gen.usage([latest.get(x.index) for x in gen.choices])
-            await resp.write(_sse(chunk([choice], usage)))
+            await resp.write(_sse(chunk([choice], choice_usage(out))))
         if req.include_usage:
             final = chunk([], gen.usage([latest.get(x.index) for x in gen.choices]))
             await resp.write(_sse(final))

@@ -44,6 +44,26 @@ def test_chat_streaming_deltas(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens
 
 
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_chat_continuous_usage_is_each_choices_own(client, n):
+    """vLLM's ``continuous_usage_stats``: every chunk carries its own choice's usage, the role chunk too (the
+    prompt, 0 completion tokens); completion_tokens counts that choice's tokens so far; the final chunk the sums."""
+    chunks = list(client.chat.completions.create(
+        model="demo", messages=MESSAGES, max_tokens=6, n=n, temperature=1.0, seed=5, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"return_token_ids": True}))
+    final = chunks[-1]
+    prompt_tokens = len(chunks[0].prompt_token_ids)
+    streamed = [0] * n
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        streamed[choice.index] += len(getattr(choice, "token_ids", None) or [])
+        assert (c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens) == (
+            prompt_tokens, streamed[choice.index], prompt_tokens + streamed[choice.index])
+    assert final.choices == [] and final.usage.prompt_tokens == prompt_tokens
+    assert final.usage.completion_tokens == sum(streamed)
+
+
 def test_chat_logprobs_match_hf(client, hf_reference):
     r = chat(client, max_tokens=5, logprobs=True, top_logprobs=2)
     content = r.choices[0].logprobs.content

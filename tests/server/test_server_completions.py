@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -53,6 +54,32 @@ def test_streaming_matches_non_streaming_and_reports_usage(client):
     usage_chunk = chunks[-1]
     assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 12
     assert all(c.usage is None for c in text_chunks)
+
+
+
+@settings(max_examples=scaled(5), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(num_prompts=st.integers(1, 3), n=st.integers(1, 2), max_tokens=st.integers(1, 4), echo=st.booleans())
+def test_continuous_usage_is_each_choices_own(client, num_prompts, n, max_tokens, echo):
+    """``continuous_usage_stats`` as vLLM's: a chunk's usage is its own choice's prompt and its completion tokens
+    so far; only the final chunk sums every prompt (once per prompt, not per choice) and every choice. Was a
+    running total over every choice, so a batch's first chunk said ``prompt_tokens: 1`` with 3 in total."""
+    prompts = ["Hi", "Water boils at", "One two three four five six"][:num_prompts]   # prompt lengths differ
+    chunks = list(client.completions.create(
+        model="demo", prompt=prompts, n=n, max_tokens=max_tokens, temperature=1.0, seed=3, echo=echo, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"return_token_ids": True}))
+    prompt_len: dict[int, int] = {}
+    streamed: collections.Counter = collections.Counter()
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        if getattr(choice, "prompt_token_ids", None) is not None:
+            prompt_len[choice.index] = len(choice.prompt_token_ids)
+        streamed[choice.index] += len(getattr(choice, "token_ids", None) or [])
+        assert (c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens) == (
+            prompt_len[choice.index], streamed[choice.index], prompt_len[choice.index] + streamed[choice.index])
+    final = chunks[-1]
+    assert final.choices == [] and len(prompt_len) == num_prompts * n
+    assert final.usage.prompt_tokens == sum(prompt_len[p * n] for p in range(num_prompts))
+    assert final.usage.completion_tokens == sum(streamed.values())
 
 
 def test_echo_prepends_the_prompt(client):
