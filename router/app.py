@@ -163,7 +163,7 @@ class Router:
     # ---- HTTP ---------------------------------------------------------------------------------------------
 
     async def handle(self, request: Request, exchange: Exchange) -> None:
-        """Request id, authentication, routing and OpenAI errors; counts every response by status."""
+        """Request id, authentication, routing and OpenAI errors; counts the API's responses by status."""
         header = request.headers.get(REQUEST_ID_HEADER)
         rid = request_id_from(header) if header else new_request_id()
         request_id_var.set(rid)       # this request's task has its own context
@@ -197,7 +197,8 @@ class Router:
         except Exception as exc:  # noqa: BLE001 - the router must stay up
             logger.exception("internal error on %s %s", request.method, request.path)
             self._error(exchange, APIError(f"internal error: {type(exc).__name__}: {exc}", status=500), rid)
-        self.metrics.count_response(exchange.status)
+        if not request.path.startswith(PUBLIC):   # probes and scrapes are not the API's answers (a not-ready 503)
+            self.metrics.count_response(exchange.status)
 
     @staticmethod
     def _error(exchange: Exchange, err: APIError, rid: str, headers: dict | None = None) -> None:

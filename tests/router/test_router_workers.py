@@ -97,6 +97,7 @@ def test_workers_share_a_port_and_the_metrics_and_stop_together(upstream, start_
         m = scrape(router.url)
         assert m['pdpool_router_requests_total{decision="decode_only"}'] == 30
         assert m["pdpool_router_decision_seconds_count"] == 30
+        assert m['pdpool_router_responses_total{status="200"}'] == 30   # not the probes and scrapes here
         assert m['pdpool_router_nodes{role="both",usable="true"}'] == 1
         assert m['pdpool_router_index_mode{mode="approximate"}'] == 1
 
@@ -114,6 +115,20 @@ def test_workers_share_a_port_and_the_metrics_and_stop_together(upstream, start_
     while any(alive(p) for p in now):
         assert time.monotonic() < deadline, "a worker outlived its supervisor"
         time.sleep(0.1)
+
+
+
+def test_probes_and_scrapes_are_not_counted_as_responses(upstream, start_router):
+    """``pdpool_router_responses_total`` counts the API's answers: a kubelet's probes (a not-ready 503 among them)
+    and Prometheus's scrapes are not an error rate. They were all counted (one process and N alike)."""
+    router = start_router(["--both", upstream], name="one-process")
+    for _ in range(5):
+        for path in ("/health/live", "/health/ready", "/health", "/metrics", "/openapi.json"):
+            assert httpx.get(router.url + path, timeout=5).status_code == 200
+    complete(router.url, 3)
+    m = scrape(router.url)
+    assert {k: v for k, v in m.items() if k.startswith("pdpool_router_responses_total")} == {
+        'pdpool_router_responses_total{status="200"}': 3}
 
 
 def test_a_taken_port_is_a_clear_error(upstream, start_router):
