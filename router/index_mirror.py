@@ -107,6 +107,7 @@ class IndexMirror:
         self._wanted: set[str] = set()        # nodes a lookup did not find: snapshot them
         self._absent: dict[str, float] = {}   # node -> when a snapshot found no heartbeat for it
         self._task: asyncio.Task | None = None
+        self.on_live = None                   # called each time the mirror is live again (PrefixIndex's mode)
 
     # ---- the request path: no I/O ------------------------------------------------------------------------
 
@@ -248,6 +249,8 @@ class IndexMirror:
                 self.live = True
                 logger.info("index mirror live: %d nodes, %d block hashes", len(self.nodes),
                             sum(len(n.blocks) for n in self.nodes.values()))
+                if self.on_live is not None:
+                    self.on_live()
             if got and self.min_interval:
                 await asyncio.sleep(self.min_interval)
 

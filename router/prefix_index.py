@@ -163,7 +163,16 @@ class PrefixIndex:
         """Set on the running event loop; in mirror mode the reader starts tailing the nodes' event stream."""
         self._async_reader = reader
         if reader is not None and self.lookup_mode == "mirror" and hasattr(reader, "start_mirror"):
-            reader.start_mirror()
+            mirror = reader.start_mirror()
+            if mirror is not None:
+                mirror.on_live = self._mirror_live
+
+    def _mirror_live(self) -> None:
+        """The mirror read Redis whole again: precise mode at once, without waiting for a request with a full
+        block to try Redis (one of short prompts only never would)."""
+        if self.mode != "precise" or self._failures:
+            self._retry_at = 0.0
+            self._on_success()
 
     def _set_mode(self, mode: str) -> None:
         self.mode = mode

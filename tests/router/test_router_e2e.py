@@ -398,13 +398,13 @@ def test_redis_down_routing_continues_then_precise_again(cluster, redis_module, 
         assert router.value("pdpool_router_index_degradations_total") >= 1
     finally:
         redis_module.start()
-    time.sleep(1.5)  # nodes rewrite their state; the router's backoff ends
 
-    def precise():
-        router.post("/v1/completions", completion_body(PROMPT, 2))
+    def precise():   # no request needed: the index mirror reading Redis whole again says so
         return router.value('pdpool_router_index_mode{mode="precise"}') == 1
 
     wait_for(precise, 20, "the router to go back to the precise index")
+    r = router.post("/v1/completions", completion_body(PROMPT, 2))
+    assert r.status_code == 200 and precise()
 
 
 def test_decode_failures_retry_or_end_the_stream(cluster, start_router):
