@@ -33,12 +33,12 @@ if _out and sys.argv[1:2] == ["router"]:
 
         pending = {}
 
-        def on_message_complete(self):
+        def on_message_complete(self):   # the handler may run inside (eager start): note the times first
             r = self.incoming
             t = now()
-            orig_done(self)
             if r is not None:
                 pending[id(r)] = (getattr(self, "_probe_rx", t), t)
+            orig_done(self)
         HC.on_message_complete = on_message_complete
 
         orig_handle = app.Router.handle
@@ -126,8 +126,8 @@ if _out and sys.argv[1:2] == ["router"]:
         C = http1._Connection
         orig_start, orig_crx, orig_cdone = C.start, C.data_received, C.on_message_complete
 
-        def start(self, head, body, deadline):
-            r = orig_start(self, head, body, deadline)
+        def start(self, *a, **k):
+            r = orig_start(self, *a, **k)
             st = ctx.get()
             if st is not None:
                 st["sent"] = now()
@@ -142,12 +142,19 @@ if _out and sys.argv[1:2] == ["router"]:
             orig_crx(self, data)
         C.data_received = c_rx
 
+        relaying = []   # the request whose answer the node connection's callback is relaying (handoff._Relay)
+
         def c_done(self):
-            orig_cdone(self)
             st = getattr(self, "_probe", None)
             if st is not None:
                 st["up"] = now()
                 self._probe = None
+                relaying.append(st)
+            try:
+                orig_cdone(self)
+            finally:
+                if st is not None:
+                    relaying.pop()
         C.on_message_complete = c_done
 
         R = http1.Response
@@ -167,7 +174,7 @@ if _out and sys.argv[1:2] == ["router"]:
 
         def respond(self, *a, **k):
             orig_respond(self, *a, **k)
-            st = ctx.get()
+            st = relaying[-1] if relaying else ctx.get()
             if st is not None:
                 st["resp"] = now()
         E.respond = respond
