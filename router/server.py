@@ -9,7 +9,8 @@ Why not aiohttp's server: its request objects, middleware chain and response mac
 the router's serial path per request at low load (docs/performance.md, round 4). The router needs little of it:
 a body read whole (the handler parses JSON anyway), a small route table, JSON or SSE out.
 
-Keep-alive per HTTP/1.1 (``Connection: close`` and HTTP/1.0 honoured). Pipelined requests are answered in order,
+Keep-alive per HTTP/1.1 (``Connection: close`` and HTTP/1.0 honoured); a connection with nothing to answer for
+``KEEPALIVE_SECONDS`` is closed, with a 408 if a request was still arriving. Pipelined requests are answered in order,
 one at a time; reading pauses while ``MAX_QUEUED`` wait. ``Expect: 100-continue`` gets its interim answer once the
 request is next. A malformed request, or a body over ``MAX_BODY`` bytes, gets its OpenAI error (400, 413) after
 the answers before it, and the connection closes. A client that disconnects cancels its request's task: the
@@ -38,7 +39,7 @@ MAX_BODY = 64 * 1024 * 1024     # as aiohttp's client_max_size was
 MAX_QUEUED = 16                 # pipelined requests waiting before reading pauses
 KEEPALIVE_SECONDS = 75.0        # an idle connection is closed after this long (aiohttp's default)
 REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
-           405: "Method Not Allowed", 413: "Payload Too Large", 415: "Unsupported Media Type",
+           405: "Method Not Allowed", 408: "Request Timeout", 413: "Payload Too Large", 415: "Unsupported Media Type",
            422: "Unprocessable Entity", 429: "Too Many Requests", 500: "Internal Server Error",
            502: "Bad Gateway", 503: "Service Unavailable", 504: "Gateway Timeout"}
 
@@ -214,7 +215,6 @@ class HttpConnection(asyncio.Protocol):
             self.incoming = None
             return
         self.incoming = Request()
-        self._idle_since = None       # busy: the idle timer, left armed, finds that when it fires
 
     def on_url(self, url: bytes) -> None:
         if self.incoming is not None:
@@ -263,6 +263,7 @@ class HttpConnection(asyncio.Protocol):
         if r is None:
             return
         self.incoming = None
+        self._idle_since = None       # busy: the idle timer, left armed, finds that when it fires
         r.body = r._chunks[0] if len(r._chunks) == 1 else b"".join(r._chunks)
         r._chunks = []
         self.queue.append(r)
@@ -296,13 +297,12 @@ class HttpConnection(asyncio.Protocol):
                 start_eagerly(self.loop, self._serve(r))   # (``_serve`` records its task)
             else:                     # from the task of the request before it: on the loop's next iteration
                 self.task = self.loop.create_task(self._serve(r))
-        else:
+        else:                         # idle, or a request still arriving: either must be done in time
+            self._idle_since = self.loop.time()
+            if self._idle_timer is None:
+                self._idle_timer = self.loop.call_later(KEEPALIVE_SECONDS, self._idle_close)
             incoming = self.incoming
-            if incoming is None:
-                self._idle_since = self.loop.time()
-                if self._idle_timer is None:
-                    self._idle_timer = self.loop.call_later(KEEPALIVE_SECONDS, self._idle_close)
-            elif incoming.expect_continue:
+            if incoming is not None and incoming.expect_continue:
                 incoming.expect_continue = False
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         if self._reading_paused and len(self.queue) < MAX_QUEUED // 2:
@@ -312,7 +312,9 @@ class HttpConnection(asyncio.Protocol):
     def _idle_close(self) -> None:
         """Closes a connection idle for ``KEEPALIVE_SECONDS``. One timer per connection, not one per request: a
         request that arrives meanwhile leaves it armed, and when it fires early (the connection became idle
-        again since) it is set again for the rest of the new idle period."""
+        again since) it is set again for the rest of the new idle period. A request still arriving does not
+        make the connection busy (a client that stops mid-head or mid-body would hold it for ever): it gets a
+        408 if it is not whole by then."""
         self._idle_timer = None
         since = self._idle_since
         if since is None or self.closed:   # serving: _next sets the timer when the connection is idle again
@@ -321,7 +323,10 @@ class HttpConnection(asyncio.Protocol):
         if rest > 0:
             self._idle_timer = self.loop.call_later(rest, self._idle_close)
             return
-        if self.task is None and not self.queue and self.incoming is None and not self.closed:
+        if self.task is None and not self.queue and not self.closed:
+            if self.incoming is not None:
+                self._refuse(408, f"the request was not received within {KEEPALIVE_SECONDS:g} s")
+                return
             self.transport.close()
             self.closed = True
 

@@ -296,3 +296,19 @@ def test_an_idle_connection_is_closed_after_the_keep_alive_time(app, monkeypatch
         echo_ok(r.response(), b"y")
         t0 = time.monotonic()
         assert r.closed() and time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize("partial", [b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Le",
+                                     b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc"])
+def test_a_request_left_unfinished_is_a_408_after_the_keep_alive_time(app, monkeypatch, partial):
+    """A client that stops mid-head or mid-body (slowloris) does not hold its connection for ever."""
+    monkeypatch.setattr(server, "KEEPALIVE_SECONDS", 0.3)
+    with connect(app) as s:
+        s.sendall(post("/echo", b"x") + partial)
+        r = Reader(s)
+        echo_ok(r.response(), b"x")
+        t0 = time.monotonic()
+        status, headers, data = r.response()
+        assert status == 408 and headers["connection"] == "close" and json.loads(data)["error"]["message"]
+        assert r.closed() and time.monotonic() - t0 < 5
+
