@@ -12,9 +12,9 @@ a body read whole (the handler parses JSON anyway), a small route table, JSON or
 Keep-alive per HTTP/1.1 (``Connection: close`` and HTTP/1.0 honoured); a connection with nothing to answer for
 ``KEEPALIVE_SECONDS`` is closed, with a 408 if a request was still arriving. Pipelined requests are answered in order,
 one at a time; reading pauses while ``MAX_QUEUED`` wait. ``Expect: 100-continue`` gets its interim answer once the
-request is next. A malformed request, or a body over ``MAX_BODY`` bytes, gets its OpenAI error (400, 413) after
-the answers before it, and the connection closes. A client that disconnects cancels its request's task: the
-handler's ``CancelledError`` closes the node legs (the nodes abort).
+request is next. A malformed request, a head over ``MAX_HEAD`` bytes or a body over ``MAX_BODY`` bytes gets its
+OpenAI error (400, 431, 413) after the answers before it, and the connection closes. A client that disconnects
+cancels its request's task: the handler's ``CancelledError`` closes the node legs (the nodes abort).
 """
 
 from __future__ import annotations
@@ -36,12 +36,13 @@ from pdpool.server.errors import APIError
 logger = logging.getLogger("pdpool.router")
 
 MAX_BODY = 64 * 1024 * 1024     # as aiohttp's client_max_size was
+MAX_HEAD = 64 * 1024            # request line and headers, counted over the reads wholly inside one head (431)
 MAX_QUEUED = 16                 # pipelined requests waiting before reading pauses
 KEEPALIVE_SECONDS = 75.0        # an idle connection is closed after this long (aiohttp's default)
 REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
            405: "Method Not Allowed", 408: "Request Timeout", 413: "Payload Too Large", 415: "Unsupported Media Type",
-           422: "Unprocessable Entity", 429: "Too Many Requests", 500: "Internal Server Error",
-           502: "Bad Gateway", 503: "Service Unavailable", 504: "Gateway Timeout"}
+           422: "Unprocessable Entity", 429: "Too Many Requests", 431: "Request Header Fields Too Large",
+           500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable", 504: "Gateway Timeout"}
 
 
 def error_body(message: str, status: int) -> bytes:
@@ -70,7 +71,7 @@ class Request:
         self.http_10 = False
         self._url = b""
         self._chunks: list[bytes] = []
-        self._size = 0
+        self._size = 0                # bytes read: of the head (see data_received), then of the body
         self.expect_continue = False
         self.error: tuple[int, str] | None = None   # answered with this error, then the connection closes
 
@@ -186,12 +187,20 @@ class HttpConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closing:
             return                    # after a malformed request nothing more is read
+        r = self.incoming
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._refuse(400, "protocol upgrades are not supported")
         except httptools.HttpParserError as exc:
             self._refuse(400, f"malformed HTTP request: {exc}")
+        else:
+            if r is not None and r is self.incoming and not r.method:
+                # a read wholly inside one head: llhttp keeps the head (with no limit of its own) until it ends. The
+                # head's first and last reads are not counted (each at most a read's size, and shared with others).
+                r._size += len(data)
+                if r._size > MAX_HEAD:
+                    self._refuse(431, f"the request line and headers are larger than {MAX_HEAD} bytes")
 
     def connection_lost(self, exc) -> None:
         self.closed = True

@@ -312,3 +312,27 @@ def test_a_request_left_unfinished_is_a_408_after_the_keep_alive_time(app, monke
         assert status == 408 and headers["connection"] == "close" and json.loads(data)["error"]["message"]
         assert r.closed() and time.monotonic() - t0 < 5
 
+
+
+def test_a_head_too_large_is_431_and_not_held_in_memory(app, monkeypatch):
+    monkeypatch.setattr(server, "MAX_HEAD", 10_000)
+    with connect(app) as s:     # a head that never ends, a read at a time: refused once past the limit
+        s.sendall(post("/echo", b"first") + b"POST /echo HTTP/1.1\r\nX-Big: ")
+        r = Reader(s)
+        echo_ok(r.response(), b"first")
+        status = 0
+        for _ in range(100):
+            try:
+                s.sendall(b"a" * 1000)
+            except OSError:
+                break
+            time.sleep(0.002)
+        status, headers, data = r.response()
+        assert status == 431 and headers["connection"] == "close" and json.loads(data)["error"]["message"]
+        assert r.closed()
+    with connect(app) as s:     # a head under the limit in many reads is served
+        head = post("/echo", b"ok", "X-Big: " + "b" * 8000 + "\r\n")
+        for i in range(0, len(head), 500):
+            s.sendall(head[i:i + 500])
+            time.sleep(0.001)
+        echo_ok(Reader(s).response(), b"ok")
