@@ -128,7 +128,7 @@ class Reader:
             if n == 0:
                 return body
 
-    def response(self) -> tuple[int, dict, bytes]:
+    def response(self, head: bool = False) -> tuple[int, dict, bytes]:
         status = int(self._line().split()[1])
         headers = {}
         while True:
@@ -137,7 +137,7 @@ class Reader:
                 break
             name, _, value = line.decode().partition(":")
             headers[name.strip().lower()] = value.strip()
-        if status == 100:
+        if status == 100 or head:
             return status, headers, b""
         if "content-length" in headers:
             return status, headers, self._exactly(int(headers["content-length"]))
@@ -336,3 +336,50 @@ def test_a_head_too_large_is_431_and_not_held_in_memory(app, monkeypatch):
             s.sendall(head[i:i + 500])
             time.sleep(0.001)
         echo_ok(Reader(s).response(), b"ok")
+
+
+VALID = st.one_of(
+    st.builds(lambda n, c: post("/echo?q=%d" % n, b"v" * n, chunked=c), st.integers(0, 1000), st.booleans()),
+    st.just(b"GET /echo HTTP/1.1\r\nHost: x\r\nX-Test: t\r\n\r\n"),
+    st.just(b"HEAD /echo HTTP/1.1\r\nHost: x\r\n\r\n"),
+    st.just(b"GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n"),
+    st.just(post("/boom", b"{}")))
+LAST = st.sampled_from([b"", b"NOT HTTP AT ALL\r\n\r\n", post("/echo", b"x" * 1001),
+                        post("/echo", b"x" * 1001, chunked=True),
+                        b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab",
+                        b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+                        b"GET /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"])
+
+
+def answers_of(app: App, wires: list[bytes], cuts: list[int]) -> list[tuple]:
+    """(status, connection header, body) of each request sent on one connection as ``wires`` joined, cut at
+    ``cuts``; an answer's Date and X-Request-Id are left out."""
+    wire = b"".join(wires)
+    points = sorted({c % (len(wire) + 1) for c in cuts} | {0, len(wire)})
+    out = []
+    with connect(app) as s:
+        for a, b in zip(points, points[1:]):
+            try:
+                s.sendall(wire[a:b])
+            except OSError:         # closed after a refused request: the rest is not read
+                break
+            time.sleep(0.0005)
+        r = Reader(s)
+        for w in wires:
+            status, headers, body = r.response(head=w.startswith(b"HEAD "))
+            out.append((status, headers.get("connection"), headers.get("content-length"), body))
+            if headers.get("connection") == "close":
+                assert r.closed()
+                break
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(valid=st.lists(VALID, max_size=6), last=LAST, cuts=st.lists(st.integers(0, 100_000), max_size=8))
+def test_pipelined_valid_and_invalid_requests_answer_as_one_by_one(app, monkeypatch, valid, last, cuts):
+    """Any split of a pipeline of valid requests, maybe ending with an invalid one (malformed, too large) or a
+    Connection: close: the same answers, in order, as each request alone on its own connection."""
+    monkeypatch.setattr(server, "MAX_BODY", 1000)
+    wires = valid + ([last] if last else [])
+    alone = [answers_of(app, [w], [])[0] for w in wires]
+    assert answers_of(app, wires, cuts) == alone
