@@ -224,6 +224,8 @@ class HttpConnection(asyncio.Protocol):
             self.incoming = None
             return
         self.incoming = Request()
+        if self.task is None and not self.queue:   # idle until now: the request has its own full time to arrive
+            self._idle_since = self.loop.time()
 
     def on_url(self, url: bytes) -> None:
         if self.incoming is not None:

@@ -313,6 +313,21 @@ def test_a_request_left_unfinished_is_a_408_after_the_keep_alive_time(app, monke
         assert r.closed() and time.monotonic() - t0 < 5
 
 
+def test_a_request_has_the_whole_keep_alive_time_from_its_first_byte(app, monkeypatch):
+    """A connection idle for most of the keep-alive time, then a request sent slowly: served, not a 408 (the
+    time counts from the request's first byte, not from when the connection became idle)."""
+    monkeypatch.setattr(server, "KEEPALIVE_SECONDS", 0.6)
+    with connect(app) as s:
+        s.sendall(post("/echo", b"x"))
+        r = Reader(s)
+        echo_ok(r.response(), b"x")
+        time.sleep(0.4)
+        data = post("/echo", b"slow")
+        for i in range(0, len(data), len(data) // 4 + 1):
+            s.sendall(data[i:i + len(data) // 4 + 1])
+            time.sleep(0.1)
+        echo_ok(r.response(), b"slow")
+
 
 def test_a_head_too_large_is_431_and_not_held_in_memory(app, monkeypatch):
     monkeypatch.setattr(server, "MAX_HEAD", 10_000)
