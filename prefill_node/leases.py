@@ -71,6 +71,11 @@ class LeaseTable:
         """The id of the request's lease while it is in the table."""
         return self._by_request.get(request_id)
 
+    def leases_of_response(self, response_id: str) -> list[str]:
+        """The leases of the engine requests behind one API response: its ``X-Request-Id`` is their ids' prefix
+        (``<response id>-<8 hex>-<choice>``, ``pdpool.server.serving``), matched whole."""
+        return [lease_id for rid, lease_id in self._by_request.items() if rid.rsplit("-", 2)[0] == response_id]
+
     def remaining(self, lease: Lease) -> float:
         return max(0.0, lease.expires_at - self.clock())
 

@@ -5,6 +5,9 @@
 * ``POST /internal/kv/leases/renew``: body ``{"lease_ids": [...]}``, the decode node still queues these handoffs.
   Answers ``{"renewed": {lease_id: seconds}}`` for the leases still held (a full duration again, less the handle's
   safety margin); a lease missing from it is gone.
+* ``POST /internal/kv/responses/{request_id}/release``: the router's client left while this response (its
+  ``X-Request-Id``) was prefilling, and its handle may have been written but not read: frees its leases, if any.
+  Answers ``{"released": n}``.
 * ``POST /internal/kv/leases/{lease_id}/push``: push mode. Body ``{"agent_metadata": b64, "block_ids":
   [decode's block ids], "remote_block_ids": [this node's]}``; WRITEs the blocks into the decode node, then
   ends the lease as a notification would, and answers ``{"held": bool}``.
@@ -43,6 +46,11 @@ def lease_routes(node, token: str | None) -> list[web.RouteDef]:
         renewed = await node.require_llm().call(node.prefill.renew, lease_ids)
         return web.json_response({"renewed": renewed})
 
+    async def release_response(request: web.Request) -> web.Response:
+        internal_api.check(request, token)
+        released = await node.require_llm().call(node.prefill.release_response, request.match_info["request_id"])
+        return web.json_response({"released": released})
+
     async def push(request: web.Request) -> web.Response:
         internal_api.check(request, token)
         lease_id = request.match_info["lease_id"]
@@ -70,4 +78,5 @@ def lease_routes(node, token: str | None) -> list[web.RouteDef]:
 
     return [web.post("/internal/kv/leases/renew", renew),
             web.post("/internal/kv/leases/{lease_id}/notify", notify),
-            web.post("/internal/kv/leases/{lease_id}/push", push)]
+            web.post("/internal/kv/leases/{lease_id}/push", push),
+            web.post("/internal/kv/responses/{request_id}/release", release_response)]

@@ -121,6 +121,17 @@ class PrefillSide:
             self.scheduler.release_held_blocks(lease.request_id)
         return held
 
+    def release_response(self, response_id: str) -> int:
+        """The router's client left while this response's prefill was on its way back (``X-Request-Id``
+        ``response_id``): free its leases, if it has any by now. A prefill still running is aborted by the closed
+        connection instead (``on_abort``)."""
+        lease_ids = self.table.leases_of_response(response_id)
+        for lease_id in lease_ids:
+            logger.info("lease %s: the router's client left as request %s's handle went out; releasing it",
+                        lease_id, response_id)
+            self.notify(lease_id)
+        return len(lease_ids)
+
     def renew(self, lease_ids: list[str]) -> dict[str, float]:
         """The decode node still wants these leases: {lease id: seconds it may count on} for those still held."""
         self.expire_leases()

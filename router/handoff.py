@@ -8,7 +8,9 @@
             client disconnects                          -> upstream connections closed (the nodes abort, the
                                                            prefill leg included), and a prefill lease the decode
                                                            node may not have reached is released at once
-                                                           (POST .../notify {"release": true})
+                                                           (POST .../notify {"release": true}); one the client
+                                                           left mid-prefill may have had written is released by
+                                                           its request id (POST .../responses/{id}/release)
 """
 
 from __future__ import annotations
@@ -124,7 +126,11 @@ class RequestPath:
             # behind others, it would hold blocks and compute for nothing; one that finished meanwhile has its
             # lease freed by the node on that abort). A leg that had answered already: free its lease here.
             leg.add_done_callback(lambda t: self._release_after(t, p, rr.request_id))
-            leg.cancel()
+            if not leg.done():
+                # Its answer may be written already and not read yet (then the node takes it as delivered and
+                # its abort frees nothing): the node frees this response's leases, if it has any by now.
+                leg.cancel()
+                self._spawn(self.upstream.release_response(p.url, rr.request_id))
             raise
         except UpstreamError as err:
             self._failed(p, err)

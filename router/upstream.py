@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from urllib.parse import quote
 
 import aiohttp
 
@@ -137,12 +138,21 @@ class Upstream:
 
     async def release_lease(self, node_url: str, lease_id: str, request_id: str) -> None:
         """Tell a prefill node to free a lease's blocks now (best effort; the lease expires anyway)."""
-        url = f"{node_url}/internal/kv/leases/{lease_id}/notify"
+        await self._release(f"{node_url}/internal/kv/leases/{quote(lease_id, safe='')}/notify", f"lease {lease_id}",
+                            node_url, request_id)
+
+    async def release_response(self, node_url: str, request_id: str) -> None:
+        """Tell a prefill node to free the leases of response ``request_id``, if it has any: its client left while
+        the prefill leg was on its way back, so a handle the node wrote may never have been read (best effort)."""
+        await self._release(f"{node_url}/internal/kv/responses/{quote(request_id, safe='')}/release",
+                            f"the leases of {request_id}", node_url, request_id)
+
+    async def _release(self, url: str, what: str, node_url: str, request_id: str) -> None:
         try:
             async with self.session.post(url, json={"release": True}, headers=self.headers(request_id),
                                          timeout=self.timeout(5.0)) as resp:
                 await resp.read()
                 if resp.status != 200:
-                    logger.warning("lease %s release at %s answered %d", lease_id, node_url, resp.status)
+                    logger.warning("release of %s at %s answered %d", what, node_url, resp.status)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            logger.info("could not release lease %s at %s (it expires on its own): %s", lease_id, node_url, exc)
+            logger.info("could not release %s at %s (leases expire on their own): %s", what, node_url, exc)

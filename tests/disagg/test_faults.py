@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from cluster import assert_no_leaks, completion_body, token_ids, wait_for
+from cluster import assert_no_leaks, completion_body, internal_post, token_ids, wait_for
 from proxy import DisaggProxy
 
 LEASE_S = 3.0
@@ -93,6 +93,21 @@ def test_cancelled_decode_releases_the_lease(nodes, expected):
             **handle, **held("before_transfer", 0.5)}}, timeout=0.2)
     wait_for(lambda: pf.kv()["leases"] == 0, LEASE_S - 0.3, "the cancelled decode to release the lease")
     assert pf.kv()["expiries"] == expiries  # ended by the decode node, not by expiry
+
+
+def test_a_response_whose_handle_was_never_read_is_released_by_its_request_id(nodes):
+    """The router's client left as the prefill answer went out: ``POST /internal/kv/responses/{X-Request-Id}/release``
+    frees that response's lease (and needs the internal token); another id frees nothing."""
+    pf = nodes["pf"]
+    first = {**completion_body(PROMPT + " lost", 6), "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    r = httpx.post(pf.url + "/v1/completions", json=first, headers={"X-Request-Id": "lost-answer-7"}, timeout=60)
+    assert r.status_code == 200 and r.json()["kv_transfer_params"]["lease_id"]
+    assert pf.kv()["leases"] == 1
+    assert internal_post(pf, "kv/responses/lost-answer-7/release", token=None).status_code in (401, 403)
+    assert internal_post(pf, "kv/responses/lost-answer/release").json() == {"released": 0}
+    assert pf.kv()["leases"] == 1
+    assert internal_post(pf, "kv/responses/lost-answer-7/release").json() == {"released": 1}
+    assert pf.kv()["leases"] == 0
 
 
 def test_prefill_killed_between_handle_and_pull(nodes, expected):

@@ -134,3 +134,17 @@ def test_renew_never_revives_an_ended_lease():
     assert table.renew(expired.lease_id) is None and table.renew(notified.lease_id) is None
     assert table.renew("unknown") is None and table.num_renewed == 0
     assert table.expire() == [expired] and table.num_leased_blocks == 0
+
+
+def test_leases_of_a_response_are_its_engine_requests_only():
+    """``<response id>-<8 hex>-<choice>`` (pdpool.server.serving): the response id is matched whole, dashes in it
+    included, never as a mere prefix of another response's id."""
+    table = LeaseTable(5.0, clock=Clock())
+    mine = [table.issue(f"abc-1-0a1b2c3d-{i}", [i]).lease_id for i in range(2)]
+    table.issue("abc-0a1b2c3d-0", [7])            # response "abc"
+    table.issue("abc-10-0a1b2c3d-0", [8])         # response "abc-10"
+    assert sorted(table.leases_of_response("abc-1")) == sorted(mine)
+    assert len(table.leases_of_response("abc")) == 1 and table.leases_of_response("ab") == []
+    for lease_id in mine:
+        table.notify(lease_id)
+    assert table.leases_of_response("abc-1") == []

@@ -58,3 +58,21 @@ def test_abort_after_finish_releases_the_undelivered_lease(demo_model_dir):
     engine.abort_request("undelivered")               # a repeated abort, or one of an unknown id: nothing to free
     engine.abort_request("unknown")
     assert pool.num_free_blocks == idle_free
+
+
+def test_release_by_response_id_frees_that_responses_leases_only(demo_model_dir):
+    """The router's client left as the prefill answer went out (written, never read): the router has the node free
+    the leases of that response (``X-Request-Id``; engine ids ``<id>-<8 hex>-<choice>``), and nothing else."""
+    engine, (side,) = prefill_engine()
+    pool = engine.kv_cache_manager.pool
+    idle_free = pool.num_free_blocks
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    for rid, start in (("gone-1-0a1b2c3d-0", 100), ("gone-10-0a1b2c3d-0", 200)):
+        engine.add_request(rid, list(range(start, start + 80)), params, kv_transfer_params={"do_remote_decode": True})
+        assert run_to_finish(engine, rid).kv_transfer_params["lease_id"]
+    kept = side.table.lease_of("gone-10-0a1b2c3d-0")
+    assert side.release_response("gone-1") == 1
+    assert list(side.table.leases) == [kept] and pool.num_free_blocks < idle_free
+    assert side.release_response("gone-1") == 0 and side.release_response("unknown") == 0
+    assert side.release_response("gone-10") == 1
+    assert side.table.num_leased_blocks == 0 and pool.num_free_blocks == idle_free
