@@ -143,13 +143,11 @@ def _main_workers(cfg, profile) -> int:
 
 
 def _settle_gc() -> None:
-    """The start-up heap (modules, tokenizer, config: about 58k objects) goes to the permanent generation, so
-    full collections no longer walk it, and the youngest generation is collected every 5000 net allocations, not
-    700: about one request in 25 at 200 req/s paid a 0.1 ms collection. What requests keep (the token cache, the
-    hash memo) levels off at about 15k objects. Measured with the paced replay on a 16-core host:
-    docs/performance.md, router overhead round 12."""
+    """The start-up heap (modules, tokenizer, config: about 58k of the 72k objects the router tracks once its caches
+    are full) goes to the permanent generation, so the full collections (one took 15 ms) no longer walk it. A
+    larger gen0 threshold as well (5000) measured no better than the default 700 (docs/performance.md, router
+    overhead round 12)."""
     gc.freeze()
-    gc.set_threshold(5000, 20, 100)
 
 
 async def _serve(router, host: str, port: int, reuse_port: bool = False, worker: int | None = None) -> None:

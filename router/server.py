@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import socket
+import sys
 import time
 from collections import deque
 from email.utils import formatdate
@@ -35,6 +36,9 @@ from pdpool.server.errors import APIError
 
 logger = logging.getLogger("pdpool.router")
 
+# A request's task starts eagerly on Python 3.12+ (asyncio's own eager_start, in C). On 3.11 the hand-made start
+# of router/eager.py costs more than the loop iteration it saves (docs/performance.md, router overhead round 12).
+EAGER = sys.version_info >= (3, 12)
 MAX_BODY = 64 * 1024 * 1024     # as aiohttp's client_max_size was
 MAX_HEAD = 64 * 1024            # request line and headers, counted over the reads wholly inside one head (431)
 MAX_QUEUED = 16                 # pipelined requests waiting before reading pauses
@@ -304,7 +308,7 @@ class HttpConnection(asyncio.Protocol):
             if r.error is not None:
                 self._answer_error(r)
                 return
-            if asyncio.current_task(self.loop) is None:   # from a callback: the request's first step runs now
+            if EAGER and asyncio.current_task(self.loop) is None:   # from a callback: its first step runs now
                 start_eagerly(self.loop, self._serve(r))   # (``_serve`` records its task)
             else:                     # from the task of the request before it: on the loop's next iteration
                 self.task = self.loop.create_task(self._serve(r))

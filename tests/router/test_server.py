@@ -72,8 +72,10 @@ class App:
             exchange.respond(404, server.error_body("Not Found", 404))
 
 
-@pytest.fixture
-def app():
+@pytest.fixture(params=[False, True], ids=["plain-start", "eager-start"])
+def app(request, monkeypatch):
+    """Every test with request tasks started as Python 3.11 starts them here and as 3.12 does (router/eager.py)."""
+    monkeypatch.setattr(server, "EAGER", request.param)
     a = App()
     yield a
     a.stop()
