@@ -4,11 +4,12 @@
         the coroutine runs now, up to its first real wait (for the router: parse, tokenize, plan, and the
         upstream request written); the task then goes on from that wait as any task does
 
-A request's task used to begin on the loop's next iteration, after the callback that parsed the request returned:
-12-15 µs of the router's serial path per request (docs/performance.md, router overhead round 11). Python 3.12's
-``eager_start`` does exactly this; on 3.11 ``_Resumed`` does it. The coroutine's first step runs with its task
-current (``asyncio.current_task()``; aiohttp's timeouts need it) and in the task's context, so what it sets in a
-context variable (the request id) holds for the rest.
+The router's server (``router/server.py``) starts each request's task this way on Python 3.12+, where it is
+asyncio's own ``eager_start`` (in C). ``_Resumed`` does the same on 3.11, with the task current
+(``asyncio.current_task()``; aiohttp's timeouts need it) and in the task's context, so what the first step sets in a
+context variable (the request id) holds for the rest. It is correct (tests/router/test_eager.py, and the server's
+tests run with it), but under uvloop it costs more than the loop iteration it saves, so the server does not use it on
+3.11 (docs/performance.md, router overhead round 12).
 """
 
 from __future__ import annotations
