@@ -166,7 +166,9 @@ class Response:
 
     def take_body(self) -> bytes:
         """The body bytes buffered and not read yet, read now (for ``on_complete``: the whole body)."""
-        data = b"".join(self._take())
+        chunks = self._chunks
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
         self._buffered = 0
         return data
 
