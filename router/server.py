@@ -63,7 +63,7 @@ class Headers(dict):
 
 class Request:
     __slots__ = ("method", "path", "query", "headers", "body", "keep_alive", "http_10", "_url", "_chunks",
-                 "_size", "expect_continue", "error")
+                 "_size", "expect_continue", "error", "upgrade")
 
     def __init__(self) -> None:
         self.method = ""
@@ -78,6 +78,7 @@ class Request:
         self._size = 0                # bytes read: of the head (see data_received), then of the body
         self.expect_continue = False
         self.error: tuple[int, str] | None = None   # answered with this error, then the connection closes
+        self.upgrade = False          # asked for another protocol (``Upgrade``, ``CONNECT``): see _declined_upgrade
 
 
 _date = ["", 0.0]
@@ -174,6 +175,7 @@ class HttpConnection(asyncio.Protocol):
         self._drain: asyncio.Future | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
         self._idle_since: float | None = None   # when the connection last became idle; None while it serves
+        self._upgrading: Request | None = None  # a request that asked for another protocol, its head parsed
 
     # ---- asyncio.Protocol ---------------------------------------------------------------------------------
 
@@ -194,8 +196,8 @@ class HttpConnection(asyncio.Protocol):
         r = self.incoming
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._refuse(400, "protocol upgrades are not supported")
+        except httptools.HttpParserUpgrade as exc:
+            self._declined_upgrade(data[exc.args[0]:])
         except httptools.HttpParserError as exc:
             self._refuse(400, f"malformed HTTP request: {exc}")
         else:
@@ -253,6 +255,8 @@ class HttpConnection(asyncio.Protocol):
         url = r._url.decode("latin-1")
         path, _, r.query = url.partition("?")
         r.path = unquote(path) if "%" in path else path
+        if "upgrade" in r.headers or r.method == "CONNECT":
+            r.upgrade = self.parser.should_upgrade()
         length = r.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > MAX_BODY:
             self._refuse(413, f"the request body is larger than {MAX_BODY} bytes")   # without reading it
@@ -278,6 +282,9 @@ class HttpConnection(asyncio.Protocol):
         if r is None:
             return
         self.incoming = None
+        if r.upgrade:                 # llhttp ends the message at its head: _declined_upgrade reads it again
+            self._upgrading = r
+            return
         self._idle_since = None       # busy: the idle timer, left armed, finds that when it fires
         r.body = r._chunks[0] if len(r._chunks) == 1 else b"".join(r._chunks)
         r._chunks = []
@@ -289,6 +296,24 @@ class HttpConnection(asyncio.Protocol):
             self.transport.pause_reading()
 
     # ---- serving ------------------------------------------------------------------------------------------------
+
+    def _declined_upgrade(self, rest: bytes) -> None:
+        """A request asked to switch protocols (``Upgrade: h2c`` from ``curl --http2``, a WebSocket handshake):
+        llhttp stopped at the end of its head, as if everything after it were the new protocol's. The router
+        speaks only HTTP/1.1 and may ignore the ask (RFC 9110, 7.8), so the request is read again as a plain one,
+        body included, from its head without the upgrade, and answered with ``Connection: close``: a client still
+        waiting for ``101`` learns that none comes, and nothing it sends after the request is read as HTTP."""
+        r, self._upgrading = self._upgrading, None
+        if r is None or r.method == "CONNECT":
+            self._refuse(405 if r is not None else 400, "the CONNECT method is not supported" if r is not None
+                         else "protocol upgrades are not supported")
+            return
+        drop = {"upgrade", "connection", "http2-settings", "keep-alive"}
+        head = [f"{r.method} {r._url.decode('latin-1')} HTTP/{'1.0' if r.http_10 else '1.1'}\r\n"]
+        head += [f"{name}: {value}\r\n" for name, value in r.headers.items() if name not in drop]
+        head.append("Connection: close\r\n\r\n")
+        self.parser = httptools.HttpRequestParser(self)
+        self.data_received("".join(head).encode("latin-1") + rest)
 
     def _refuse(self, status: int, message: str) -> None:
         r = Request()

@@ -400,3 +400,41 @@ def test_pipelined_valid_and_invalid_requests_answer_as_one_by_one(app, monkeypa
     wires = valid + ([last] if last else [])
     alone = [answers_of(app, [w], [])[0] for w in wires]
     assert answers_of(app, wires, cuts) == alone
+
+
+H2C = post("/echo", b"hello", "Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+                             "HTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n")     # what ``curl --http2 -d`` sends
+WEBSOCKET = post("/echo", b"hello", "Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+                 "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n") + b"\x81\x85not-http"
+
+
+@pytest.mark.parametrize("wire", [H2C, WEBSOCKET, post("/echo", b"first") + H2C], ids=["h2c", "websocket", "second"])
+@pytest.mark.parametrize("cut", [None, "head", 3])
+def test_an_upgrade_request_is_answered_as_plain_http_then_the_connection_closes(app, wire, cut):
+    """A server may ignore Upgrade (RFC 9110 7.8): the request gets one answer, body read, with Connection: close,
+    and what the client sends after it (another protocol's bytes) is not read as HTTP. Before, the router answered
+    it without its body and then answered a 400 too."""
+    cut = wire.index(b"\r\n\r\n", wire.index(b"Upgrade")) + 4 if cut == "head" else cut
+    with connect(app) as s:
+        if cut is None:
+            s.sendall(wire)
+        else:
+            s.sendall(wire[:cut])
+            time.sleep(0.05)
+            s.sendall(wire[cut:])
+        r = Reader(s)
+        if wire.startswith(post("/echo", b"first")):
+            echo_ok(r.response(), b"first")
+        status, headers, data = r.response()
+        echo_ok((status, headers, data), b"hello")
+        assert headers["connection"] == "close"
+        assert r.closed()
+
+
+def test_connect_is_405_then_close(app):
+    with connect(app) as s:
+        s.sendall(b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n\x16\x03\x01")
+        r = Reader(s)
+        status, headers, data = r.response()
+        assert status == 405 and "CONNECT" in json.loads(data)["error"]["message"]
+        assert r.closed()
