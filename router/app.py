@@ -33,7 +33,7 @@ from pdpool.router.scheduler import Scheduler
 from pdpool.router.server import Exchange, Request
 from pdpool.router.settings import SchedulerProfile
 from pdpool.router.upstream import Upstream
-from pdpool.server import protocol
+from pdpool.server import protocol, tokenize
 from pdpool.server.auth import check_api_key
 from pdpool.server.errors import APIError
 
@@ -47,7 +47,8 @@ MODEL_PATH = "/v1/models/{model}"
 ROUTES = {("POST", "/v1/completions"): "generate", ("POST", "/v1/chat/completions"): "generate",
           ("GET", "/v1/models"): "models", ("GET", MODEL_PATH): "model", ("GET", "/health/live"): "health_live",
           ("GET", "/health/ready"): "health_ready", ("GET", "/health"): "health_ready",
-          ("GET", "/metrics"): "metrics_page", ("GET", "/openapi.json"): "openapi_page"}
+          ("GET", "/metrics"): "metrics_page", ("GET", "/openapi.json"): "openapi_page",
+          ("POST", "/tokenize"): "tokenize_page", ("POST", "/detokenize"): "detokenize_page"}
 _ALLOWED: dict[str, list[str]] = {}
 for _method, _path in ROUTES:
     _ALLOWED.setdefault(_path, []).extend([_method, "HEAD"] if _method == "GET" else [_method])
@@ -214,10 +215,7 @@ class Router:
                            code="too_many_requests")
         self.num_inflight += 1
         try:
-            content_type = request.headers.get("content-type")
-            if content_type is not None and not _is_json_type(content_type):
-                raise APIError(f"Content-Type must be application/json, got {protocol.short_repr(content_type)}")
-            body = protocol.read_json_body(request.body)
+            body = self._body(request)
             rr = parse(request.path, body, self.frontend, self.served_names, rid, request.body)
             await self.path.serve(exchange, rr)
         finally:
@@ -245,6 +243,19 @@ class Router:
         if name not in self.served_names:
             raise protocol.model_not_found(name, self.served_names)
         return _json(self._model_card())
+
+    def _body(self, request: Request) -> dict:
+        content_type = request.headers.get("content-type")
+        if content_type is not None and not _is_json_type(content_type):
+            raise APIError(f"Content-Type must be application/json, got {protocol.short_repr(content_type)}")
+        return protocol.read_json_body(request.body)
+
+    async def tokenize_page(self, request: Request):
+        """vLLM's ``POST /tokenize``, from the router's own front end (no node is asked)."""
+        return _json(tokenize.tokenize(self._body(request), self.frontend, self.served_names, self.max_model_len()))
+
+    async def detokenize_page(self, request: Request):
+        return _json(tokenize.detokenize(self._body(request), self.frontend, self.served_names))
 
     async def health_live(self, request: Request):
         return _json({"status": "alive", "pid": os.getpid()})  # with --workers: which one answered

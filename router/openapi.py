@@ -21,6 +21,19 @@ _DOCS = {
     ("GET", "/health/ready"): ("200 when at least one decode-capable node is usable, else 503.", None, None),
     ("GET", "/metrics"): ("Prometheus metrics (pdpool_router_*).", None, None),
     ("GET", "/openapi.json"): ("This document.", None, None),
+    ("POST", "/tokenize"): ("vLLM's tokenize: token ids of a prompt or of a chat (its template applied), from the "
+                            "router's own tokenizer.", None, None),
+    ("POST", "/detokenize"): ("vLLM's detokenize: the text of token ids.", None, None),
+}
+_BODIES = {
+    "/tokenize": {"type": "object", "additionalProperties": True, "properties": {
+        "model": {"type": "string"}, "prompt": {"type": "string"},
+        "messages": {"type": "array", "items": {"type": "object"}},
+        "add_special_tokens": {"type": "boolean", "description": "default: true with prompt, false with messages"},
+        "add_generation_prompt": {"type": "boolean"}, "continue_final_message": {"type": "boolean"},
+        "return_token_strs": {"type": "boolean"}}},
+    "/detokenize": {"type": "object", "required": ["tokens"], "additionalProperties": True, "properties": {
+        "model": {"type": "string"}, "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}},
 }
 
 
@@ -47,6 +60,11 @@ def spec(routes, title: str = "pdpool router") -> dict:
                                    "context on chat")},
                                "stream_options": {"type": "object"}}}}}}
             op["responses"] = _GEN_RESPONSES
+            op["security"] = [{"bearer": []}]
+        elif path in _BODIES:
+            op["requestBody"] = {"required": True, "content": {"application/json": {"schema": _BODIES[path]}}}
+            op["responses"] = {"200": {"description": "OK", "content": {"application/json": {
+                "schema": {"type": "object"}}}}, "400": _ERROR, "401": _ERROR, "404": _ERROR}
             op["security"] = [{"bearer": []}]
         else:
             op["responses"] = {"200": {"description": "OK"}}

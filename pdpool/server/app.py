@@ -18,7 +18,7 @@ from typing import Protocol
 from aiohttp import web
 
 from pdpool.logs import HEADER as REQUEST_ID_HEADER, request_id_from, request_id_var
-from pdpool.server import protocol
+from pdpool.server import protocol, tokenize
 from pdpool.server.auth import check_api_key
 from pdpool.server.errors import APIError, error_middleware
 from pdpool.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -133,6 +133,20 @@ async def _generate(request: web.Request, llm, req: protocol.GenerationRequest) 
         raise
 
 
+async def tokenize_route(request: web.Request) -> web.Response:
+    """vLLM's ``POST /tokenize`` (``pdpool.server.tokenize``)."""
+    body = await protocol.read_json(request)
+    llm = request.app[NODE_KEY].require_llm()
+    return web.json_response(tokenize.tokenize(body, llm.frontend, _served_names(request), llm.max_model_len))
+
+
+async def detokenize_route(request: web.Request) -> web.Response:
+    """vLLM's ``POST /detokenize``."""
+    body = await protocol.read_json(request)
+    llm = request.app[NODE_KEY].require_llm()
+    return web.json_response(tokenize.detokenize(body, llm.frontend, _served_names(request)))
+
+
 def _model_card(request: web.Request) -> dict:
     cfg = request.app[CONFIG_KEY]
     node = request.app[NODE_KEY]
@@ -184,6 +198,8 @@ def create_app(node_config, node: ServedNode, routes: list[web.RouteDef] = ()) -
     app[CONFIG_KEY] = node_config
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/tokenize", tokenize_route)
+    app.router.add_post("/detokenize", detokenize_route)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model:.+}", model)
     app.router.add_get("/health", health_ready)

@@ -103,7 +103,8 @@ def test_models_health_openapi_metrics(router):
     assert httpx.get(router.url + "/health/ready").status_code == 200
     spec = httpx.get(router.url + "/openapi.json").json()
     assert set(spec["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}",
-                                  "/health/live", "/health/ready", "/metrics", "/openapi.json"}
+                                  "/health/live", "/health/ready", "/metrics", "/openapi.json", "/tokenize",
+                                  "/detokenize"}
     body = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body["properties"]["max_tokens"]["type"] == ["integer", "null"]   # null: the rest of the context
     router.client().completions.create(model="demo", prompt="metrics", max_tokens=1)   # a decision, also alone
@@ -111,6 +112,25 @@ def test_models_health_openapi_metrics(router):
     assert m['pdpool_router_index_mode{mode="precise"}'] == 1
     assert m["pdpool_router_decision_seconds_count"] > 0
     assert m['pdpool_router_prefix_predicted_hit_tokens_total{role="prefill"}'] >= 0
+
+
+def test_tokenize_and_detokenize_as_a_node_answers(cluster, router):
+    """vLLM's /tokenize and /detokenize, answered by the router's own front end: the same as a node's."""
+    node = cluster["d0"].url
+    for body in ({"prompt": PROMPT, "return_token_strs": True}, {"model": "demo", "messages": CHAT},
+                 {"messages": CHAT, "add_generation_prompt": False, "add_special_tokens": True}):
+        mine, theirs = httpx.post(router.url + "/tokenize", json=body), httpx.post(node + "/tokenize", json=body)
+        assert mine.status_code == theirs.status_code == 200, (mine.text, theirs.text)
+        assert mine.json() == theirs.json()
+    ids = httpx.post(router.url + "/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    chat_ids = httpx.post(router.url + "/tokenize", json={"messages": CHAT}).json()["tokens"]
+    usage = router.client().chat.completions.create(model="demo", messages=CHAT, max_tokens=1).usage
+    assert usage.prompt_tokens == len(chat_ids)          # what the chat endpoint prompts
+    assert httpx.post(router.url + "/detokenize", json={"tokens": ids}).json() == {"prompt": PROMPT}
+    bad = httpx.post(router.url + "/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert httpx.post(router.url + "/tokenize", json={"prompt": "x", "model": "other"}).status_code == 404
+    assert httpx.get(router.url + "/tokenize").status_code == 405
 
 
 # ---- the API surface ------------------------------------------------------------------------------------
