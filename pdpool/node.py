@@ -35,7 +35,7 @@ from pdpool.kv_metrics import KVMetrics
 from pdpool.server.app import create_app
 from pdpool.server.errors import APIError
 from pdpool.server.metrics import ServerMetrics
-from pdpool.utils import wait_for_stop_signal
+from pdpool.utils import raise_open_files_limit, wait_for_stop_signal
 
 logger = logging.getLogger("pdpool.node")
 
@@ -337,4 +337,5 @@ async def serve(config, *, stop: asyncio.Event | None = None) -> None:
 
 def run(config) -> None:
     """``pdpool serve``: one node, in this process."""
+    raise_open_files_limit()
     asyncio.run(serve(config))

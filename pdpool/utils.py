@@ -21,3 +21,24 @@ async def wait_for_stop_signal(stop: "asyncio.Event | None" = None) -> None:
         except (NotImplementedError, RuntimeError):  # not the main thread, or no signals here
             pass
     await stop.wait()
+
+
+def raise_open_files_limit(target: int = 65536) -> tuple[int, int]:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to ``target`` (at most the hard limit), as vLLM's and SGLang's
+    servers do at start; returns the (soft, hard) limits in force. A container runtime may start a process with a
+    soft limit of 1024 (containerd 2 does), and a router holds a client socket and a node socket for every request
+    in flight: at the default it stalls at a few hundred concurrent requests, accepting nothing more. Never lowers
+    a limit; a refusal (a sandbox) is logged and the limit kept."""
+    import logging
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError) as exc:
+            logging.getLogger("pdpool").warning("cannot raise the open-files limit from %d to %d: %s", soft, want,
+                                                exc)
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return soft, hard

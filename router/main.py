@@ -11,7 +11,7 @@ import time
 
 from pdpool import logs as log
 from pdpool.router import log_lines, settings
-from pdpool.utils import wait_for_stop_signal
+from pdpool.utils import raise_open_files_limit, wait_for_stop_signal
 
 logger = logging.getLogger("pdpool.router")
 
@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pdpool router: error: --kubernetes: {exc}", file=sys.stderr)
             return 2
     log.configure()
+    raise_open_files_limit()          # before the workers fork: they inherit it
     _lean_log_records()
     log_lines.buffer_root_handlers()   # a line per request: written in batches (router/log_lines.py)
     if r.workers > 1:
