@@ -95,6 +95,9 @@ def parse(path: str, body: dict, frontend: Frontend, served_names: list[str], re
         stop_ids = getattr(req.params, "stop_token_ids", None)
         if stop_ids:
             _frontend.check_token_ids(stop_ids, frontend.vocab_size, "stop_token_ids")
+        logit_bias = getattr(req.params, "logit_bias", None)
+        if logit_bias:  # the node checks its ids too: the same 400, before any routing
+            _frontend.check_token_ids(list(logit_bias), frontend.vocab_size, "logit_bias")
     except _REFUSED as exc:
         raise APIError(str(exc), param=exc.param) from None
     return RoutedRequest(path, body, req, [e[0] for e in encoded], request_id, raw, [e[1] for e in encoded],

@@ -1,10 +1,12 @@
-"""Batched sampling: penalties, temperature, top-k/top-p/min-p, per-request seeds, logprobs.
+"""Batched sampling: logit bias, penalties, temperature, top-k/top-p/min-p, per-request seeds, logprobs.
 
-Order (vLLM's): min-tokens stop masking, repetition penalty, presence/frequency penalties, then (random rows only)
-temperature, top-k, top-p, min-p, and the draw. Greedy rows take the argmax of the penalized logits.
+Order (vLLM v1's sampler): min-tokens stop masking, ``logit_bias`` (both are its non-argmax-invariant logits
+processors, applied before penalties), repetition penalty, presence/frequency penalties, then (random rows only)
+temperature, top-k, top-p, min-p, and the draw. Greedy rows take the argmax of the biased, penalized logits.
 
-Logprobs (sampled token and top-n) come from the raw model logits, log_softmax before any processing: vLLM's
-default `raw_logprobs`, so a token's reported logprob does not depend on the request's sampling settings.
+Logprobs (sampled token and top-n) come from the raw model logits, log_softmax before any processing (bias
+included): vLLM's default `raw_logprobs`, so a token's reported logprob does not depend on the request's sampling
+settings.
 
 One request's failure is its own. ``SamplingParams.validate`` keeps bad values out, but should a request's own work
 still raise (its stop-token masking, its penalties, its top-k/top-p/min-p, its seeded generator), that row fails
@@ -203,6 +205,9 @@ class Sampler:
             return PendingSample(token_ids, logprob_parts, top_n, failed, self._pinned)
         logits = raw.float()  # every other path works in float32 (exact from bf16/fp16), as before
         processed = logits if processed is raw else processed.float()
+        if plan.bias_rows:
+            processed = processed.clone() if processed is logits else processed
+            self._add_logit_bias(processed, params, plan, failed)
         penalized = [i for i, p in enumerate(params) if p.has_penalties]
         if penalized:
             processed = processed.clone() if processed is logits else processed
@@ -241,6 +246,19 @@ class Sampler:
         if plan.any_logprobs:
             logprob_parts, top_n = self._logprobs(logits, params, token_ids)
         return PendingSample(token_ids, logprob_parts, top_n, failed, self._pinned)
+
+    @staticmethod
+    def _add_logit_bias(processed: torch.Tensor, params: list[SamplingParams], plan: "SamplingPlan",
+                        failed: dict[int, str]) -> None:
+        """In place on [R, V] float32: each biased row's bias at its ids (one scatter-add over the batch, its
+        columns uploaded once per plan). A row with an id beyond V fails alone (on CUDA it would be a device
+        assert: checked on the host, once per plan and vocab size)."""
+        rows, ids, values, bad = plan.logit_bias(params, processed.shape[1], processed.device)
+        for i in bad:
+            failed.setdefault(i, _reason(IndexError(f"logit_bias token ids are outside the vocabulary "
+                                                    f"[0, {processed.shape[1]})")))
+        if rows is not None:
+            processed.index_put_((rows, ids), values, accumulate=True)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, params: list[SamplingParams], token_ids: torch.Tensor):
@@ -307,13 +325,34 @@ class SamplingPlan:
     arrival and the next one's finish), so a step pays no per-row Python for it. The params must not change
     while a plan of them is in use (the engine never changes a request's params)."""
 
-    __slots__ = ("min_token_rows", "fusable", "any_logprobs", "_temperature")
+    __slots__ = ("min_token_rows", "bias_rows", "fusable", "any_logprobs", "_temperature", "_bias")
 
     def __init__(self, params: list[SamplingParams]):
         self.min_token_rows = [i for i, p in enumerate(params) if p.min_tokens > 0]
-        self.fusable = all(_fusable(p) for p in params)
+        self.bias_rows = [i for i, p in enumerate(params) if getattr(p, "logit_bias", None)]
+        self.fusable = not self.bias_rows and all(_fusable(p) for p in params)
         self.any_logprobs = any(p.logprobs is not None for p in params)
         self._temperature: torch.Tensor | None = None  # [R] float32 on the logits' device, 0 for greedy rows
+        self._bias: tuple | None = None  # (vocab, device, rows [N], ids [N], values [N], bad rows) of logit_bias
+
+    def logit_bias(self, params: list[SamplingParams], vocab: int, device: torch.device) -> tuple:
+        """The biased rows' entries as three flat columns, row [N] and id [N] int64 and bias [N] float32 (None
+        when no row is left), and the rows whose ids reach beyond ``vocab`` (left out of the columns)."""
+        cached = self._bias
+        if cached is None or cached[0] != vocab or cached[1] != device:
+            rows, ids, values, bad = [], [], [], []
+            for i in self.bias_rows:
+                bias = params[i].logit_bias
+                if any(not 0 <= t < vocab for t in bias):
+                    bad.append(i)
+                    continue
+                rows += [i] * len(bias)
+                ids += bias.keys()
+                values += bias.values()
+            columns = ((column(rows, torch.long, device), column(ids, torch.long, device),
+                        column(values, torch.float32, device)) if rows else (None, None, None))
+            cached = self._bias = (vocab, device, *columns, bad)
+        return cached[2:]
 
     def temperature(self, params: list[SamplingParams], device: torch.device) -> torch.Tensor:
         """The fused pass's temperature column, uploaded once (the pass only reads it)."""
@@ -324,7 +363,8 @@ class SamplingPlan:
 
 
 def _fusable(p: SamplingParams) -> bool:
-    """The fused pass does temperature or greedy only, and draws from its own stream: no seeded random row."""
+    """The fused pass does temperature or greedy only, and draws from its own stream: no seeded random row, no
+    logit bias (``SamplingPlan`` checks that one for the batch)."""
     try:
         if p.has_penalties or p.top_k > 0 or p.top_p < 1 or p.min_p > 0:
             return False

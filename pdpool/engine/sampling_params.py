@@ -3,11 +3,20 @@
 ``validate()`` is the edge check: a request that passes it cannot make the sampler fail. Every number is finite
 (and finite in float32, where the sampler works), every id is in range, and the seed fits a torch generator. No
 torch import here: the router validates with this module too.
+
+``logit_bias`` (OpenAI's, as vLLM takes it): token id -> a bias added to that token's logit before sampling, on
+every generated token. Keys are ints or, as JSON object keys are, decimal strings ("50256"); values are numbers
+(not bools), finite, and clamped to [-100, 100] as vLLM's ``SamplingParams.from_optional`` clamps them (OpenAI
+documents that range; a vLLM client sending 150 gets 100 there, so it does here, instead of a 400). ``None`` or
+``{}`` means no bias (stored as ``None``). At most ``MAX_LOGIT_BIAS_ENTRIES`` entries before ids are checked; with
+the vocabulary known (``validate(vocab_size)``), every id must be in [0, vocab_size), which bounds the distinct
+entries by the vocab size.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import MISSING, dataclass, field, fields
 
 MAX_LOGPROBS = 20
@@ -16,6 +25,11 @@ MAX_LOGPROBS = 20
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 GREEDY_TEMPERATURE = 1e-5  # below it a request is greedy (vLLM's _SAMPLING_EPS): 1/T would overflow the logits
 _FLOAT32_MAX = 3.4028234663852886e38
+LOGIT_BIAS_MAX = 100.0  # |bias| is clamped to it (OpenAI's documented range, vLLM's clamp)
+# Entries a logit_bias may have before its ids are checked against the vocabulary: above any common vocabulary
+# (Llama 3: 128256, Qwen 2: 151936, Gemma 3: 262144); the ids' range check then bounds it by the vocab size.
+MAX_LOGIT_BIAS_ENTRIES = 1 << 19
+_TOKEN_ID_KEY = re.compile(r"[+-]?[0-9]{1,19}")  # ASCII digits only (int() also takes other scripts' digits)
 
 
 class SamplingParamsError(ValueError):
@@ -45,6 +59,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     n: int = 1
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100] (see the module docstring)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -60,6 +75,8 @@ class SamplingParams:
             raise SamplingParamsError("stop_token_ids", "stop_token_ids must be a list of integers, got "
                                       f"{short_repr(self.stop_token_ids)}")
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            self.logit_bias = normalize_logit_bias(self.logit_bias)
         self.validate()
 
     @classmethod
@@ -88,9 +105,13 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    @property
+    def has_logit_bias(self) -> bool:
+        return bool(self.logit_bias)
+
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``SamplingParamsError`` naming the first bad field. With ``vocab_size`` (the engine's front end
-        knows it), ``stop_token_ids`` must also be below it."""
+        knows it), ``stop_token_ids`` and ``logit_bias``' ids must also be below it."""
         _int("n", self.n, 1, 1, "only n=1 is supported")
         if self.max_tokens is not None:
             _int("max_tokens", self.max_tokens, 1, None)
@@ -112,9 +133,64 @@ class SamplingParams:
         top = None if vocab_size is None else vocab_size - 1
         for t in self.stop_token_ids:
             _int("stop_token_ids", t, 0, top, "the vocabulary's ids" if top is not None else "")
+        if self.logit_bias is not None:
+            _check_logit_bias(self.logit_bias, top)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamsError(name, f"{name} must be a boolean, got {short_repr(getattr(self, name))}")
+
+
+def normalize_logit_bias(bias) -> dict[int, float] | None:
+    """A client's ``logit_bias`` as ``{token_id: bias}``: keys ints (decimal strings parsed), values floats clamped
+    to [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX]; ``None`` when empty. ``SamplingParamsError`` (param ``logit_bias``) for
+    anything else: not an object, a key that is no integer, a value that is no finite number (a bool is none)."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise SamplingParamsError("logit_bias", "logit_bias must be an object mapping token ids to numbers, got "
+                                  f"{short_repr(bias)}")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise SamplingParamsError("logit_bias", f"logit_bias may have at most {MAX_LOGIT_BIAS_ENTRIES} entries, got "
+                                  f"{len(bias)}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and _TOKEN_ID_KEY.fullmatch(key):
+            token = int(key)
+        elif isinstance(key, int) and not isinstance(key, bool):
+            token = key
+        else:
+            raise SamplingParamsError("logit_bias", f"logit_bias keys must be token ids (integers), got "
+                                      f"{short_repr(key)}")
+        out[token] = _bias_value(token, value)
+    return out or None
+
+
+def _bias_value(token: int, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SamplingParamsError("logit_bias", f"logit_bias[{short_repr(token, 24)}] must be a number, got "
+                                  f"{short_repr(value)}")
+    if isinstance(value, int):  # any size: compared exactly, then clamped
+        return float(max(-LOGIT_BIAS_MAX, min(LOGIT_BIAS_MAX, value)))
+    if not math.isfinite(value):
+        raise SamplingParamsError("logit_bias", f"logit_bias[{short_repr(token, 24)}] must be a finite number, got "
+                                  f"{value!r}")
+    return max(-LOGIT_BIAS_MAX, min(LOGIT_BIAS_MAX, value))
+
+
+def _check_logit_bias(bias, top: int | None) -> None:
+    """A normalized ``logit_bias`` (or one set behind ``__post_init__``'s back): int ids in [0, top], float values in
+    the clamp range."""
+    if not isinstance(bias, dict):
+        raise SamplingParamsError("logit_bias", f"logit_bias must be a dict, got {short_repr(bias)}")
+    bad = [t for t in bias if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (top is not None and t > top)]
+    if bad:
+        where = f"[0, {top + 1}) (the vocab size)" if top is not None else "[0, vocab size)"
+        raise SamplingParamsError("logit_bias", f"logit_bias token ids must be in {where}, got "
+                                  f"{short_repr(bad[:5])}")
+    for t, v in bias.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -LOGIT_BIAS_MAX <= v <= LOGIT_BIAS_MAX:
+            raise SamplingParamsError("logit_bias", f"logit_bias[{t}] must be a number in [-{LOGIT_BIAS_MAX}, "
+                                      f"{LOGIT_BIAS_MAX}], got {short_repr(v)}")
 
 
 def _range(low, high, low_open=False) -> str:

@@ -1,9 +1,10 @@
 """OpenAI request bodies -> validated ``GenerationRequest``s (prompts + ``SamplingParams``).
 
 Every check raises ``APIError`` (400) naming the offending ``param``; nothing here touches the engine
-beyond ``SamplingParams.validate()``. Fields beyond OpenAI's (``priority``, ``cache_salt``, ``top_k``, ...)
-follow vLLM's names. ``kv_transfer_params`` is kept as given, for the disaggregation work, except that a request
-to a prefill node (``do_remote_decode``) must be one plain choice: no stream, ``n`` 1, one prompt.
+beyond ``SamplingParams.validate()`` (which also parses ``logit_bias``: see ``pdpool.engine.sampling_params``).
+Fields beyond OpenAI's (``priority``, ``cache_salt``, ``top_k``, ...) follow vLLM's names. ``kv_transfer_params``
+is kept as given, for the disaggregation work, except that a request to a prefill node (``do_remote_decode``)
+must be one plain choice: no stream, ``n`` 1, one prompt.
 
 ``read_json_body`` is the one JSON reader of every route (the OpenAI ones and the internal ones): strict UTF-8,
 strict JSON (no ``NaN``/``Infinity``, no number that overflows to inf), at most ``MAX_JSON_DEPTH`` levels, an
@@ -239,8 +240,6 @@ def _common(body: dict, kind: str, served_model_names: list[str]) -> dict:
     best_of = get_int(body, "best_of", None, ge=1)
     if best_of is not None and best_of != n:
         raise APIError("'best_of' other than 'n' is not supported", param="best_of")
-    if body.get("logit_bias"):
-        raise APIError("'logit_bias' is not supported", param="logit_bias")
     if not _REFUSAL_FIELDS.isdisjoint(body):   # most bodies have none of them: no per-field reads
         _refuse_constrained(body)
         _refuse_unimplemented(body, kind)
@@ -301,7 +300,7 @@ _REFUSAL_FIELDS = frozenset(("response_format", "tools", "tool_choice", "functio
 # The body fields ``_sampling_fields`` reads; a body with none of them gets ``SamplingParams``' defaults.
 _SAMPLING_FIELDS = frozenset(("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                               "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
-                              "include_stop_str_in_output", "skip_special_tokens"))
+                              "include_stop_str_in_output", "skip_special_tokens", "logit_bias"))
 
 
 def _sampling(body: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -334,6 +333,9 @@ def _sampling_fields(body: dict, max_tokens: int | None, logprobs: int | None) -
         logprobs=logprobs,
         include_stop_str_in_output=get_bool(body, "include_stop_str_in_output"),
         skip_special_tokens=get_bool(body, "skip_special_tokens", True),
+        # token id -> bias; SamplingParams parses the keys and clamps the values to [-100, 100] as vLLM does (its
+        # errors name logit_bias); the ids are checked against the vocabulary where it is known (router, engine)
+        logit_bias=body.get("logit_bias"),
     )
     return make_sampling_params(kwargs)
 

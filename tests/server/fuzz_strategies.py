@@ -93,6 +93,15 @@ MESSAGES = st.one_of(
 STOPS = st.one_of(st.none(), TEXTS, st.lists(TEXTS, max_size=3), json_values())
 TOKEN_ID_LISTS = st.one_of(st.lists(st.integers(-3, 2**40), max_size=3),
                            st.lists(st.sampled_from(EXTREME_INTS), max_size=2), json_values())
+# logit_bias: valid maps (ids in the demo vocabulary, biases in and beyond [-100, 100]) and bad ones (ids outside
+# the vocabulary or not integers, values that are no finite number), beside arbitrary JSON.
+BIAS_KEYS = st.one_of(st.integers(0, 49151).map(str), st.sampled_from(["-1", "49152", "10" * 12, "1.5", "x", "",
+                                                                       " 7", "+3", "0x10", "\u0661"]))
+BIAS_VALUES = st.one_of(st.floats(-100, 100), st.integers(-200, 200), st.sampled_from(EXTREME_FLOATS),
+                        st.sampled_from(EXTREME_INTS), st.sampled_from([True, "1", None, [1], {}]))
+LOGIT_BIASES = st.one_of(st.dictionaries(st.integers(0, 49151).map(str), st.floats(-100, 100), max_size=4),
+                         st.dictionaries(BIAS_KEYS, BIAS_VALUES, max_size=4), st.just({}), st.none(),
+                         json_values())
 KV_PARAMS = st.one_of(st.just({"do_remote_decode": True}), st.just({"do_remote_prefill": True}),
                       st.just({"do_remote_decode": True, "do_remote_prefill": True}),
                       st.dictionaries(st.sampled_from(["do_remote_decode", "do_remote_prefill", "remote_block_ids",
@@ -113,7 +122,7 @@ COMMON_FIELDS = {
                                 json_values()),
     "priority": st.one_of(st.integers(-5, 5), st.sampled_from(EXTREME_INTS), json_values()),
     "cache_salt": st.one_of(TEXTS, json_values()), "user": st.one_of(TEXTS, json_values()),
-    "kv_transfer_params": KV_PARAMS, "logit_bias": st.one_of(st.just({"1": 5}), json_values()),
+    "kv_transfer_params": KV_PARAMS, "logit_bias": LOGIT_BIASES,
     "return_token_ids": st.one_of(st.booleans(), json_values()),
     "include_stop_str_in_output": st.booleans(), "skip_special_tokens": st.one_of(st.booleans(), json_values()),
     "response_format": st.one_of(st.sampled_from([{"type": "text"}, {"type": "json_object"}, None]), json_values()),
