@@ -43,8 +43,10 @@ class RoutedRequest:
 
     @property
     def disaggregable(self) -> bool:
-        """The handoff moves one prompt's KV to one decode request."""
-        return len(self.prompt_token_ids) == 1 and self.parsed.n == 1
+        """The handoff moves one prompt's KV to one decode request; a request for the prompt's own logprobs
+        (echo with logprobs) computes its whole prompt on one node."""
+        return (len(self.prompt_token_ids) == 1 and self.parsed.n == 1
+                and self.parsed.params.prompt_logprobs is None)
 
     def block_hashes(self, fingerprint) -> list:
         hashes = self._hashes.get(fingerprint)

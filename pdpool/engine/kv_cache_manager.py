@@ -55,6 +55,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return [], 0
         self.update_block_hashes(request)
+        if request.prompt_logprobs is not None:   # its prompt's logits are needed: computed, not read
+            return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
         for block_hash in request.block_hashes[:max_blocks]:

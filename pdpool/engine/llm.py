@@ -43,12 +43,14 @@ class GenerationResult:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int
+    prompt_logprobs: list[TokenLogprobs | None] | None = None   # with the params' prompt_logprobs; first None
 
     @classmethod
     def from_final(cls, out: RequestOutput) -> "GenerationResult":
         seq = CompletionOutput(0, out.text or "", out.output_token_ids or [], out.logprobs, out.finish_reason,
                                out.stop_reason)
-        return cls(out.request_id, out.prompt, out.prompt_token_ids, [seq], out.finished, out.num_cached_tokens)
+        return cls(out.request_id, out.prompt, out.prompt_token_ids, [seq], out.finished, out.num_cached_tokens,
+                   out.prompt_logprobs)
 
     @property
     def text(self) -> str:

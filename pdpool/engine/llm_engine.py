@@ -74,6 +74,9 @@ class EngineOutput:
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = None    # set by a connector on the final output (a prefill node's handle)
     error: str | None = None                  # finish_reason "error": why
+    # With the params' ``prompt_logprobs``: on the first output with a token, one entry per prompt token (the
+    # first None: nothing predicts it)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class KVConnectorHooks(Protocol):
@@ -93,6 +96,7 @@ class _State:
     kv_transfer_params: dict | None
     num_emitted_tokens: int = 0
     final_only: bool = False  # one output, when it finishes (see ``add_request``)
+    prompt_logprobs_sent: bool = False
 
 
 @dataclass
@@ -331,6 +335,10 @@ class LLMEngine:
         new_logprobs = None
         if request.sampling_params.logprobs is not None and sampled is not None:
             new_logprobs = [TokenLogprobs(sampled.token_id, sampled.logprob, sampled.top_logprobs)]
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None and new_ids and not state.prompt_logprobs_sent:
+            state.prompt_logprobs_sent = True     # the whole prompt was computed before its first token
+            prompt_logprobs = [None if e is None else TokenLogprobs(*e) for e in request.prompt_logprobs]
         finished = request.is_finished
         if finished:
             del self._states[request.request_id]
@@ -339,7 +347,7 @@ class LLMEngine:
             request_id=request.request_id, new_token_ids=new_ids, new_logprobs=new_logprobs, finished=finished,
             finish_reason=request.finish_reason if finished else None,
             stop_reason=request.stop_reason if finished else None, num_cached_tokens=request.num_cached_tokens or 0,
-            kv_transfer_params=state.kv_transfer_params if finished else None)
+            kv_transfer_params=state.kv_transfer_params if finished else None, prompt_logprobs=prompt_logprobs)
 
     # ---- stats -----------------------------------------------------------------------------------
 

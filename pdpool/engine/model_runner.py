@@ -69,6 +69,7 @@ class StepInputs:
     meta: AttentionMetadata
     sample_indices: torch.Tensor  # [R_s] int64, last token of each sampling request
     sampling: list  # ScheduledRequest of each sampling row, in scheduled order
+    prompt_rows: list | None = None  # (request, offset in the step, first position, count): prompt logprobs
 
 
 @dataclass
@@ -95,6 +96,7 @@ class PackedStep:
     ids_are_prev: bool = False  # every id is the previous step's sample of the same row: its samples are the ids
     pinned: torch.Tensor | None = None  # on CUDA: ``host``'s memory, a buffer of the runner's ``PinnedRing``
     slot: int = -1  # that buffer's slot in the ring
+    prompt_rows: list | None = None  # rows whose prompt logprobs this step computes (``_prompt_rows``)
 
 
 @dataclass
@@ -232,10 +234,13 @@ class ModelRunner:
         slots: list[int] = []
         query_lens, seq_lens, sample_rows, sampling, holes = [], [], [], [], []
         gather_to, gather_from = [], []
+        prompt_rows = None
         for r, sr in enumerate(scheduled):
             request = sr.request
             start, n = request.num_computed_tokens, sr.num_new_tokens
             tokens, blocks = request.all_token_ids, sr.block_ids
+            if request.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
+                prompt_rows = _prompt_rows(prompt_rows, request, len(ids), start, n)
             ids += tokens[start:start + n]
             if tokens[start + n - 1] < 0:  # sampled by the step in flight: only ever a request's last token
                 row = prev_rows.get(request.request_id)
@@ -264,7 +269,8 @@ class ModelRunner:
                                                            gather_from, dtype=np.int64), starts,
                                                 np.asarray(seq_lens, dtype=np.int64), tables.ravel()])
         return PackedStep(host, T, R, len(sample_rows), len(gather_to), tables.shape[1], query_lens, seq_lens,
-                          sampling, holes, prev if gather_to else None, pinned=pinned, slot=slot)
+                          sampling, holes, prev if gather_to else None, pinned=pinned, slot=slot,
+                          prompt_rows=prompt_rows)
 
     def _pack_decode(self, scheduled, tables: np.ndarray, prev: LaunchedStep | None, prev_rows: dict
                      ) -> PackedStep:
@@ -299,9 +305,15 @@ class ModelRunner:
         host, pinned, slot = self._host_buffer([ids, starts, slots, samples, gather_to, gather_from,
                                                 np.arange(R + 1, dtype=np.int64), seq_lens, tables.ravel()])
         sample_list = samples.tolist()
+        prompt_rows = None
+        if len(sample_list) != R:     # a row in its prompt (a one-token chunk): maybe one that wants logprobs
+            for r in sorted(set(range(R)) - set(sample_list)):
+                request = requests[r]
+                if request.prompt_logprobs is not None and start_list[r] < request.num_prompt_tokens - 1:
+                    prompt_rows = _prompt_rows(prompt_rows, request, r, start_list[r], 1)
         return PackedStep(host, R, R, len(sample_list), G, tables.shape[1], [1] * R, seq_lens.tolist(),
                           [scheduled[r] for r in sample_list], holes, prev if G else None, ids_are_prev, pinned,
-                          slot)
+                          slot, prompt_rows)
 
     def _host_buffer(self, parts: list) -> tuple[np.ndarray, torch.Tensor | None, int]:
         """The packed step's one int64 buffer: on CUDA written straight into a pinned buffer of the ring (copied
@@ -339,7 +351,7 @@ class ModelRunner:
                                  max_query_len=max(packed.query_lens), max_seq_len=max(packed.seq_lens),
                                  query_lens_cpu=packed.query_lens, seq_lens_cpu=packed.seq_lens,
                                  block_size=self.block_size)
-        return StepInputs(input_ids, dev[T:2 * T], meta, dev[3 * T:3 * T + S], packed.sampling)
+        return StepInputs(input_ids, dev[T:2 * T], meta, dev[3 * T:3 * T + S], packed.sampling, packed.prompt_rows)
 
     def prepare_inputs(self, scheduler_output) -> StepInputs:
         return self.upload(self.pack(scheduler_output))
@@ -360,9 +372,36 @@ class ModelRunner:
         # On CUDA, when every token samples (each row one token, all sampling: a steady decode step), they are the
         # rows in order (sample offsets are increasing and distinct, so S == T means arange(T)): no gather. The CPU
         # path keeps its gathered copy (one A/B there had the run 0.7 ms/step slower without it; not settled).
+        if inputs.prompt_rows:
+            self._prompt_logprobs(hidden, inputs.prompt_rows)
         if float32 or inputs.sample_indices.shape[0] != hidden.shape[0]:
             hidden = hidden[inputs.sample_indices]
         return self.model.compute_logits(hidden, float32=float32)
+
+    PROMPT_LOGPROBS_SLICE = 256   # positions per logits slice: [256, V] float32 is 50 MB at a 49k vocab
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, rows: list) -> None:
+        """The prompt logprobs of this step's ``rows``, into each request's ``prompt_logprobs``: position p's
+        logits (float32, log-softmaxed: the model's own distribution, before any sampling parameter) give token
+        p + 1's logprob and, with ``prompt_logprobs`` N > 0, the N best. Only requests that ask pay: the logits of
+        every such position, a slice at a time, read back at once (the step waits for it)."""
+        for request, offset, start, count in rows:
+            top_n = request.sampling_params.prompt_logprobs
+            tokens = request.prompt_token_ids
+            for first in range(0, count, self.PROMPT_LOGPROBS_SLICE):
+                m = min(self.PROMPT_LOGPROBS_SLICE, count - first)
+                logp = torch.log_softmax(self.model.compute_logits(
+                    hidden[offset + first:offset + first + m], float32=True), dim=-1)
+                at = start + first + 1            # the first predicted token
+                targets = torch.tensor(tokens[at:at + m], dtype=torch.long, device=logp.device)
+                chosen = logp.gather(1, targets[:, None])[:, 0].tolist()
+                if top_n:
+                    values, ids = logp.topk(top_n, dim=-1)
+                    tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+                else:
+                    tops = [None] * m
+                for j in range(m):
+                    request.prompt_logprobs[at + j] = (tokens[at + j], chosen[j], tops[j])
 
     def compute_logits_for(self, scheduler_output) -> torch.Tensor:
         """Logits [R_s, V] float32, one row per sampling request in scheduled order; the step's KV is written."""
@@ -441,6 +480,13 @@ class ModelRunner:
         self.generators.pop(request_id, None)
         if self._rows is not None and request_id in self._rows.index:  # no kept rows hold a finished request
             self._rows = None
+
+
+def _prompt_rows(rows: list | None, request, offset: int, start: int, n: int) -> list:
+    """``rows`` plus this request's chunk: positions ``start``.. at ``offset`` of the step, up to the one before
+    the prompt's last token (whose logits predict the first output token, which the sampler takes)."""
+    count = min(n, request.num_prompt_tokens - 1 - start)
+    return (rows or []) + [(request, offset, start, count)]
 
 
 def _model_info(path: Path, hf_config, model, dtype: torch.dtype) -> ModelInfo:

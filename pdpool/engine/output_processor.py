@@ -41,10 +41,14 @@ class RequestOutput:
     text: str | None = None                   # cut at a stop string
     logprobs: list[TokenLogprobs] | None = None
     error: str | None = None                  # finish_reason "error": why
+    # ``prompt_logprobs``: on the output that first carries tokens (and on a final-only output), one per prompt
+    # token, the first None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class _State:
-    __slots__ = ("prompt", "prompt_token_ids", "params", "detokenizer", "output_token_ids", "logprobs", "final_only")
+    __slots__ = ("prompt", "prompt_token_ids", "params", "detokenizer", "output_token_ids", "logprobs", "final_only",
+                 "prompt_logprobs")
 
     def __init__(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, tokenizer,
                  token_texts: dict[int, str], final_only: bool = False) -> None:
@@ -57,12 +61,15 @@ class _State:
                             if not final_only or params.stop else None)
         self.output_token_ids: list[int] = []
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def take(self, out: EngineOutput) -> list[int]:
         """Append one engine output's ids (and logprobs); return those of its ids that go into the text. A stop
         token (EOS or stop_token_ids) stays in the token ids but not in the text, as in vLLM."""
         new_ids = out.new_token_ids
         self.output_token_ids += new_ids
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if self.logprobs is not None and out.new_logprobs:
             self.logprobs += out.new_logprobs
         if out.finish_reason == "stop" and new_ids and not self.params.include_stop_str_in_output:
@@ -139,7 +146,7 @@ class OutputProcessor:
             num_output_tokens=len(state.output_token_ids), finished=finished,
             finish_reason=finish_reason if finished else None, stop_reason=stop_reason if finished else None,
             num_cached_tokens=out.num_cached_tokens, kv_transfer_params=out.kv_transfer_params if finished else None,
-            error=out.error)
+            error=out.error, prompt_logprobs=out.prompt_logprobs)
         if finished:
             result.new_text += detok.flush()
             result.output_token_ids = state.output_token_ids
@@ -175,4 +182,4 @@ class OutputProcessor:
             new_logprobs=list(state.logprobs) if state.logprobs is not None else None, num_output_tokens=len(ids),
             finished=True, finish_reason=finish_reason, stop_reason=stop_reason,
             num_cached_tokens=out.num_cached_tokens, kv_transfer_params=out.kv_transfer_params, error=out.error,
-            output_token_ids=ids, text=text, logprobs=state.logprobs)
+            output_token_ids=ids, text=text, logprobs=state.logprobs, prompt_logprobs=state.prompt_logprobs)

@@ -60,6 +60,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     n: int = 1
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100] (see the module docstring)
+    # the prompt's own logprobs, each with this many best beside it (vLLM's; completions' echo with logprobs): the
+    # model's distribution at every prompt position, so such a request reads nothing from the prefix cache
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -127,6 +130,8 @@ class SamplingParams:
         _num("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise SamplingParamsError("stop", f"stop must be non-empty strings, got {short_repr(s)}")

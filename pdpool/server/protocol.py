@@ -47,6 +47,7 @@ class GenerationRequest:
     kv_transfer_params: dict | None = None
     user: str | None = None
     return_token_ids: bool = False  # vLLM's extension: choices carry token_ids, the response prompt_token_ids
+    echo_only: bool = False         # completions' echo with max_tokens 0: the prompt back, nothing generated
     # pdpool's extension (``pdpool_prompt_token_ids``): the token ids of each prompt, computed by the router with
     # the same front end, so router and engine hash the same tokens; the node does not tokenize again.
     prompt_token_ids: list[list[int]] | None = None
@@ -376,13 +377,16 @@ def parse_completion(body: dict, served_model_names: list[str]) -> GenerationReq
         raise APIError("'suffix' is not supported", param="suffix")
     logprobs = get_int(body, "logprobs", None, ge=0, le=MAX_LOGPROBS)
     echo = get_bool(body, "echo")
-    if echo and logprobs is not None:
-        raise APIError("'echo' together with 'logprobs' (prompt logprobs) is not supported", param="echo")
     # vLLM's rule: 16 when the field is absent (OpenAI's default); an explicit null, the rest of the context.
-    max_tokens = get_int(body, "max_tokens", None if "max_tokens" in body else 16, ge=1)
-    return _checked(GenerationRequest(prompts=prompts, params=_sampling(body, max_tokens, logprobs),
-                                      max_tokens_given=max_tokens is not None, echo=echo, logprobs=logprobs,
-                                      **common))
+    # With echo, 0 is allowed (vLLM's and OpenAI's legacy scoring call): the prompt back, with its logprobs when
+    # asked; one token is generated and dropped.
+    max_tokens = get_int(body, "max_tokens", None if "max_tokens" in body else 16, ge=0 if echo else 1)
+    echo_only = echo and max_tokens == 0
+    params = _sampling(body, 1 if echo_only else max_tokens, logprobs)
+    if echo and logprobs is not None:   # the prompt's tokens' logprobs come first (the first token has none)
+        params.prompt_logprobs = logprobs
+    return _checked(GenerationRequest(prompts=prompts, params=params, max_tokens_given=max_tokens is not None,
+                                      echo=echo, logprobs=logprobs, echo_only=echo_only, **common))
 
 
 # ---- /v1/chat/completions ------------------------------------------------------------------------
@@ -454,6 +458,9 @@ def _checked(req: GenerationRequest) -> GenerationRequest:
     if seed is not None and req.n > 1 and seed + req.n - 1 > SEED_MAX:  # choice j is seeded seed + j
         raise APIError(f"'seed' must be <= {SEED_MAX - req.n + 1} with n={req.n} (choice j uses seed + j)",
                        param="seed")
+    if req.kv_transfer_params and req.params.prompt_logprobs is not None:
+        raise APIError("'echo' with 'logprobs' (the prompt's logprobs) needs the whole prompt computed on one node: "
+                       "send it without kv_transfer_params", param="kv_transfer_params")
     if req.kv_transfer_params and req.kv_transfer_params.get("do_remote_decode"):
         # A prefill node hands back one KV handle per response: one choice, in one JSON body.
         if req.stream:

@@ -8,6 +8,7 @@ plain 400; once streaming starts, an engine error becomes a final ``{"error": ..
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -102,7 +103,7 @@ class Generation:
                 seen_prompts.add(group)
                 prompt_tokens += len(out.prompt_token_ids)
                 cached += out.num_cached_tokens
-            completion += out.num_output_tokens
+            completion += 0 if self.req.echo_only else out.num_output_tokens
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                  "total_tokens": prompt_tokens + completion}
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
@@ -135,6 +136,22 @@ def completion_logprobs(tokenizer, entries: list[TokenLogprobs], choice: _Choice
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
+def echo_logprobs(tokenizer, prompt_token_ids: list[int], entries: list, choice: _Choice) -> dict:
+    """An echoed prompt's part of a completion's logprobs, as vLLM gives it: its first token has no logprob and
+    no top (nothing predicts it); ``entries`` is the engine's ``prompt_logprobs`` (first None)."""
+    first = _token_str(tokenizer, prompt_token_ids[0])
+    out = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [choice.text_offset]}
+    choice.text_offset += len(first)
+    rest = completion_logprobs(tokenizer, entries[1:], choice)
+    for key, values in out.items():
+        values += rest[key]
+    return out
+
+
+def _joined(a: dict, b: dict) -> dict:
+    return {key: a[key] + b[key] for key in a}
+
+
 def _top_with_sampled(tokenizer, sampled: str, e: TokenLogprobs) -> dict[str, float]:
     """One position's ``top_logprobs`` as vLLM (and OpenAI's legacy completions) give it: the sampled token, then
     the top N (N + 1 entries when the sampled one is not among them; with ``logprobs=0``, the sampled one alone).
@@ -161,10 +178,15 @@ def chat_logprobs(tokenizer, entries: list[TokenLogprobs]) -> dict:
 # ---- non-streaming -------------------------------------------------------------------------------
 
 async def _collect(choice: _Choice) -> None:
+    prompt_logprobs = None
     async for out in choice.stream:
         if out.new_logprobs:
             choice.logprobs.extend(out.new_logprobs)
+        if out.prompt_logprobs is not None:
+            prompt_logprobs = out.prompt_logprobs
         choice.final = out
+    if choice.final is not None and choice.final.prompt_logprobs is None:
+        choice.final.prompt_logprobs = prompt_logprobs
 
 
 async def full_response(gen: Generation) -> dict:
@@ -187,16 +209,19 @@ async def full_response(gen: Generation) -> dict:
                       "logprobs": chat_logprobs(tokenizer, c.logprobs) if req.logprobs is not None else None,
                       "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
         else:
-            text = out.text
+            text, generated = ("", []) if req.echo_only else (out.text, c.logprobs)
             if req.echo:
                 prompt_text = out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
                 text = prompt_text + text
-            choice = {"index": c.index, "text": text,
-                      "logprobs": completion_logprobs(tokenizer, c.logprobs, c) if req.logprobs is not None
-                      else None,
+            lp = None
+            if req.logprobs is not None:
+                lp = completion_logprobs(tokenizer, generated, c) if not req.echo else _joined(
+                    echo_logprobs(tokenizer, out.prompt_token_ids, out.prompt_logprobs, c),
+                    completion_logprobs(tokenizer, generated, c))
+            choice = {"index": c.index, "text": text, "logprobs": lp,
                       "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
         if req.return_token_ids:
-            choice["token_ids"] = out.output_token_ids
+            choice["token_ids"] = [] if req.echo_only else out.output_token_ids
             choice["prompt_token_ids"] = out.prompt_token_ids
         choices.append(choice)
     body = {"id": gen.id, "object": "chat.completion" if req.kind == "chat" else "text_completion",
@@ -249,7 +274,7 @@ async def stream_response(gen: Generation, http_request: web.Request) -> web.Str
             return None
         if out is not None:
             prompt_tokens = len(out.prompt_token_ids)
-        completion = out.num_output_tokens if out is not None else 0
+        completion = out.num_output_tokens if out is not None and not req.echo_only else 0
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                 "total_tokens": prompt_tokens + completion}
 
@@ -267,15 +292,21 @@ async def stream_response(gen: Generation, http_request: web.Request) -> web.Str
                 if req.return_token_ids:
                     first["prompt_token_ids"] = c.stream.prompt_token_ids
                 await resp.write(_sse(first))
-        if req.echo:
+        def echo_chunk(c: _Choice, prompt_logprobs: list | None) -> bytes:
+            prompt = req.prompts[c.index // req.n]
+            text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+            lp = echo_logprobs(tokenizer, c.stream.prompt_token_ids, prompt_logprobs, c) if prompt_logprobs else None
+            choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": None}
+            if req.return_token_ids:
+                choice["prompt_token_ids"] = c.stream.prompt_token_ids
+                ids_sent.add(c.index)
+            return _sse(chunk([choice], choice_usage(None, len(c.stream.prompt_token_ids))))
+
+        # echo: the prompt first; with logprobs, once the engine has them (with the first token), as vLLM does
+        echo_late = req.echo and req.logprobs is not None
+        if req.echo and not echo_late:
             for c in gen.choices:
-                prompt = req.prompts[c.index // req.n]
-                text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
-                choice = {"index": c.index, "text": text, "logprobs": None, "finish_reason": None}
-                if req.return_token_ids:
-                    choice["prompt_token_ids"] = c.stream.prompt_token_ids
-                    ids_sent.add(c.index)
-                await resp.write(_sse(chunk([choice], choice_usage(None, len(c.stream.prompt_token_ids)))))
+                await resp.write(echo_chunk(c, None))
         pending = len(tasks)
         while pending:
             c, out = await merged.get()
@@ -286,6 +317,12 @@ async def stream_response(gen: Generation, http_request: web.Request) -> web.Str
                 await resp.write(_sse(api_error(out).body()))
                 continue
             latest[c.index] = out
+            if echo_late and out.prompt_logprobs is not None:
+                await resp.write(echo_chunk(c, out.prompt_logprobs))
+            if req.echo_only:         # nothing generated goes out: the final chunk, empty, says why it ended
+                if not out.finished:
+                    continue
+                out = dataclasses.replace(out, new_text="", new_logprobs=[], new_token_ids=[])
             if not (out.new_text or out.finished or out.new_logprobs or (req.return_token_ids and out.new_token_ids)):
                 continue
             lp = None

@@ -133,6 +133,21 @@ def test_tokenize_and_detokenize_as_a_node_answers(cluster, router):
     assert httpx.get(router.url + "/tokenize").status_code == 405
 
 
+def test_echo_with_logprobs_is_scored_on_one_node(cluster, router):
+    """lm-eval's scoring call (echo, logprobs, max_tokens 0) needs the whole prompt's logits on one node: the
+    router sends it decode-only, and its answer is a node's."""
+    body = {"model": "demo", "prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 0, "temperature": 0}
+    disagg = router.value('pdpool_router_requests_total{decision="disaggregated"}')
+    mine = router.post("/v1/completions", body)
+    assert mine.status_code == 200, mine.text
+    theirs = httpx.post(cluster["d0"].base_url + "/completions", json=body, timeout=60).json()
+    got, want = mine.json()["choices"][0], theirs["choices"][0]
+    assert got["text"] == want["text"] == PROMPT and got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+    assert got["logprobs"]["token_logprobs"][0] is None
+    assert got["logprobs"]["token_logprobs"][1:] == pytest.approx(want["logprobs"]["token_logprobs"][1:], abs=1e-4)
+    assert router.value('pdpool_router_requests_total{decision="disaggregated"}') == disagg
+
+
 # ---- the API surface ------------------------------------------------------------------------------------
 
 BAD = [
