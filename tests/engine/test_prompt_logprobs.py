@@ -67,3 +67,14 @@ def test_a_one_token_prompt_has_only_its_none():
 def test_one_token_prompt(llm):
     out = llm.generate([[1]], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))[0]
     assert out.prompt_logprobs == [None]
+
+
+def test_one_token_chunks_beside_a_decoding_request(hf_reference):
+    """A budget of 2 tokens a step: once the first request decodes, the second one's prompt goes one token a step,
+    in steps where every row computes one token (the runner's decode packing)."""
+    llm = LLM("demo", dtype="float32", num_threads=1, max_num_seqs=2, max_model_len=128, num_kv_blocks=32,
+              block_size=16, max_num_batched_tokens=2)
+    first, second = llm.frontend.encode_prompt("Once upon a time"), llm.frontend.encode_prompt(PROMPT)[:12]
+    outs = llm.generate([first, second], [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+                                          SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2)])
+    check_against_hf(hf_reference, second, outs[1].prompt_logprobs, 2)
