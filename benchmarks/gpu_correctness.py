@@ -12,6 +12,9 @@ into a temp folder with a word-level tokenizer, and both engines load that folde
    on a bf16 divergence the check is repeated in fp32 and both results are reported.
 3. CUDA graphs against eager (``enforce_eager``): the same greedy tokens (bf16; fp32 on divergence).
 4. The overlapped step loop (the CUDA default) against the plain loop: the same greedy tokens.
+5. Prompt logprobs (fp32, completions' echo with logprobs): every prompt position's logprob, with prompts chunked
+   (a 64-token budget) and half the batch not asking, against HF fp32's log_softmax; the batch's greedy tokens
+   against the same prompts run without prompt logprobs.
 
 pdpool runs with its fused elementwise kernels (the CUDA default); the logits check also reports the torch-ops
 path (``PDPOOL_FUSED_OPS=0``).
@@ -141,6 +144,38 @@ def pdpool_greedy(folder: Path, ps, device: str, dtype: str, eager: bool,
     return [list(o.output_token_ids) for o in outs], info
 
 
+def prompt_logprobs_check(folder: Path, hf32, ps, device: str) -> dict:
+    import torch
+
+    from pdpool import LLM, SamplingParams
+
+    llm = LLM(str(folder), dtype="float32", device=device, num_kv_blocks=256, max_num_seqs=8,
+              max_num_batched_tokens=64)
+    asked = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=2 if i % 2 == 0 else None)
+             for i in range(len(ps))]
+    outs = llm.generate(ps, asked, use_tqdm=False)
+    plain = llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    err, top_match, positions = 0.0, 0, 0
+    with torch.inference_mode():
+        for p, o in zip(ps, outs):
+            if o.prompt_logprobs is None:
+                continue
+            ref = torch.log_softmax(hf32(torch.tensor([p], device=device)).logits[0].float(), -1).cpu()
+            for i, e in enumerate(o.prompt_logprobs[1:], start=1):
+                err = max(err, abs(e.logprob - ref[i - 1, p[i]].item()))
+                top_match += [t for t, _ in e.top] == torch.topk(ref[i - 1], 2).indices.tolist()
+                positions += 1
+    del llm
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return dict(max_abs_err=err, positions=positions, top2_ids_match=top_match,
+                unasked_rows_none=all(o.prompt_logprobs is None for o in outs[1::2]),
+                tokens_match_without=[list(a.output_token_ids) for a in outs] == [list(b.output_token_ids)
+                                                                                 for b in plain],
+                ok=err < 2e-3 and positions == sum(len(p) - 1 for p in ps[::2]))
+
+
 def check_case(name: str, cfg: dict, root: Path, device: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -174,6 +209,8 @@ def check_case(name: str, cfg: dict, root: Path, device: str) -> dict:
                           overlapped_matches_plain_loop=graph == plain, **info)
         if graph == ref and graph == eager and graph == plain:
             break  # fp32 only when bf16 diverges
+    # 5. prompt logprobs
+    res["prompt_logprobs"] = prompt_logprobs_check(folder, hf32, ps, device)
     del hf16, hf32
     gc.collect()
     return res
@@ -206,7 +243,8 @@ def main() -> None:
               f"(first divergence {r['bfloat16']['hf_first_divergence']}), graphs==eager "
               f"{r['bfloat16']['graphs_match_eager']}, overlapped==plain "
               f"{r['bfloat16']['overlapped_matches_plain_loop']}; torch-ops bf16 logits "
-              f"{e['pdpool_bf16_torch_ops_vs_hf_fp32']:.2e}; fp32: {'not needed' if 'float32' not in r else final}")
+              f"{e['pdpool_bf16_torch_ops_vs_hf_fp32']:.2e}; fp32: {'not needed' if 'float32' not in r else final}; "
+              f"prompt logprobs {r['prompt_logprobs']}")
 
 
 if __name__ == "__main__":
