@@ -60,6 +60,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] | None  # (token id, logprob), best first; None when not asked
+    rank: int | None = None              # a prompt token's place in the vocabulary (1: the model's first choice)
 
 
 @dataclass

@@ -384,7 +384,8 @@ class ModelRunner:
         """The prompt logprobs of this step's ``rows``, into each request's ``prompt_logprobs``: position p's
         logits (float32, log-softmaxed: the model's own distribution, before any sampling parameter) give token
         p + 1's logprob and, with ``prompt_logprobs`` N > 0, the N best. Only requests that ask pay: the logits of
-        every such position, a slice at a time, read back at once (the step waits for it)."""
+        every such position, a slice at a time, read back at once (the step waits for it). Each entry is (token id,
+        logprob, top N or None, rank of the token in the vocabulary, 1 for the model's first choice)."""
         for request, offset, start, count in rows:
             top_n = request.sampling_params.prompt_logprobs
             tokens = request.prompt_token_ids
@@ -394,14 +395,16 @@ class ModelRunner:
                     hidden[offset + first:offset + first + m], float32=True), dim=-1)
                 at = start + first + 1            # the first predicted token
                 targets = torch.tensor(tokens[at:at + m], dtype=torch.long, device=logp.device)
-                chosen = logp.gather(1, targets[:, None])[:, 0].tolist()
+                chosen_t = logp.gather(1, targets[:, None])
+                ranks = ((logp > chosen_t).sum(-1) + 1).tolist()   # 1: the model's first choice
+                chosen = chosen_t[:, 0].tolist()
                 if top_n:
                     values, ids = logp.topk(top_n, dim=-1)
                     tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
                 else:
                     tops = [None] * m
                 for j in range(m):
-                    request.prompt_logprobs[at + j] = (tokens[at + j], chosen[j], tops[j])
+                    request.prompt_logprobs[at + j] = (tokens[at + j], chosen[j], tops[j], ranks[j])
 
     def compute_logits_for(self, scheduler_output) -> torch.Tensor:
         """Logits [R_s, V] float32, one row per sampling request in scheduled order; the step's KV is written."""

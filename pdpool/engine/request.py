@@ -66,7 +66,7 @@ class Request:
         self.kv_load_finished = False  # the remote load ran (either way); never started twice
         self.hold_blocks_on_finish = hold_blocks_on_finish
         # The prompt's own logprobs (``prompt_logprobs`` of the params: completions' echo with logprobs): slot i
-        # holds token i's (id, logprob, top) as the model predicted it from tokens 0..i-1; slot 0 stays None.
+        # holds token i's (id, logprob, top, rank) as the model predicted it from tokens 0..i-1; slot 0 stays None.
         # Such a request reads nothing from the prefix cache: every prompt position's logits are computed.
         self.prompt_logprobs: list | None = (
             [None] * len(self.prompt_token_ids)

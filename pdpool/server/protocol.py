@@ -48,6 +48,7 @@ class GenerationRequest:
     user: str | None = None
     return_token_ids: bool = False  # vLLM's extension: choices carry token_ids, the response prompt_token_ids
     echo_only: bool = False         # completions' echo with max_tokens 0: the prompt back, nothing generated
+    prompt_logprobs: int | None = None  # vLLM's field: the answer carries the prompt's logprobs in vLLM's format
     # pdpool's extension (``pdpool_prompt_token_ids``): the token ids of each prompt, computed by the router with
     # the same front end, so router and engine hash the same tokens; the node does not tokenize again.
     prompt_token_ids: list[list[int]] | None = None
@@ -248,6 +249,8 @@ def _common(body: dict, kind: str, served_model_names: list[str]) -> dict:
     if kv is not None and not isinstance(kv, dict):
         raise APIError("'kv_transfer_params' must be an object", param="kv_transfer_params")
     return dict(kind=kind, model=model, stream=stream, include_usage=include_usage, continuous_usage=continuous,
+                prompt_logprobs=get_int(body, "prompt_logprobs", None, ge=0, le=MAX_LOGPROBS)
+                if "prompt_logprobs" in body else None,
                 n=n, priority=get_int(body, "priority", 0, ge=INT64_MIN, le=INT64_MAX),
                 cache_salt=get_str(body, "cache_salt"),
                 kv_transfer_params=kv, user=get_str(body, "user"),
@@ -281,7 +284,7 @@ def _refuse_constrained(body: dict) -> None:
 # vLLM's request fields that pdpool does not implement. Unknown fields are ignored, as in vLLM, but these vLLM
 # knows: dropped, each would answer another request than the one sent (every prompt token kept, no token banned,
 # no beam search, the model's own chat template), so any value but absent (null) or a no-op one is a 400.
-_UNIMPLEMENTED = ("allowed_token_ids", "bad_words", "prompt_logprobs", "truncate_prompt_tokens", "logits_processors",
+_UNIMPLEMENTED = ("allowed_token_ids", "bad_words", "truncate_prompt_tokens", "logits_processors",
                   "use_beam_search", "return_tokens_as_token_ids", "chat_template")
 _UNIMPLEMENTED_CHAT = ("echo",)  # completions' echo is implemented; vLLM's chat echo is not
 
@@ -385,6 +388,8 @@ def parse_completion(body: dict, served_model_names: list[str]) -> GenerationReq
     params = _sampling(body, 1 if echo_only else max_tokens, logprobs)
     if echo and logprobs is not None:   # the prompt's tokens' logprobs come first (the first token has none)
         params.prompt_logprobs = logprobs
+    if common["prompt_logprobs"] is not None:   # vLLM's field; echo's logprobs then show at most `logprobs` top
+        params.prompt_logprobs = max(common["prompt_logprobs"], params.prompt_logprobs or 0)
     return _checked(GenerationRequest(prompts=prompts, params=params, max_tokens_given=max_tokens is not None,
                                       echo=echo, logprobs=logprobs, echo_only=echo_only, **common))
 
@@ -448,7 +453,9 @@ def parse_chat(body: dict, served_model_names: list[str], render) -> GenerationR
     except Exception as exc:  # noqa: BLE001 - a template error is the client's message list
         raise APIError(f"cannot apply the chat template: {exc}", param="messages") from None
     # Without max_tokens (None) the engine fills the rest of the context.
-    return _checked(GenerationRequest(prompts=[prompt], params=_sampling(body, max_tokens, logprobs),
+    params = _sampling(body, max_tokens, logprobs)
+    params.prompt_logprobs = common["prompt_logprobs"]
+    return _checked(GenerationRequest(prompts=[prompt], params=params,
                                       max_tokens_given=max_tokens is not None, logprobs=logprobs, **common))
 
 

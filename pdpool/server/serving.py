@@ -136,15 +136,29 @@ def completion_logprobs(tokenizer, entries: list[TokenLogprobs], choice: _Choice
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def echo_logprobs(tokenizer, prompt_token_ids: list[int], entries: list, choice: _Choice) -> dict:
+def echo_logprobs(tokenizer, prompt_token_ids: list[int], entries: list, choice: _Choice, top_n: int) -> dict:
     """An echoed prompt's part of a completion's logprobs, as vLLM gives it: its first token has no logprob and
-    no top (nothing predicts it); ``entries`` is the engine's ``prompt_logprobs`` (first None)."""
+    no top (nothing predicts it); ``entries`` is the engine's ``prompt_logprobs`` (first None), whose tops may be
+    longer than the request's ``logprobs`` (``top_n``) when it also asked for vLLM's ``prompt_logprobs``."""
     first = _token_str(tokenizer, prompt_token_ids[0])
     out = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [choice.text_offset]}
     choice.text_offset += len(first)
-    rest = completion_logprobs(tokenizer, entries[1:], choice)
+    rest = completion_logprobs(tokenizer, [TokenLogprobs(e.token_id, e.logprob, e.top[:top_n] if e.top else None)
+                                           for e in entries[1:]], choice)
     for key, values in out.items():
         values += rest[key]
+    return out
+
+
+def vllm_prompt_logprobs(tokenizer, entries: list, top_n: int) -> list:
+    """vLLM's ``prompt_logprobs``: per prompt token, None for the first, else {token id: {logprob, rank,
+    decoded_token}} for the token itself (its rank in the vocabulary) and the ``top_n`` best (ranks 1..)."""
+    out: list = [None]
+    for e in entries[1:]:
+        d = {e.token_id: {"logprob": e.logprob, "rank": e.rank, "decoded_token": _token_str(tokenizer, e.token_id)}}
+        for rank, (t, lp) in enumerate((e.top or [])[:top_n], start=1):
+            d.setdefault(t, {"logprob": lp, "rank": rank, "decoded_token": _token_str(tokenizer, t)})
+        out.append(d)
     return out
 
 
@@ -216,10 +230,13 @@ async def full_response(gen: Generation) -> dict:
             lp = None
             if req.logprobs is not None:
                 lp = completion_logprobs(tokenizer, generated, c) if not req.echo else _joined(
-                    echo_logprobs(tokenizer, out.prompt_token_ids, out.prompt_logprobs, c),
+                    echo_logprobs(tokenizer, out.prompt_token_ids, out.prompt_logprobs, c, req.logprobs),
                     completion_logprobs(tokenizer, generated, c))
             choice = {"index": c.index, "text": text, "logprobs": lp,
                       "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+        if req.prompt_logprobs is not None and req.kind != "chat":
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, out.prompt_logprobs or [None],
+                                                             req.prompt_logprobs)
         if req.return_token_ids:
             choice["token_ids"] = [] if req.echo_only else out.output_token_ids
             choice["prompt_token_ids"] = out.prompt_token_ids
@@ -229,6 +246,9 @@ async def full_response(gen: Generation) -> dict:
             "usage": gen.usage([c.final for c in gen.choices])}
     if req.return_token_ids and req.kind == "chat" and gen.choices:   # vLLM's place for chat (one prompt)
         body["prompt_token_ids"] = gen.choices[0].final.prompt_token_ids
+    if req.prompt_logprobs is not None and req.kind == "chat" and gen.choices:   # and for its prompt_logprobs
+        body["prompt_logprobs"] = vllm_prompt_logprobs(tokenizer, gen.choices[0].final.prompt_logprobs or [None],
+                                                       req.prompt_logprobs)
     if len(gen.choices) == 1 and gen.choices[0].final.kv_transfer_params is not None:
         body["kv_transfer_params"] = gen.choices[0].final.kv_transfer_params
     return body
@@ -295,7 +315,8 @@ async def stream_response(gen: Generation, http_request: web.Request) -> web.Str
         def echo_chunk(c: _Choice, prompt_logprobs: list | None) -> bytes:
             prompt = req.prompts[c.index // req.n]
             text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
-            lp = echo_logprobs(tokenizer, c.stream.prompt_token_ids, prompt_logprobs, c) if prompt_logprobs else None
+            lp = (echo_logprobs(tokenizer, c.stream.prompt_token_ids, prompt_logprobs, c, req.logprobs)
+                  if prompt_logprobs else None)
             choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": None}
             if req.return_token_ids:
                 choice["prompt_token_ids"] = c.stream.prompt_token_ids
@@ -323,7 +344,8 @@ async def stream_response(gen: Generation, http_request: web.Request) -> web.Str
                 if not out.finished:
                     continue
                 out = dataclasses.replace(out, new_text="", new_logprobs=[], new_token_ids=[])
-            if not (out.new_text or out.finished or out.new_logprobs or (req.return_token_ids and out.new_token_ids)):
+            if not (out.new_text or out.finished or out.new_logprobs or (req.return_token_ids and out.new_token_ids)
+                    or (req.prompt_logprobs is not None and out.prompt_logprobs is not None)):
                 continue
             lp = None
             if req.logprobs is not None and out.new_logprobs is not None:
@@ -343,7 +365,14 @@ async def stream_response(gen: Generation, http_request: web.Request) -> web.Str
                     ids_sent.add(c.index)
                     choice["prompt_token_ids"] = out.prompt_token_ids
                 choice["token_ids"] = out.new_token_ids
-            await resp.write(_sse(chunk([choice], choice_usage(out))))
+            data = chunk([choice], choice_usage(out))
+            if req.prompt_logprobs is not None and out.prompt_logprobs is not None:   # with the first token
+                plp = vllm_prompt_logprobs(tokenizer, out.prompt_logprobs, req.prompt_logprobs)
+                if req.kind == "chat":
+                    data["prompt_logprobs"] = plp
+                else:
+                    choice["prompt_logprobs"] = plp
+            await resp.write(_sse(data))
         if req.include_usage:
             final = chunk([], gen.usage([latest.get(x.index) for x in gen.choices]))
             await resp.write(_sse(final))

@@ -94,3 +94,44 @@ def test_the_openai_client_and_refusals(server, client):
                          json={"model": "demo", "prompt": PROMPT, "max_tokens": 1, "echo": True, "logprobs": 1,
                                "kv_transfer_params": {"do_remote_decode": True}})
     assert handoff.status_code == 400 and handoff.json()["error"]["param"] == "kv_transfer_params"
+
+
+def test_vllm_prompt_logprobs_field(server, hf_reference):
+    """vLLM's ``prompt_logprobs``: per prompt token (the first None) the token's own logprob and rank and the N
+    best; on each completion choice, at a chat answer's top level, and in a stream's chunk with the first token."""
+    import torch
+
+    ids = hf_reference.encode(PROMPT)
+    ref = hf_reference.logprobs(ids[:1], ids[1:])
+    body = complete(server, prompt=PROMPT, max_tokens=2, prompt_logprobs=3)
+    got = body["choices"][0]["prompt_logprobs"]
+    assert len(got) == len(ids) and got[0] is None
+    for i, entry in enumerate(got[1:], start=1):
+        own = entry[str(ids[i])]
+        assert own["logprob"] == pytest.approx(ref[i - 1, ids[i]].item(), abs=TOL)
+        assert own["rank"] == int((ref[i - 1] > ref[i - 1, ids[i]] + TOL).sum()) + 1 or \
+            abs(own["rank"] - (int((ref[i - 1] > ref[i - 1, ids[i]]).sum()) + 1)) <= 1   # a near-tie may swap
+        best = torch.topk(ref[i - 1], 3).indices.tolist()
+        assert {r["rank"] for t, r in entry.items() if int(t) in best} >= {1}
+        assert len(entry) in (3, 4) and own["decoded_token"] == hf_reference.tokenizer.decode([ids[i]])
+    assert body["choices"][0]["text"] == complete(server, prompt=PROMPT, max_tokens=2)["choices"][0]["text"]
+    r = httpx.post(server.base_url + "/chat/completions", headers=server.headers(), timeout=120,
+                   json={"model": "demo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                         "prompt_logprobs": 0})
+    assert r.status_code == 200, r.text
+    chat = r.json()
+    assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    with httpx.stream("POST", server.base_url + "/completions", headers=server.headers(), timeout=120,
+                      json={"model": "demo", "prompt": PROMPT, "max_tokens": 3, "prompt_logprobs": 3,
+                            "stream": True}) as s:
+        import json
+
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    streamed = [c["choices"][0]["prompt_logprobs"] for c in chunks if "prompt_logprobs" in c["choices"][0]]
+    assert len(streamed) == 1 and [sorted(e) if e else e for e in streamed[0]] == \
+        [sorted(e) if e else e for e in got]
+    for bad in (-1, 21, "3", 1.5):
+        r = httpx.post(server.base_url + "/completions", headers=server.headers(), timeout=60,
+                       json={"model": "demo", "prompt": PROMPT, "prompt_logprobs": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", bad

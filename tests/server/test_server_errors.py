@@ -92,7 +92,7 @@ TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type"
     # vLLM's fields pdpool does not implement were ignored: another answer than the one asked for
     ("/v1/completions", {"allowed_token_ids": [28]}, "allowed_token_ids"),
     ("/v1/completions", {"bad_words": ["the"]}, "bad_words"),
-    ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt_logprobs": -1}, "prompt_logprobs"),   # vLLM: the whole vocabulary; here at most 20
     ("/v1/completions", {"truncate_prompt_tokens": 1}, "truncate_prompt_tokens"),
     ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
     ("/v1/completions", {"logits_processors": ["x"]}, "logits_processors"),
