@@ -547,6 +547,21 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> No
                           param=param)
 
 
+def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int | None) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` ids (-1: the last ``max_model_len``; None: all).
+    A ``keep`` above the context length is an ``InvalidRequestError``, as in vLLM."""
+    if keep is None:
+        return token_ids
+    if keep == -1:
+        if max_model_len is None:
+            return token_ids
+        keep = max_model_len
+    elif max_model_len is not None and keep > max_model_len:
+        raise InvalidRequestError(f"truncate_prompt_tokens ({keep}) is greater than the model's context length "
+                                  f"({max_model_len}): choose a smaller truncation", param="truncate_prompt_tokens")
+    return token_ids[-keep:] if len(token_ids) > keep else token_ids
+
+
 def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
     """The request's output budget: ``max_tokens``, or what the context leaves when it is None. Raises
     ``InvalidRequestError`` when the prompt and the completion do not fit in ``max_model_len``."""

@@ -94,6 +94,10 @@ def parse(path: str, body: dict, frontend: Frontend, served_names: list[str], re
     add_special = req.kind != "chat"
     try:
         encoded = [frontend.encode_prompt_chunked(p, add_special) for p in req.prompts]
+        keep = req.params.truncate_prompt_tokens
+        if keep is not None and keep > 0:   # the node keeps the same ids (-1, its context length: the node's to cut)
+            encoded = [(ids[-keep:], None, None) if len(ids) > keep else (ids, j, shared)
+                       for ids, j, shared in encoded]
         stop_ids = getattr(req.params, "stop_token_ids", None)
         if stop_ids:
             _frontend.check_token_ids(stop_ids, frontend.vocab_size, "stop_token_ids")

@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator, Protocol, Sequence
 from pdpool.engine.llm_engine import EngineOutput, InvalidRequestError, LLMEngine
 from pdpool.engine.output_processor import OutputProcessor, RequestOutput
 from pdpool.engine.sampling_params import SamplingParams
-from pdpool.frontend import Frontend, ModelFiles, Tokenizer
+from pdpool.frontend import Frontend, ModelFiles, Tokenizer, truncate_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +151,10 @@ class AsyncLLM:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", param=None)
         ids = self.frontend.encode_prompt(prompt if prompt_token_ids is None else prompt_token_ids,
                                           add_special_tokens)
+        if params.truncate_prompt_tokens is not None:
+            kept = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
+            if len(kept) < len(ids):
+                ids, prompt = kept, kept      # the text (echo's) is then the kept ids'
         self._ensure_loop()
         arrival = time.monotonic() if arrival_time is None else arrival_time
         stream = RequestStream(self, request_id, ids)

@@ -63,6 +63,8 @@ class SamplingParams:
     # the prompt's own logprobs, each with this many best beside it (vLLM's; completions' echo with logprobs): the
     # model's distribution at every prompt position, so such a request reads nothing from the prefix cache
     prompt_logprobs: int | None = None
+    # vLLM's: keep only the prompt's last k tokens (left truncation); -1: the last max_model_len (``truncate_prompt``)
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -132,6 +134,11 @@ class SamplingParams:
             _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
             _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        if self.truncate_prompt_tokens is not None:
+            _int("truncate_prompt_tokens", self.truncate_prompt_tokens, -1, None, "-1 or at least 1")
+            if self.truncate_prompt_tokens == 0:
+                raise SamplingParamsError("truncate_prompt_tokens", "truncate_prompt_tokens must be -1 (the model's "
+                                          "context length) or at least 1, got 0")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise SamplingParamsError("stop", f"stop must be non-empty strings, got {short_repr(s)}")

@@ -284,8 +284,8 @@ def _refuse_constrained(body: dict) -> None:
 # vLLM's request fields that pdpool does not implement. Unknown fields are ignored, as in vLLM, but these vLLM
 # knows: dropped, each would answer another request than the one sent (every prompt token kept, no token banned,
 # no beam search, the model's own chat template), so any value but absent (null) or a no-op one is a 400.
-_UNIMPLEMENTED = ("allowed_token_ids", "bad_words", "truncate_prompt_tokens", "logits_processors",
-                  "use_beam_search", "return_tokens_as_token_ids", "chat_template")
+_UNIMPLEMENTED = ("allowed_token_ids", "bad_words", "logits_processors", "use_beam_search",
+                  "return_tokens_as_token_ids", "chat_template")
 _UNIMPLEMENTED_CHAT = ("echo",)  # completions' echo is implemented; vLLM's chat echo is not
 
 
@@ -304,7 +304,8 @@ _REFUSAL_FIELDS = frozenset(("response_format", "tools", "tool_choice", "functio
 # The body fields ``_sampling_fields`` reads; a body with none of them gets ``SamplingParams``' defaults.
 _SAMPLING_FIELDS = frozenset(("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                               "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
-                              "include_stop_str_in_output", "skip_special_tokens", "logit_bias"))
+                              "include_stop_str_in_output", "skip_special_tokens", "logit_bias",
+                              "truncate_prompt_tokens"))
 
 
 def _sampling(body: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -340,6 +341,7 @@ def _sampling_fields(body: dict, max_tokens: int | None, logprobs: int | None) -
         # token id -> bias; SamplingParams parses the keys and clamps the values to [-100, 100] as vLLM does (its
         # errors name logit_bias); the ids are checked against the vocabulary where it is known (router, engine)
         logit_bias=body.get("logit_bias"),
+        truncate_prompt_tokens=get_int(body, "truncate_prompt_tokens"),   # -1 or >= 1: SamplingParams checks
     )
     return make_sampling_params(kwargs)
 

@@ -78,3 +78,11 @@ def test_one_token_chunks_beside_a_decoding_request(hf_reference):
     outs = llm.generate([first, second], [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
                                           SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2)])
     check_against_hf(hf_reference, second, outs[1].prompt_logprobs, 2)
+
+
+def test_offline_truncate_prompt_tokens(llm):
+    """vLLM's truncate_prompt_tokens in the offline LLM too: the last k ids are the prompt."""
+    ids = llm.frontend.encode_prompt(PROMPT)
+    cut = llm.generate([PROMPT], SamplingParams(max_tokens=3, temperature=0, truncate_prompt_tokens=9))[0]
+    alone = llm.generate([ids[-9:]], SamplingParams(max_tokens=3, temperature=0))[0]
+    assert cut.prompt_token_ids == ids[-9:] and cut.output_token_ids == alone.output_token_ids

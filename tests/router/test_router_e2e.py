@@ -148,6 +148,20 @@ def test_echo_with_logprobs_is_scored_on_one_node(cluster, router):
     assert router.value('pdpool_router_requests_total{decision="disaggregated"}') == disagg
 
 
+def test_truncate_prompt_tokens_is_the_nodes_answer(cluster, router):
+    """The router keeps the same last k ids it forwards (and hashes), so its answer is a node's."""
+    body = {"model": "demo", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "truncate_prompt_tokens": 20,
+            "return_token_ids": True}
+    mine = router.post("/v1/completions", body)
+    assert mine.status_code == 200, mine.text
+    theirs = httpx.post(cluster["d0"].base_url + "/completions", json=body, timeout=60).json()
+    assert mine.json()["choices"][0]["prompt_token_ids"] == theirs["choices"][0]["prompt_token_ids"]
+    assert len(theirs["choices"][0]["prompt_token_ids"]) == 20
+    assert mine.json()["choices"][0]["token_ids"] == theirs["choices"][0]["token_ids"]
+    bad = router.post("/v1/completions", {**body, "truncate_prompt_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 # ---- the API surface ------------------------------------------------------------------------------------
 
 BAD = [

@@ -93,7 +93,7 @@ TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type"
     ("/v1/completions", {"allowed_token_ids": [28]}, "allowed_token_ids"),
     ("/v1/completions", {"bad_words": ["the"]}, "bad_words"),
     ("/v1/completions", {"prompt_logprobs": -1}, "prompt_logprobs"),   # vLLM: the whole vocabulary; here at most 20
-    ("/v1/completions", {"truncate_prompt_tokens": 1}, "truncate_prompt_tokens"),
+    ("/v1/completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),   # -1 or >= 1
     ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
     ("/v1/completions", {"logits_processors": ["x"]}, "logits_processors"),
     ("/v1/completions", {"return_tokens_as_token_ids": True, "logprobs": 1}, "return_tokens_as_token_ids"),
