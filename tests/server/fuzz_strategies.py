@@ -123,12 +123,14 @@ COMMON_FIELDS = {
     "priority": st.one_of(st.integers(-5, 5), st.sampled_from(EXTREME_INTS), json_values()),
     "cache_salt": st.one_of(TEXTS, json_values()), "user": st.one_of(TEXTS, json_values()),
     "kv_transfer_params": KV_PARAMS, "logit_bias": LOGIT_BIASES,
+    "prompt_logprobs": small_ints(-1, 21), "truncate_prompt_tokens": small_ints(-2, 6),
     "return_token_ids": st.one_of(st.booleans(), json_values()),
     "include_stop_str_in_output": st.booleans(), "skip_special_tokens": st.one_of(st.booleans(), json_values()),
     "response_format": st.one_of(st.sampled_from([{"type": "text"}, {"type": "json_object"}, None]), json_values()),
     "guided_json": json_values(),
 }
 COMPLETION_FIELDS = {**COMMON_FIELDS, "prompt": PROMPTS, "echo": st.one_of(st.booleans(), json_values()),
+                     "max_tokens": small_ints(0, 4),      # 0 with echo: the prompt alone (the scoring call)
                      "logprobs": small_ints(0, 5), "suffix": st.one_of(TEXTS, json_values())}
 CHAT_FIELDS = {**COMMON_FIELDS, "messages": MESSAGES, "logprobs": st.one_of(st.booleans(), json_values()),
                "top_logprobs": small_ints(0, 5), "max_completion_tokens": small_ints(1, 4),
