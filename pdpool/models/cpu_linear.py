@@ -15,6 +15,14 @@ docs/performance.md, "Offline throughput on the CPU"):
 Each path is used only where it loads (the extension built, the oneDNN ops present and agreeing with ``F.linear``
 on a tiny case); otherwise the next one serves. The GPU path is untouched. A weight changed in place after packing
 (its ``_version`` moves) is packed again before its next use.
+
+bf16/fp16 weights above NATIVE_MAX_ROWS go to ``F.linear``, which torch runs through oneDNN (ideep): one primitive
+per (rows, N, K), JIT-compiled and kept in two caches, ideep's (``LRU_CACHE_CAPACITY``) and oneDNN's
+(``ONEDNN_PRIMITIVE_CACHE_CAPACITY``), 1024 entries each by default. With continuous batching a step's token count
+changes nearly every step, so on a serving node these fill up: on the bf16 demo model about 2 MiB of RSS per new
+token count, levelling off only at hundreds of MiB (docs/performance.md, "Node memory under load").
+``bound_onednn_caches`` (called before the model's first CPU matmul) sets both to ``PDPOOL_ONEDNN_CACHE_CAPACITY``
+entries unless the environment already names them.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +43,28 @@ log = logging.getLogger(__name__)
 PACKED_MAX_ROWS = 128  # measured win at 64 rows, parity at 512 (docs/performance.md)
 NATIVE_MAX_ROWS = 32  # native kernel: fp32 1.05-1.2x packed at 24-32 rows, behind at 48 (bench_cpu_linear.py)
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ONEDNN_CACHE_ENV = "PDPOOL_ONEDNN_CACHE_CAPACITY"
+DEFAULT_ONEDNN_CACHE_CAPACITY = 256  # entries of each cache; 0: leave torch's own (1024 each)
+
+
+def bound_onednn_caches() -> int | None:
+    """Bound oneDNN's primitive cache and ideep's LRU cache to ``$PDPOOL_ONEDNN_CACHE_CAPACITY`` entries each
+    (default DEFAULT_ONEDNN_CACHE_CAPACITY; 0 leaves both at torch's 1024), unless the environment already sets
+    ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` / ``DNNL_PRIMITIVE_CACHE_CAPACITY`` or ``LRU_CACHE_CAPACITY``. Both
+    libraries read these variables when their cache is first built: this must run before the process's first
+    oneDNN op, or it changes nothing. Returns the capacity set, or None when it left them as they were."""
+    raw = os.environ.get(ONEDNN_CACHE_ENV, "").strip()
+    try:
+        capacity = int(raw) if raw else DEFAULT_ONEDNN_CACHE_CAPACITY
+    except ValueError:
+        log.warning("%s=%r is not an integer; using %d", ONEDNN_CACHE_ENV, raw, DEFAULT_ONEDNN_CACHE_CAPACITY)
+        capacity = DEFAULT_ONEDNN_CACHE_CAPACITY
+    if capacity <= 0:
+        return None
+    if not any(name in os.environ for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY")):
+        os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(capacity)
+    os.environ.setdefault("LRU_CACHE_CAPACITY", str(capacity))  # ideep's; 0 there crashes, so only >= 1 is set
+    return capacity
 
 
 def native_linear_available() -> bool:

@@ -55,8 +55,9 @@ def load_model(path: str | Path, hf_config=None, *, dtype: torch.dtype = torch.f
     else:
         raise ValueError(f"load_format {load_format!r}: expected 'auto' or 'dummy'")
     if torch.device(device).type == "cpu":
-        from pdpool.models.cpu_linear import pack_cpu_linears
+        from pdpool.models.cpu_linear import bound_onednn_caches, pack_cpu_linears
 
+        bound_onednn_caches()  # before the first oneDNN op, which builds its per-shape caches (cpu_linear.py)
         pack_cpu_linears(model)  # the native small-row kernel / oneDNN-packed weights at decode sizes, where built
     return model.eval()
 

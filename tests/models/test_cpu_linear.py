@@ -2,6 +2,8 @@
 (kernels/csrc/linear_cpu.cpp) in fp32/fp16/bf16 on odd and real shapes, and the oneDNN-packed path, on the demo
 model's layer shapes."""
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -152,3 +154,25 @@ def test_skips_non_fp32_without_the_native_kernel(monkeypatch):
     assert not hasattr(model[0], "packed_weight")
     x = torch.randn(3, 8)
     torch.testing.assert_close(model[1](x), F.linear(x, model[1].weight, model[1].bias), rtol=1e-4, atol=1e-4)
+
+
+ONEDNN_VARS = ("PDPOOL_ONEDNN_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY",
+               "LRU_CACHE_CAPACITY")
+
+
+@pytest.mark.parametrize("setting, onednn, lru", [
+    ({}, str(cpu_linear.DEFAULT_ONEDNN_CACHE_CAPACITY), str(cpu_linear.DEFAULT_ONEDNN_CACHE_CAPACITY)),
+    ({"PDPOOL_ONEDNN_CACHE_CAPACITY": "32"}, "32", "32"),
+    ({"PDPOOL_ONEDNN_CACHE_CAPACITY": "0"}, None, None),  # 0: torch's own defaults
+    ({"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "8", "LRU_CACHE_CAPACITY": "4"}, "8", "4"),  # the user's win
+    ({"DNNL_PRIMITIVE_CACHE_CAPACITY": "8"}, None, str(cpu_linear.DEFAULT_ONEDNN_CACHE_CAPACITY)),  # older name
+])
+def test_bound_onednn_caches_sets_the_environment(monkeypatch, setting, onednn, lru):
+    for name in ONEDNN_VARS:  # set first, so that monkeypatch restores each as it was, absent or not
+        monkeypatch.setenv(name, "1")
+        monkeypatch.delenv(name)
+    for name, value in setting.items():
+        monkeypatch.setenv(name, value)
+    cpu_linear.bound_onednn_caches()
+    assert os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY") == onednn
+    assert os.environ.get("LRU_CACHE_CAPACITY") == lru
