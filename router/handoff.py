@@ -114,6 +114,10 @@ class RequestPath:
         body.pop("stream_options", None)
         if "max_completion_tokens" in body:
             body["max_completion_tokens"] = 1
+        if rr.parsed.params.min_tokens > 1:
+            # min_tokens above that 1 is a 400 on the prefill node (a needless fallback): its one token is masked
+            # (EOS, stop ids) with min_tokens 1 as with the client's; the decode node counts it toward the rest.
+            body["min_tokens"] = 1
         ticket = self.inflight.add(p.node_id, rr.num_prompt_tokens - plan.matched_blocks.get(p.node_id, 0)
                                    * self.scheduler.block_size)
         self.index.record(plan.block_hashes, p)

@@ -31,6 +31,9 @@ class RoutedRequest:
     ids_json: list = field(default_factory=list)  # per prompt, the JSON of its ids where the front end made it
     frontend: Frontend | None = None
     shared: tuple | None = None       # the first prompt's shared token-cache chunks (the block-hash memo's keys)
+    # The ids the nodes get, where they differ from ``prompt_token_ids``: with truncate_prompt_tokens, the whole
+    # prompt's (the node cuts them as it cuts a client's, so echo's text is the kept ids', not the body's prompt)
+    forwarded_token_ids: list[list[int]] | None = None
     _hashes: dict = field(default_factory=dict)
 
     @property
@@ -47,6 +50,10 @@ class RoutedRequest:
         (echo with logprobs) computes its whole prompt on one node."""
         return (len(self.prompt_token_ids) == 1 and self.parsed.n == 1
                 and self.parsed.params.prompt_logprobs is None)
+
+    @property
+    def sent_token_ids(self) -> list[list[int]]:
+        return self.prompt_token_ids if self.forwarded_token_ids is None else self.forwarded_token_ids
 
     def block_hashes(self, fingerprint) -> list:
         hashes = self._hashes.get(fingerprint)
@@ -68,7 +75,7 @@ class RoutedRequest:
         if self.ids_json and all(j is not None for j in self.ids_json):
             ids = b"[" + b",".join(self.ids_json) + b"]"
         else:
-            ids = json.dumps(self.prompt_token_ids, separators=(",", ":")).encode()
+            ids = json.dumps(self.sent_token_ids, separators=(",", ":")).encode()
         return b"".join((raw[:-1], b',"', TOKEN_IDS_FIELD.encode(), b'":', ids, b"}"))
 
     def upstream_body(self, pdpool_node: bool | None, **changes) -> dict:
@@ -76,7 +83,7 @@ class RoutedRequest:
         body.pop("kv_transfer_params", None)  # the router owns the handoff
         body.pop(TOKEN_IDS_FIELD, None)
         if pdpool_node:
-            body[TOKEN_IDS_FIELD] = self.prompt_token_ids
+            body[TOKEN_IDS_FIELD] = self.sent_token_ids
         body.update(changes)
         return body
 
@@ -94,9 +101,14 @@ def parse(path: str, body: dict, frontend: Frontend, served_names: list[str], re
     add_special = req.kind != "chat"
     try:
         encoded = [frontend.encode_prompt_chunked(p, add_special) for p in req.prompts]
+        forwarded = None
         keep = req.params.truncate_prompt_tokens
-        if keep is not None and keep > 0:   # the node keeps the same ids (-1, its context length: the node's to cut)
-            encoded = [(ids[-keep:], None, None) if len(ids) > keep else (ids, j, shared)
+        if keep is not None and keep > 0 and any(len(e[0]) > keep for e in encoded):
+            # Routing sees the ids the node keeps (-1, its context length: the node's to cut); the node gets the
+            # whole prompt's ids and cuts them itself, as it cuts a client's: given only the kept ids, it would
+            # take them for the whole prompt and echo the body's text.
+            forwarded = [e[0] for e in encoded]
+            encoded = [(ids[-keep:], j, None) if len(ids) > keep else (ids, j, shared)
                        for ids, j, shared in encoded]
         stop_ids = getattr(req.params, "stop_token_ids", None)
         if stop_ids:
@@ -107,4 +119,4 @@ def parse(path: str, body: dict, frontend: Frontend, served_names: list[str], re
     except _REFUSED as exc:
         raise APIError(str(exc), param=exc.param) from None
     return RoutedRequest(path, body, req, [e[0] for e in encoded], request_id, raw, [e[1] for e in encoded],
-                         frontend, encoded[0][2])
+                         frontend, encoded[0][2], forwarded)
