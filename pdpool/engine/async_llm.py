@@ -71,6 +71,7 @@ class RequestStream:
     def __init__(self, owner: "AsyncLLM", request_id: str, prompt_token_ids: list[int] | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids   # known before the first output (a stream's first chunk)
+        self.prompt_cut = False       # truncate_prompt_tokens cut the prompt: its text is that of the kept ids
         self._owner = owner
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
@@ -151,13 +152,15 @@ class AsyncLLM:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", param=None)
         ids = self.frontend.encode_prompt(prompt if prompt_token_ids is None else prompt_token_ids,
                                           add_special_tokens)
+        cut = False
         if params.truncate_prompt_tokens is not None:
             kept = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
             if len(kept) < len(ids):
-                ids, prompt = kept, kept      # the text (echo's) is then the kept ids'
+                ids, prompt, cut = kept, kept, True      # the text (echo's) is then the kept ids'
         self._ensure_loop()
         arrival = time.monotonic() if arrival_time is None else arrival_time
         stream = RequestStream(self, request_id, ids)
+        stream.prompt_cut = cut
         self._streams[request_id] = stream
         self._timings[request_id] = _Timing(arrival)
         self.output_processor.add(request_id, prompt if isinstance(prompt, str) else None, ids, params)

@@ -314,7 +314,7 @@ async def stream_response(gen: Generation, http_request: web.Request) -> web.Str
                 await resp.write(_sse(first))
         def echo_chunk(c: _Choice, prompt_logprobs: list | None) -> bytes:
             prompt = req.prompts[c.index // req.n]
-            if req.params.truncate_prompt_tokens is not None:   # what the engine kept
+            if c.stream.prompt_cut:   # truncate_prompt_tokens cut it: what the engine kept, as a whole answer gives
                 prompt = c.stream.prompt_token_ids
             text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
             lp = (echo_logprobs(tokenizer, c.stream.prompt_token_ids, prompt_logprobs, c, req.logprobs)

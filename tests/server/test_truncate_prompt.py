@@ -63,3 +63,17 @@ def test_bad_values_are_a_400(server, value):
 def test_above_the_context_length_is_a_400(server):
     r = post(server, "/completions", prompt=PROMPT, truncate_prompt_tokens=server.max_model_len + 1)
     assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
+def test_streamed_echo_is_the_whole_answers_echo(server):
+    """Streamed or not, echo gives the same prompt text: the body's own when nothing was cut (a long enough k),
+    the kept ids' when the prompt was cut."""
+    import json
+
+    for keep in (3, 10_000 if server.max_model_len > 10_000 else server.max_model_len):
+        body = {"prompt": PROMPT, "echo": True, "max_tokens": 2, "truncate_prompt_tokens": keep}
+        whole = post(server, "/completions", **body).json()["choices"][0]["text"]
+        with httpx.stream("POST", server.base_url + "/completions", headers=server.headers(), timeout=120,
+                          json={"model": "demo", "temperature": 0, **body, "stream": True}) as s:
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == whole, keep
