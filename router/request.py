@@ -113,6 +113,9 @@ def parse(path: str, body: dict, frontend: Frontend, served_names: list[str], re
         stop_ids = getattr(req.params, "stop_token_ids", None)
         if stop_ids:
             _frontend.check_token_ids(stop_ids, frontend.vocab_size, "stop_token_ids")
+        allowed = getattr(req.params, "allowed_token_ids", None)
+        if allowed:
+            _frontend.check_token_ids(allowed, frontend.vocab_size, "allowed_token_ids")
         logit_bias = getattr(req.params, "logit_bias", None)
         if logit_bias:  # the node checks its ids too: the same 400, before any routing
             _frontend.check_token_ids(list(logit_bias), frontend.vocab_size, "logit_bias")

@@ -1,8 +1,9 @@
 """Batched sampling: logit bias, penalties, temperature, top-k/top-p/min-p, per-request seeds, logprobs.
 
-Order (vLLM v1's sampler): min-tokens stop masking, ``logit_bias`` (both are its non-argmax-invariant logits
-processors, applied before penalties), repetition penalty, presence/frequency penalties, then (random rows only)
-temperature, top-k, top-p, min-p, and the draw. Greedy rows take the argmax of the biased, penalized logits.
+Order (vLLM v1's sampler): min-tokens stop masking, ``allowed_token_ids`` (every other id masked), ``logit_bias``
+(its non-argmax-invariant logits processors, applied before penalties), repetition penalty, presence/frequency
+penalties, then (random rows only) temperature, top-k, top-p, min-p, and the draw. Greedy rows take the argmax of
+the masked, biased, penalized logits.
 
 Logprobs (sampled token and top-n) come from the raw model logits, log_softmax before any processing (bias
 included): vLLM's default `raw_logprobs`, so a token's reported logprob does not depend on the request's sampling
@@ -205,6 +206,9 @@ class Sampler:
             return PendingSample(token_ids, logprob_parts, top_n, failed, self._pinned)
         logits = raw.float()  # every other path works in float32 (exact from bf16/fp16), as before
         processed = logits if processed is raw else processed.float()
+        if plan.allowed_rows:
+            processed = processed.clone() if processed is logits else processed
+            self._mask_disallowed(processed, params, plan, failed)
         if plan.bias_rows:
             processed = processed.clone() if processed is logits else processed
             self._add_logit_bias(processed, params, plan, failed)
@@ -246,6 +250,26 @@ class Sampler:
         if plan.any_logprobs:
             logprob_parts, top_n = self._logprobs(logits, params, token_ids)
         return PendingSample(token_ids, logprob_parts, top_n, failed, self._pinned)
+
+    @staticmethod
+    def _mask_disallowed(processed: torch.Tensor, params: list[SamplingParams], plan: "SamplingPlan",
+                         failed: dict[int, str]) -> None:
+        """In place on [R, V] float32: ``allowed_token_ids``' rows keep only those ids' logits (the others -inf; the
+        mask built once per plan). A row left with nothing to sample (its allowed ids all beyond V, or masked by
+        ``min_tokens``' stop-token masking) fails alone."""
+        rows, keep, bad = plan.allowed_mask(params, processed.shape[1], processed.device)
+        for i in bad:
+            failed.setdefault(i, _reason(IndexError(f"allowed_token_ids are outside the vocabulary "
+                                                    f"[0, {processed.shape[1]})")))
+        if rows is None:
+            return
+        masked = processed[rows].masked_fill(~keep, float("-inf"))
+        processed[rows] = masked
+        dead = torch.isneginf(masked).all(dim=-1)
+        if bool(dead.any()):      # a host sync, only for batches with such rows
+            for i in rows[dead].tolist():
+                failed.setdefault(i, "no allowed token is left to sample (allowed_token_ids all masked, e.g. "
+                                     "stop tokens before min_tokens)")
 
     @staticmethod
     def _add_logit_bias(processed: torch.Tensor, params: list[SamplingParams], plan: "SamplingPlan",
@@ -325,15 +349,36 @@ class SamplingPlan:
     arrival and the next one's finish), so a step pays no per-row Python for it. The params must not change
     while a plan of them is in use (the engine never changes a request's params)."""
 
-    __slots__ = ("min_token_rows", "bias_rows", "fusable", "any_logprobs", "_temperature", "_bias")
+    __slots__ = ("min_token_rows", "bias_rows", "allowed_rows", "fusable", "any_logprobs", "_temperature", "_bias",
+                 "_allowed")
 
     def __init__(self, params: list[SamplingParams]):
         self.min_token_rows = [i for i, p in enumerate(params) if p.min_tokens > 0]
         self.bias_rows = [i for i, p in enumerate(params) if getattr(p, "logit_bias", None)]
-        self.fusable = not self.bias_rows and all(_fusable(p) for p in params)
+        self.allowed_rows = [i for i, p in enumerate(params) if getattr(p, "allowed_token_ids", None)]
+        self.fusable = not self.bias_rows and not self.allowed_rows and all(_fusable(p) for p in params)
         self.any_logprobs = any(p.logprobs is not None for p in params)
         self._temperature: torch.Tensor | None = None  # [R] float32 on the logits' device, 0 for greedy rows
         self._bias: tuple | None = None  # (vocab, device, rows [N], ids [N], values [N], bad rows) of logit_bias
+        self._allowed: tuple | None = None  # (vocab, device, rows [A], keep [A, V] bool, bad rows)
+
+    def allowed_mask(self, params: list[SamplingParams], vocab: int, device: torch.device) -> tuple:
+        """``allowed_token_ids``' rows [A] int64 and their keep mask [A, V] bool (None, None when no row is left),
+        and the rows whose ids reach beyond ``vocab``."""
+        cached = self._allowed
+        if cached is None or cached[0] != vocab or cached[1] != device:
+            rows, bad = [], []
+            keep = torch.zeros(len(self.allowed_rows), vocab, dtype=torch.bool)
+            for i in self.allowed_rows:
+                ids = params[i].allowed_token_ids
+                if any(not 0 <= t < vocab for t in ids):
+                    bad.append(i)
+                    continue
+                keep[len(rows), ids] = True
+                rows.append(i)
+            columns = ((column(rows, torch.long, device), keep[:len(rows)].to(device)) if rows else (None, None))
+            cached = self._allowed = (vocab, device, *columns, bad)
+        return cached[2:]
 
     def logit_bias(self, params: list[SamplingParams], vocab: int, device: torch.device) -> tuple:
         """The biased rows' entries as three flat columns, row [N] and id [N] int64 and bias [N] float32 (None

@@ -65,6 +65,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # vLLM's: keep only the prompt's last k tokens (left truncation); -1: the last max_model_len (``truncate_prompt``)
     truncate_prompt_tokens: int | None = None
+    # vLLM's: only these ids may be generated (every other logit masked, before the bias and the penalties)
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -80,6 +82,11 @@ class SamplingParams:
             raise SamplingParamsError("stop_token_ids", "stop_token_ids must be a list of integers, got "
                                       f"{short_repr(self.stop_token_ids)}")
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                raise SamplingParamsError("allowed_token_ids", "allowed_token_ids must be a non-empty list of token "
+                                          f"ids, got {short_repr(self.allowed_token_ids)}")
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.logit_bias is not None:
             self.logit_bias = normalize_logit_bias(self.logit_bias)
         self.validate()
@@ -147,6 +154,8 @@ class SamplingParams:
             _int("stop_token_ids", t, 0, top, "the vocabulary's ids" if top is not None else "")
         if self.logit_bias is not None:
             _check_logit_bias(self.logit_bias, top)
+        for t in self.allowed_token_ids or ():
+            _int("allowed_token_ids", t, 0, top, "the vocabulary's ids" if top is not None else "")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamsError(name, f"{name} must be a boolean, got {short_repr(getattr(self, name))}")

@@ -55,3 +55,18 @@ def test_an_id_outside_the_vocabulary_is_the_routers_400(router):
                                         "logit_bias": {"49152": 5}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
     assert "must hold token ids" in r.json()["error"]["message"]  # the front end's wording (a node's differs)
+
+
+def test_allowed_token_ids_survive_the_handoff(router):
+    """vLLM's allowed_token_ids: the prefill node's first token and the decode node's rest are all allowed ones."""
+    allowed = [FORCED, 28, 314]
+    before = router.value(DISAGGREGATED)
+    done = router.client().completions.create(
+        model="demo", prompt=_prompt("harbours"), max_tokens=5, temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True, "allowed_token_ids": allowed})
+    assert set(done.choices[0].model_extra["token_ids"]) <= set(allowed)
+    assert router.value(DISAGGREGATED) == before + 1
+    for bad in ([], [49152], "28"):
+        r = router.post("/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 2,
+                                            "allowed_token_ids": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", (bad, r.text)

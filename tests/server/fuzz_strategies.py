@@ -124,6 +124,7 @@ COMMON_FIELDS = {
     "cache_salt": st.one_of(TEXTS, json_values()), "user": st.one_of(TEXTS, json_values()),
     "kv_transfer_params": KV_PARAMS, "logit_bias": LOGIT_BIASES,
     "prompt_logprobs": small_ints(-1, 21), "truncate_prompt_tokens": small_ints(-2, 6),
+    "allowed_token_ids": st.one_of(TOKEN_ID_LISTS, st.lists(st.integers(0, 49151), min_size=1, max_size=3)),
     "return_token_ids": st.one_of(st.booleans(), json_values()),
     "include_stop_str_in_output": st.booleans(), "skip_special_tokens": st.one_of(st.booleans(), json_values()),
     "response_format": st.one_of(st.sampled_from([{"type": "text"}, {"type": "json_object"}, None]), json_values()),

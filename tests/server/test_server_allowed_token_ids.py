@@ -1,0 +1,27 @@
+"""vLLM's ``allowed_token_ids`` through a node with the official openai client: both endpoints, streamed and not;
+bad values are a 400 naming the field."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+ALLOWED = [28, 260, 314]
+
+
+def test_completions_and_chat_generate_only_allowed_ids(client):
+    extra = {"allowed_token_ids": ALLOWED, "return_token_ids": True, "ignore_eos": True}
+    r = client.completions.create(model="demo", prompt="The capital of France is", max_tokens=5, temperature=0.8,
+                                  seed=1, extra_body=extra)
+    assert set(r.choices[0].model_extra["token_ids"]) <= set(ALLOWED) and len(r.choices[0].model_extra["token_ids"]) == 5
+    chunks = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=4, temperature=0, stream=True, extra_body=extra)
+    ids = [t for c in chunks if c.choices for t in (c.choices[0].model_extra or {}).get("token_ids") or []]
+    assert ids and set(ids) <= set(ALLOWED)
+
+
+@pytest.mark.parametrize("bad", [[], [10**9], [-1], ["28"], [1.5], "28", {"28": 1}, True])
+def test_bad_values_are_a_400(server, bad):
+    r = httpx.post(server.base_url + "/completions", headers=server.headers(), timeout=60,
+                   json={"model": "demo", "prompt": "hi", "max_tokens": 2, "allowed_token_ids": bad})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
