@@ -649,6 +649,21 @@ class Frontend:
             raise InvalidRequestError("the prompt is empty")
         return ids
 
+    def bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:
+        """vLLM's token ids of ``bad_words``: each word as written (leading spaces stripped) and, when it differs
+        only in its first token and not in length, with one leading space (the word inside a sentence). A word
+        that is no token at all is an ``InvalidRequestError``."""
+        out: list[list[int]] = []
+        for word in words:
+            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not bare:
+                raise InvalidRequestError(f"bad_words entry {word!r} has no tokens", param="bad_words")
+            out.append(bare)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if len(spaced) == len(bare) and spaced[0] != bare[0]:
+                out.append(spaced)
+        return out
+
     def block_hashes(self, token_ids: Sequence[int], fingerprint: ModelFingerprint, cache_salt: str | None = None,
                      shared: tuple | None = None) -> list[BlockHash]:
         """The engines' prefix-cache hashes of every full block of ``token_ids``; with ``shared`` (from

@@ -152,6 +152,8 @@ class AsyncLLM:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", param=None)
         ids = self.frontend.encode_prompt(prompt if prompt_token_ids is None else prompt_token_ids,
                                           add_special_tokens)
+        if params.bad_words:
+            params.bad_words_token_ids = self.frontend.bad_words_token_ids(params.bad_words)
         cut = False
         if params.truncate_prompt_tokens is not None:
             kept = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)

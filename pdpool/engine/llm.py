@@ -113,6 +113,8 @@ class LLM:
             for prompt, params, add_special_tokens in requests:
                 rid = f"offline-{next(self._ids)}"
                 token_ids = self.frontend.encode_prompt(prompt, add_special_tokens)
+                if params.bad_words:
+                    params.bad_words_token_ids = self.frontend.bad_words_token_ids(params.bad_words)
                 if params.truncate_prompt_tokens is not None:
                     kept = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.engine.max_model_len)
                     if len(kept) < len(token_ids):

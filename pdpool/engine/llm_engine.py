@@ -379,7 +379,8 @@ def freeze_startup_heap() -> None:
 
 
 def _samples_without_history(request: Request) -> bool:
-    """Its sampling reads no earlier output token (no penalties, min_tokens met), so the sampler may see the
-    placeholder of the token being sampled at the end of its output list."""
+    """Its sampling reads no earlier output token (no penalties, min_tokens met, no bad word of several tokens), so
+    the sampler may see the placeholder of the token being sampled at the end of its output list."""
     params = request.sampling_params
-    return not params.has_penalties and request.num_output_tokens >= request.min_tokens
+    return (not params.has_penalties and request.num_output_tokens >= request.min_tokens
+            and (params.bad_words_token_ids is None or not params.bad_words_read_output))

@@ -1,6 +1,7 @@
 """Batched sampling: logit bias, penalties, temperature, top-k/top-p/min-p, per-request seeds, logprobs.
 
-Order (vLLM v1's sampler): min-tokens stop masking, ``allowed_token_ids`` (every other id masked), ``logit_bias``
+Order (vLLM v1's sampler): min-tokens stop masking, ``allowed_token_ids`` (every other id masked), ``bad_words``
+(the next token of a banned word masked), ``logit_bias``
 (its non-argmax-invariant logits processors, applied before penalties), repetition penalty, presence/frequency
 penalties, then (random rows only) temperature, top-k, top-p, min-p, and the draw. Greedy rows take the argmax of
 the masked, biased, penalized logits.
@@ -209,6 +210,9 @@ class Sampler:
         if plan.allowed_rows:
             processed = processed.clone() if processed is logits else processed
             self._mask_disallowed(processed, params, plan, failed)
+        if plan.bad_word_rows:
+            processed = processed.clone() if processed is logits else processed
+            self._mask_bad_words(processed, params, output_token_ids, plan.bad_word_rows, failed)
         if plan.bias_rows:
             processed = processed.clone() if processed is logits else processed
             self._add_logit_bias(processed, params, plan, failed)
@@ -270,6 +274,35 @@ class Sampler:
             for i in rows[dead].tolist():
                 failed.setdefault(i, "no allowed token is left to sample (allowed_token_ids all masked, e.g. "
                                      "stop tokens before min_tokens)")
+
+    @staticmethod
+    def _mask_bad_words(processed: torch.Tensor, params: list[SamplingParams], output_token_ids: list[list[int]],
+                        rows: list[int], failed: dict[int, str]) -> None:
+        """vLLM's ``bad_words``, in place on [R, V] float32: a one-token word is never sampled; a longer one's last
+        token is not, right after the output ends with its other tokens. One index_put over the batch's bans; a
+        row left with nothing to sample fails alone."""
+        vocab = processed.shape[1]
+        at_rows, at_ids = [], []
+        for i in rows:
+            out = output_token_ids[i]
+            banned = [w[-1] for w in params[i].bad_words_token_ids
+                      if len(w) == 1 or (len(out) >= len(w) - 1 and out[len(out) - len(w) + 1:] == w[:-1])]
+            if any(not 0 <= t < vocab for t in banned):
+                failed.setdefault(i, _reason(IndexError(f"bad_words token ids are outside the vocabulary "
+                                                        f"[0, {vocab})")))
+                continue
+            at_rows += [i] * len(banned)
+            at_ids += banned
+        if not at_rows:
+            return
+        device = processed.device
+        processed.index_put_((column(at_rows, torch.long, device), column(at_ids, torch.long, device)),
+                             torch.tensor(float("-inf"), device=device))
+        touched = sorted(set(at_rows))
+        dead = torch.isneginf(processed[column(touched, torch.long, device)]).all(dim=-1).tolist()
+        for i, gone in zip(touched, dead):
+            if gone:
+                failed.setdefault(i, "no token is left to sample (bad_words ban every allowed one)")
 
     @staticmethod
     def _add_logit_bias(processed: torch.Tensor, params: list[SamplingParams], plan: "SamplingPlan",
@@ -349,14 +382,16 @@ class SamplingPlan:
     arrival and the next one's finish), so a step pays no per-row Python for it. The params must not change
     while a plan of them is in use (the engine never changes a request's params)."""
 
-    __slots__ = ("min_token_rows", "bias_rows", "allowed_rows", "fusable", "any_logprobs", "_temperature", "_bias",
-                 "_allowed")
+    __slots__ = ("min_token_rows", "bias_rows", "allowed_rows", "bad_word_rows", "fusable", "any_logprobs",
+                 "_temperature", "_bias", "_allowed")
 
     def __init__(self, params: list[SamplingParams]):
         self.min_token_rows = [i for i, p in enumerate(params) if p.min_tokens > 0]
         self.bias_rows = [i for i, p in enumerate(params) if getattr(p, "logit_bias", None)]
         self.allowed_rows = [i for i, p in enumerate(params) if getattr(p, "allowed_token_ids", None)]
-        self.fusable = not self.bias_rows and not self.allowed_rows and all(_fusable(p) for p in params)
+        self.bad_word_rows = [i for i, p in enumerate(params) if getattr(p, "bad_words_token_ids", None)]
+        self.fusable = (not self.bias_rows and not self.allowed_rows and not self.bad_word_rows
+                        and all(_fusable(p) for p in params))
         self.any_logprobs = any(p.logprobs is not None for p in params)
         self._temperature: torch.Tensor | None = None  # [R] float32 on the logits' device, 0 for greedy rows
         self._bias: tuple | None = None  # (vocab, device, rows [N], ids [N], values [N], bad rows) of logit_bias

@@ -67,6 +67,9 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     # vLLM's: only these ids may be generated (every other logit masked, before the bias and the penalties)
     allowed_token_ids: list[int] | None = None
+    # vLLM's: words never generated; the front end fills ``bad_words_token_ids`` (``Frontend.bad_words_token_ids``)
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -82,6 +85,13 @@ class SamplingParams:
             raise SamplingParamsError("stop_token_ids", "stop_token_ids must be a list of integers, got "
                                       f"{short_repr(self.stop_token_ids)}")
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str):
+                self.bad_words = [self.bad_words]
+            if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) for w in self.bad_words):
+                raise SamplingParamsError("bad_words", f"bad_words must be a list of strings, got "
+                                          f"{short_repr(self.bad_words)}")
+            self.bad_words = list(self.bad_words) or None
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
                 raise SamplingParamsError("allowed_token_ids", "allowed_token_ids must be a non-empty list of token "
@@ -121,6 +131,11 @@ class SamplingParams:
     def has_logit_bias(self) -> bool:
         return bool(self.logit_bias)
 
+    @property
+    def bad_words_read_output(self) -> bool:
+        """A bad word of several tokens is banned after its first ones: its row's sampling reads the output ids."""
+        return any(len(ids) > 1 for ids in self.bad_words_token_ids or ())
+
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``SamplingParamsError`` naming the first bad field. With ``vocab_size`` (the engine's front end
         knows it), ``stop_token_ids`` and ``logit_bias``' ids must also be below it."""
@@ -156,6 +171,9 @@ class SamplingParams:
             _check_logit_bias(self.logit_bias, top)
         for t in self.allowed_token_ids or ():
             _int("allowed_token_ids", t, 0, top, "the vocabulary's ids" if top is not None else "")
+        for ids in self.bad_words_token_ids or ():
+            for t in ids:
+                _int("bad_words", t, 0, top, "the vocabulary's ids" if top is not None else "")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamsError(name, f"{name} must be a boolean, got {short_repr(getattr(self, name))}")

@@ -284,8 +284,7 @@ def _refuse_constrained(body: dict) -> None:
 # vLLM's request fields that pdpool does not implement. Unknown fields are ignored, as in vLLM, but these vLLM
 # knows: dropped, each would answer another request than the one sent (every prompt token kept, no token banned,
 # no beam search, the model's own chat template), so any value but absent (null) or a no-op one is a 400.
-_UNIMPLEMENTED = ("bad_words", "logits_processors", "use_beam_search", "return_tokens_as_token_ids",
-                  "chat_template")
+_UNIMPLEMENTED = ("logits_processors", "use_beam_search", "return_tokens_as_token_ids", "chat_template")
 _UNIMPLEMENTED_CHAT = ("echo",)  # completions' echo is implemented; vLLM's chat echo is not
 
 
@@ -305,7 +304,7 @@ _REFUSAL_FIELDS = frozenset(("response_format", "tools", "tool_choice", "functio
 _SAMPLING_FIELDS = frozenset(("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                               "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
                               "include_stop_str_in_output", "skip_special_tokens", "logit_bias",
-                              "truncate_prompt_tokens", "allowed_token_ids"))
+                              "truncate_prompt_tokens", "allowed_token_ids", "bad_words"))
 
 
 def _sampling(body: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -343,6 +342,7 @@ def _sampling_fields(body: dict, max_tokens: int | None, logprobs: int | None) -
         logit_bias=body.get("logit_bias"),
         truncate_prompt_tokens=get_int(body, "truncate_prompt_tokens"),   # -1 or >= 1: SamplingParams checks
         allowed_token_ids=_allowed_token_ids(body),
+        bad_words=body.get("bad_words") or None,   # a list of strings (SamplingParams checks); [] is none
     )
     return make_sampling_params(kwargs)
 

@@ -225,3 +225,24 @@ def test_decode_steps_pack_as_the_general_path_packs(llm):
     finally:
         del runner._pack_decode
     assert len(compared) > 10 and any(compared)  # steady batches read their ids in place
+
+
+def test_bad_words_allowed_ids_and_bias_match_the_plain_loop(llm):
+    """A bad word of several tokens reads the output ids (the overlapped loop waits for real ones); one-token words,
+    allowed ids and a bias do not."""
+    plain = run(llm, False, [SamplingParams(max_tokens=10, temperature=0.0)] * len(PROMPTS))
+    out0, out1 = plain[0][0], plain[1][0]
+
+    def banned(ids: list[list[int]], **kw) -> SamplingParams:
+        p = SamplingParams(**{"max_tokens": 10, "temperature": 0.0, **kw}, bad_words=["x"])
+        p.bad_words_token_ids = ids
+        return p
+
+    params = [banned([out0[2:4]]),                          # two tokens: the second never right after the first
+              banned([[out1[1]]]),                          # one token
+              SamplingParams(max_tokens=10, temperature=0.0, allowed_token_ids=sorted(set(out0 + out1))),
+              SamplingParams(max_tokens=10, temperature=0.8, seed=5, logit_bias={str(out1[0]): 3}),
+              banned([out0[:2], [out1[3]]], temperature=0.7, seed=2)]
+    overlapped = run(llm, True, params)
+    assert overlapped == run(llm, False, params)
+    assert overlapped[0][0][:4] != out0[:4]

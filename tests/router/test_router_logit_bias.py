@@ -70,3 +70,17 @@ def test_allowed_token_ids_survive_the_handoff(router):
         r = router.post("/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 2,
                                             "allowed_token_ids": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", (bad, r.text)
+
+
+def test_bad_words_survive_the_handoff(router):
+    """The prefill node bans a one-token bad word for the first token, the decode node for the rest."""
+    client = router.client()
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    free = client.completions.create(model="demo", prompt=_prompt("castles"), max_tokens=6, temperature=0,
+                                     extra_body=extra)
+    word = free.choices[0].text.split()[0]
+    before = router.value(DISAGGREGATED)
+    done = client.completions.create(model="demo", prompt=_prompt("castles") + " Again:", max_tokens=6,
+                                     temperature=0, extra_body={**extra, "bad_words": [word]})
+    assert word not in done.choices[0].text.split()
+    assert router.value(DISAGGREGATED) == before + 1

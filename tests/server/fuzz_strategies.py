@@ -125,6 +125,7 @@ COMMON_FIELDS = {
     "kv_transfer_params": KV_PARAMS, "logit_bias": LOGIT_BIASES,
     "prompt_logprobs": small_ints(-1, 21), "truncate_prompt_tokens": small_ints(-2, 6),
     "allowed_token_ids": st.one_of(TOKEN_ID_LISTS, st.lists(st.integers(0, 49151), min_size=1, max_size=3)),
+    "bad_words": st.one_of(st.lists(TEXTS, max_size=3), json_values()),
     "return_token_ids": st.one_of(st.booleans(), json_values()),
     "include_stop_str_in_output": st.booleans(), "skip_special_tokens": st.one_of(st.booleans(), json_values()),
     "response_format": st.one_of(st.sampled_from([{"type": "text"}, {"type": "json_object"}, None]), json_values()),

@@ -1,5 +1,5 @@
-"""vLLM's ``allowed_token_ids`` through a node with the official openai client: both endpoints, streamed and not;
-bad values are a 400 naming the field."""
+"""vLLM's ``allowed_token_ids`` and ``bad_words`` through a node with the official openai client: both endpoints,
+streamed and not; bad values are a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -25,3 +25,16 @@ def test_bad_values_are_a_400(server, bad):
     r = httpx.post(server.base_url + "/completions", headers=server.headers(), timeout=60,
                    json={"model": "demo", "prompt": "hi", "max_tokens": 2, "allowed_token_ids": bad})
     assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+
+
+def test_bad_words_through_a_node(client, server):
+    """vLLM's bad_words: the word greedy decoding writes first is never written."""
+    plain = client.completions.create(model="demo", prompt="The capital of France is", max_tokens=6, temperature=0)
+    word = plain.choices[0].text.split()[0]
+    banned = client.completions.create(model="demo", prompt="The capital of France is", max_tokens=6,
+                                       temperature=0, extra_body={"bad_words": [word]})
+    assert banned.choices[0].text.split()[:1] != [word]
+    for bad in ([5], [None], [""], ["   "], 7):
+        r = httpx.post(server.base_url + "/completions", headers=server.headers(), timeout=60,
+                       json={"model": "demo", "prompt": "hi", "max_tokens": 2, "bad_words": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", (bad, r.text)

@@ -91,7 +91,7 @@ TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type"
     ("/v1/chat/completions", {"function_call": {"name": "lookup"}}, "function_call"),
     # vLLM's fields pdpool does not implement were ignored: another answer than the one asked for
     ("/v1/completions", {"allowed_token_ids": []}, "allowed_token_ids"),   # null or at least one id
-    ("/v1/completions", {"bad_words": ["the"]}, "bad_words"),
+    ("/v1/completions", {"bad_words": [5]}, "bad_words"),   # strings only
     ("/v1/completions", {"prompt_logprobs": -1}, "prompt_logprobs"),   # vLLM: the whole vocabulary; here at most 20
     ("/v1/completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),   # -1 or >= 1
     ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
