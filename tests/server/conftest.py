@@ -1,4 +1,5 @@
-"""One server for every test under tests/server (float32, API key from the environment)."""
+"""One server for every test under tests/server (float32, API key from the environment), and the demo model's
+front end and HF tokenizer for the tests that compare with transformers."""
 
 from __future__ import annotations
 
@@ -24,3 +25,17 @@ def server(launch_server):
 @pytest.fixture(scope="package")
 def client(server):
     return server.client()
+
+
+@pytest.fixture(scope="package")
+def frontend(demo_model_dir):
+    from pdpool.frontend import Frontend
+
+    return Frontend.from_model(str(demo_model_dir))
+
+
+@pytest.fixture(scope="package")
+def hf_tokenizer(demo_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(demo_model_dir)

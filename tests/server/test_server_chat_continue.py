@@ -7,22 +7,8 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from pdpool.frontend import Frontend
-
 TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=30)
 ROLES = st.sampled_from(["system", "user", "assistant"])
-
-
-@pytest.fixture(scope="module")
-def frontend(demo_model_dir) -> Frontend:
-    return Frontend.from_model(str(demo_model_dir))
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer(demo_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(demo_model_dir)
 
 
 def hf_render(hf_tokenizer, messages, add_generation_prompt, continue_final_message=False) -> str:

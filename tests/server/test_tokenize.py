@@ -11,24 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from fuzz_strategies import json_values
-from pdpool.frontend import Frontend
 from pdpool.server import tokenize
 from pdpool.server.errors import APIError
 
 TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40)
 SERVED = ["demo"]
-
-
-@pytest.fixture(scope="module")
-def frontend(demo_model_dir) -> Frontend:
-    return Frontend.from_model(str(demo_model_dir))
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer(demo_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(demo_model_dir)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
