@@ -154,6 +154,14 @@ class LLMEngine:
         connector), the request then gets one ``EngineOutput``, when it finishes, holding all its ids, instead of
         one per step; ``generation_tokens`` in ``stats()`` counts its ids then."""
         params.validate(self.vocab_size)
+        if params.allowed_token_ids:   # the client's own masks must leave a token to sample (else a 400, not a 500)
+            blocked = {ids[0] for ids in params.bad_words_token_ids or () if len(ids) == 1}
+            if params.min_tokens > 0:   # stop tokens are masked until min_tokens is met
+                blocked |= set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            if blocked.issuperset(params.allowed_token_ids):
+                raise InvalidRequestError("every id of 'allowed_token_ids' is masked (a one-token bad word, or a stop "
+                                          "token while 'min_tokens' is not met): nothing could be generated",
+                                          param="allowed_token_ids")
         if request_id in self._states:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", param=None)
         if self.max_waiting_requests is not None and self.scheduler.num_waiting >= self.max_waiting_requests:

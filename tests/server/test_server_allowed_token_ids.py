@@ -38,3 +38,27 @@ def test_bad_words_through_a_node(client, server):
         r = httpx.post(server.base_url + "/completions", headers=server.headers(), timeout=60,
                        json={"model": "demo", "prompt": "hi", "max_tokens": 2, "bad_words": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", (bad, r.text)
+
+
+def test_only_stop_tokens_allowed_under_min_tokens_is_a_400(server, frontend):
+    """Nothing could be sampled before min_tokens is met, or every allowed id is a banned word: the client's own
+    contradiction, a 400 (it was a 500: the request failed while generating)."""
+    word = frontend.tokenizer.decode([28])
+    r = httpx.post(server.base_url + "/completions", headers=server.headers(), timeout=60,
+                   json={"model": "demo", "prompt": "hi", "max_tokens": 3, "allowed_token_ids": [28],
+                         "bad_words": [word]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+    for extra in ({"stop_token_ids": [28]}, {}):
+        allowed = [28] if extra else [2]   # the demo model's EOS, <|im_end|>
+        r = httpx.post(server.base_url + "/completions", headers=server.headers(), timeout=60,
+                       json={"model": "demo", "prompt": "hi", "max_tokens": 3, "min_tokens": 2,
+                             "allowed_token_ids": allowed, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+    banned = httpx.post(server.base_url + "/completions", headers=server.headers(), timeout=60,
+                        json={"model": "demo", "prompt": "hi", "max_tokens": 3, "allowed_token_ids": [28],
+                              "bad_words": ["x"], "return_token_ids": True})
+    assert banned.status_code == 200, banned.text           # "x" is not token 28: allowed
+    ok = httpx.post(server.base_url + "/completions", headers=server.headers(), timeout=60,
+                    json={"model": "demo", "prompt": "hi", "max_tokens": 3, "min_tokens": 2, "ignore_eos": True,
+                          "allowed_token_ids": [2]})
+    assert ok.status_code == 200, ok.text
