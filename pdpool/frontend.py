@@ -649,6 +649,14 @@ class Frontend:
             raise InvalidRequestError("the prompt is empty")
         return ids
 
+    def apply_prompt_options(self, ids: list[int], params, max_model_len: int) -> list[int]:
+        """A request's options that need the tokenizer or cut its prompt, before the engine takes it: fills
+        ``params.bad_words_token_ids`` from ``bad_words``; returns the ids ``truncate_prompt_tokens`` keeps (``ids``
+        itself when nothing is cut). Raises ``InvalidRequestError``."""
+        if params.bad_words:
+            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
+        return truncate_prompt(ids, params.truncate_prompt_tokens, max_model_len)
+
     def bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:
         """vLLM's token ids of ``bad_words``: each word as written (leading spaces stripped) and, when it differs
         only in its first token and not in length, with one leading space (the word inside a sentence). A word

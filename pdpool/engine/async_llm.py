@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator, Protocol, Sequence
 from pdpool.engine.llm_engine import EngineOutput, InvalidRequestError, LLMEngine
 from pdpool.engine.output_processor import OutputProcessor, RequestOutput
 from pdpool.engine.sampling_params import SamplingParams
-from pdpool.frontend import Frontend, ModelFiles, Tokenizer, truncate_prompt
+from pdpool.frontend import Frontend, ModelFiles, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -152,13 +152,10 @@ class AsyncLLM:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", param=None)
         ids = self.frontend.encode_prompt(prompt if prompt_token_ids is None else prompt_token_ids,
                                           add_special_tokens)
-        if params.bad_words:
-            params.bad_words_token_ids = self.frontend.bad_words_token_ids(params.bad_words)
-        cut = False
-        if params.truncate_prompt_tokens is not None:
-            kept = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
-            if len(kept) < len(ids):
-                ids, prompt, cut = kept, kept, True      # the text (echo's) is then the kept ids'
+        kept = self.frontend.apply_prompt_options(ids, params, self.max_model_len)
+        cut = len(kept) < len(ids)
+        if cut:
+            ids, prompt = kept, kept      # the text (echo's) is then the kept ids'
         self._ensure_loop()
         arrival = time.monotonic() if arrival_time is None else arrival_time
         stream = RequestStream(self, request_id, ids)

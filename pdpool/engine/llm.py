@@ -17,7 +17,7 @@ from pdpool import config
 from pdpool.engine.llm_engine import LLMEngine, TokenLogprobs
 from pdpool.engine.output_processor import OutputProcessor, RequestOutput
 from pdpool.engine.sampling_params import SamplingParams
-from pdpool.frontend import Frontend, ModelFiles, Tokenizer, truncate_prompt
+from pdpool.frontend import Frontend, ModelFiles, Tokenizer
 
 Prompt = str | list[int]
 
@@ -113,12 +113,9 @@ class LLM:
             for prompt, params, add_special_tokens in requests:
                 rid = f"offline-{next(self._ids)}"
                 token_ids = self.frontend.encode_prompt(prompt, add_special_tokens)
-                if params.bad_words:
-                    params.bad_words_token_ids = self.frontend.bad_words_token_ids(params.bad_words)
-                if params.truncate_prompt_tokens is not None:
-                    kept = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.engine.max_model_len)
-                    if len(kept) < len(token_ids):
-                        token_ids, prompt = kept, kept
+                kept = self.frontend.apply_prompt_options(token_ids, params, self.engine.max_model_len)
+                if len(kept) < len(token_ids):
+                    token_ids, prompt = kept, kept
                 # only the finished outputs are read here: no per-step outputs or text (see OutputProcessor)
                 self.engine.add_request(rid, token_ids, params, final_only=True)
                 ids.append(rid)

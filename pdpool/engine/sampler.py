@@ -213,6 +213,8 @@ class Sampler:
         if plan.bad_word_rows:
             processed = processed.clone() if processed is logits else processed
             self._mask_bad_words(processed, params, output_token_ids, plan.bad_word_rows, failed)
+        if plan.masked_rows:
+            _fail_rows_left_empty(processed, plan.masked_rows, failed)
         if plan.bias_rows:
             processed = processed.clone() if processed is logits else processed
             self._add_logit_bias(processed, params, plan, failed)
@@ -259,28 +261,18 @@ class Sampler:
     def _mask_disallowed(processed: torch.Tensor, params: list[SamplingParams], plan: "SamplingPlan",
                          failed: dict[int, str]) -> None:
         """In place on [R, V] float32: ``allowed_token_ids``' rows keep only those ids' logits (the others -inf; the
-        mask built once per plan). A row left with nothing to sample (its allowed ids all beyond V, or masked by
-        ``min_tokens``' stop-token masking) fails alone."""
+        mask built once per plan). A row whose ids reach beyond V fails alone."""
         rows, keep, bad = plan.allowed_mask(params, processed.shape[1], processed.device)
         for i in bad:
-            failed.setdefault(i, _reason(IndexError(f"allowed_token_ids are outside the vocabulary "
-                                                    f"[0, {processed.shape[1]})")))
-        if rows is None:
-            return
-        masked = processed[rows].masked_fill(~keep, float("-inf"))
-        processed[rows] = masked
-        dead = torch.isneginf(masked).all(dim=-1)
-        if bool(dead.any()):      # a host sync, only for batches with such rows
-            for i in rows[dead].tolist():
-                failed.setdefault(i, "no allowed token is left to sample (allowed_token_ids all masked, e.g. "
-                                     "stop tokens before min_tokens)")
+            failed.setdefault(i, _outside("allowed_token_ids", processed.shape[1]))
+        if rows is not None:
+            processed[rows] = processed[rows].masked_fill(~keep, float("-inf"))
 
     @staticmethod
     def _mask_bad_words(processed: torch.Tensor, params: list[SamplingParams], output_token_ids: list[list[int]],
                         rows: list[int], failed: dict[int, str]) -> None:
         """vLLM's ``bad_words``, in place on [R, V] float32: a one-token word is never sampled; a longer one's last
-        token is not, right after the output ends with its other tokens. One index_put over the batch's bans; a
-        row left with nothing to sample fails alone."""
+        token is not, right after the output ends with its other tokens. One index_put over the batch's bans."""
         vocab = processed.shape[1]
         at_rows, at_ids = [], []
         for i in rows:
@@ -288,8 +280,7 @@ class Sampler:
             banned = [w[-1] for w in params[i].bad_words_token_ids
                       if len(w) == 1 or (len(out) >= len(w) - 1 and out[len(out) - len(w) + 1:] == w[:-1])]
             if any(not 0 <= t < vocab for t in banned):
-                failed.setdefault(i, _reason(IndexError(f"bad_words token ids are outside the vocabulary "
-                                                        f"[0, {vocab})")))
+                failed.setdefault(i, _outside("bad_words", vocab))
                 continue
             at_rows += [i] * len(banned)
             at_ids += banned
@@ -298,11 +289,6 @@ class Sampler:
         device = processed.device
         processed.index_put_((column(at_rows, torch.long, device), column(at_ids, torch.long, device)),
                              torch.tensor(float("-inf"), device=device))
-        touched = sorted(set(at_rows))
-        dead = torch.isneginf(processed[column(touched, torch.long, device)]).all(dim=-1).tolist()
-        for i, gone in zip(touched, dead):
-            if gone:
-                failed.setdefault(i, "no token is left to sample (bad_words ban every allowed one)")
 
     @staticmethod
     def _add_logit_bias(processed: torch.Tensor, params: list[SamplingParams], plan: "SamplingPlan",
@@ -312,8 +298,7 @@ class Sampler:
         assert: checked on the host, once per plan and vocab size)."""
         rows, ids, values, bad = plan.logit_bias(params, processed.shape[1], processed.device)
         for i in bad:
-            failed.setdefault(i, _reason(IndexError(f"logit_bias token ids are outside the vocabulary "
-                                                    f"[0, {processed.shape[1]})")))
+            failed.setdefault(i, _outside("logit_bias", processed.shape[1]))
         if rows is not None:
             processed.index_put_((rows, ids), values, accumulate=True)
 
@@ -382,14 +367,15 @@ class SamplingPlan:
     arrival and the next one's finish), so a step pays no per-row Python for it. The params must not change
     while a plan of them is in use (the engine never changes a request's params)."""
 
-    __slots__ = ("min_token_rows", "bias_rows", "allowed_rows", "bad_word_rows", "fusable", "any_logprobs",
-                 "_temperature", "_bias", "_allowed")
+    __slots__ = ("min_token_rows", "bias_rows", "allowed_rows", "bad_word_rows", "masked_rows", "fusable",
+                 "any_logprobs", "_temperature", "_bias", "_allowed")
 
     def __init__(self, params: list[SamplingParams]):
         self.min_token_rows = [i for i, p in enumerate(params) if p.min_tokens > 0]
         self.bias_rows = [i for i, p in enumerate(params) if getattr(p, "logit_bias", None)]
         self.allowed_rows = [i for i, p in enumerate(params) if getattr(p, "allowed_token_ids", None)]
         self.bad_word_rows = [i for i, p in enumerate(params) if getattr(p, "bad_words_token_ids", None)]
+        self.masked_rows = sorted({*self.allowed_rows, *self.bad_word_rows})   # may be left with no token
         self.fusable = (not self.bias_rows and not self.allowed_rows and not self.bad_word_rows
                         and all(_fusable(p) for p in params))
         self.any_logprobs = any(p.logprobs is not None for p in params)
@@ -440,6 +426,22 @@ class SamplingPlan:
             self._temperature = column([0.0 if p.is_greedy else p.temperature for p in params], torch.float32,
                                        device)
         return self._temperature
+
+
+def _outside(name: str, vocab: int) -> str:
+    """Why a row whose ``name`` ids reach beyond the logits fails (on CUDA they would be a device assert)."""
+    return _reason(IndexError(f"{name} token ids are outside the vocabulary [0, {vocab})"))
+
+
+def _fail_rows_left_empty(processed: torch.Tensor, rows: list[int], failed: dict[int, str]) -> None:
+    """``rows`` (those with ``allowed_token_ids`` or ``bad_words``) whose every logit is now -inf fail alone: the
+    masks of ``min_tokens``, ``allowed_token_ids`` and ``bad_words`` together left nothing to sample. One host
+    sync, only for batches with such rows."""
+    empty = torch.isneginf(processed[column(rows, torch.long, processed.device)]).all(dim=-1).tolist()
+    for i, gone in zip(rows, empty):
+        if gone:
+            failed.setdefault(i, "no token is left to sample: min_tokens' stop masking, allowed_token_ids and "
+                                 "bad_words together mask every id")
 
 
 def _fusable(p: SamplingParams) -> bool:

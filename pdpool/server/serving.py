@@ -111,8 +111,6 @@ class Generation:
 
 
 def _copy_params(params, j: int):
-    import dataclasses
-
     # n > 1 with a seed: each choice gets its own seed so that choices differ, reproducibly.
     seed = None if params.seed is None else params.seed + j
     return dataclasses.replace(params, seed=seed)
