@@ -106,6 +106,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (what llguidance builds its token trie from)."""
+        return self._tok.to_str()
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         text = self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
         return _clean_up_spaces(text) if self.clean_up_tokenization_spaces else text
@@ -604,6 +608,9 @@ class Frontend:
         self.token_cache = TokenChunkCache(tokenizer, token_cache_chunks) if token_cache_chunks > 0 else None
         self.hash_memo = BlockHashMemo(token_cache_chunks) if self.token_cache is not None else None
         self._encode_text = self.token_cache.encode if self.token_cache is not None else tokenizer.encode
+        # Structured output's compiler (``pdpool.engine.structured.Grammars``), set by the engines that generate
+        # (``AsyncLLM``, ``LLM``); a router only parses the constraint.
+        self.grammars = None
 
     @classmethod
     def from_model(cls, model: str, token_cache_chunks: int = 0) -> "Frontend":
@@ -652,9 +659,15 @@ class Frontend:
     def apply_prompt_options(self, ids: list[int], params, max_model_len: int) -> list[int]:
         """A request's options that need the tokenizer or cut its prompt, before the engine takes it: fills
         ``params.bad_words_token_ids`` from ``bad_words``; returns the ids ``truncate_prompt_tokens`` keeps (``ids``
-        itself when nothing is cut). Raises ``InvalidRequestError``."""
+        itself when nothing is cut); compiles ``structured_outputs`` into ``params.grammar``. Raises
+        ``InvalidRequestError``."""
         if params.bad_words:
             params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
+        if params.structured_outputs is not None and params.grammar is None:
+            if self.grammars is None:
+                raise InvalidRequestError("structured output is not available here (no grammar compiler)",
+                                          param=params.structured_outputs.param)
+            params.grammar = self.grammars.compile(params.structured_outputs)
         return truncate_prompt(ids, params.truncate_prompt_tokens, max_model_len)
 
     def bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:

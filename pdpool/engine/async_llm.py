@@ -29,6 +29,8 @@ from typing import Any, AsyncIterator, Protocol, Sequence
 
 from pdpool.engine.llm_engine import EngineOutput, InvalidRequestError, LLMEngine
 from pdpool.engine.output_processor import OutputProcessor, RequestOutput
+from pdpool.engine.sampler import RequestFault
+from pdpool.engine.structured import Grammars
 from pdpool.engine.sampling_params import SamplingParams
 from pdpool.frontend import Frontend, ModelFiles, Tokenizer
 
@@ -106,6 +108,7 @@ class AsyncLLM:
         self.config = node_config
         path = self.engine.model_path
         self.frontend = frontend or Frontend(ModelFiles.read(path), Tokenizer(path))
+        Grammars.of(self.frontend)
         self.latency_observer = latency_observer
         self.output_processor = OutputProcessor(self.frontend.tokenizer)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdpool-engine")
@@ -288,7 +291,9 @@ class AsyncLLM:
                 continue
             if out.finish_reason == "error":
                 self._streams.pop(out.request_id, None)
-                stream._put(RequestFailedError(out.error or "the request failed in the engine"))
+                fault = out.error
+                stream._put(InvalidRequestError(fault, param=fault.param) if isinstance(fault, RequestFault)
+                            else RequestFailedError(fault or "the request failed in the engine"))
                 continue
             stream._put(out)
             if out.finished:

@@ -17,6 +17,7 @@ from pdpool import config
 from pdpool.engine.llm_engine import LLMEngine, TokenLogprobs
 from pdpool.engine.output_processor import OutputProcessor, RequestOutput
 from pdpool.engine.sampling_params import SamplingParams
+from pdpool.engine.structured import Grammars
 from pdpool.frontend import Frontend, ModelFiles, Tokenizer
 
 Prompt = str | list[int]
@@ -82,6 +83,7 @@ class LLM:
         self.engine = LLMEngine(self.config)
         path = self.engine.model_path
         self.frontend = Frontend(ModelFiles.read(path), Tokenizer(path))
+        Grammars.of(self.frontend)
         self.output_processor = OutputProcessor(self.frontend.tokenizer)
         self._ids = itertools.count()
 

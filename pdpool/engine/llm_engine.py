@@ -40,6 +40,7 @@ from typing import Any, Protocol, Sequence
 
 from pdpool.block_hash import ModelFingerprint
 from pdpool.engine.kv_cache_manager import KVCacheManager
+from pdpool.engine.sampler import RequestFault
 from pdpool.engine.model_runner import LaunchedStep, ModelRunner
 from pdpool.engine.request import Request, RequestStatus
 from pdpool.engine.sampling_params import SamplingParams
@@ -319,7 +320,8 @@ class LLMEngine:
         outputs = []
         for rid, message in errors.items():
             del sampled[rid]
-            logger.error("request %s: sampling failed (%s); finishing it alone", rid, message)
+            logger.log(logging.WARNING if isinstance(message, RequestFault) else logging.ERROR,
+                       "request %s: sampling failed (%s); finishing it alone", rid, message)
             if rid in self._states:
                 outputs.append(EngineOutput(rid, [], None, True, "error", error=message))
             self.num_request_errors += 1
@@ -387,8 +389,6 @@ def freeze_startup_heap() -> None:
 
 
 def _samples_without_history(request: Request) -> bool:
-    """Its sampling reads no earlier output token (no penalties, min_tokens met, no bad word of several tokens), so
-    the sampler may see the placeholder of the token being sampled at the end of its output list."""
-    params = request.sampling_params
-    return (not params.has_penalties and request.num_output_tokens >= request.min_tokens
-            and (params.bad_words_token_ids is None or not params.bad_words_read_output))
+    """Its sampling reads no earlier output token (no penalties, min_tokens met, no bad word of several tokens, no
+    grammar), so the sampler may see the placeholder of the token being sampled at the end of its output list."""
+    return not request.sampling_params.reads_output and request.num_output_tokens >= request.min_tokens

@@ -116,6 +116,7 @@ class SamplingRows:
     outputs: list
     generators: list
     index: dict  # request id -> row
+    matchers: list | None = None  # each row's grammar matcher (None for rows without one); None when no row has one
     plan: SamplingPlan | None = None
 
 
@@ -161,6 +162,7 @@ class ModelRunner:
             else:
                 log.warning("attention backend %s is not CUDA-graph safe; decode runs eagerly", self.backend.name)
         self.generators: dict[str, torch.Generator] = {}
+        self.matchers: dict = {}  # request id -> its grammar's RowMatcher (pdpool.engine.structured)
         self._rows: SamplingRows | None = None  # the last launched step's sampling rows
         self.block_tables = BlockTableRows(node_config.scheduler.max_num_seqs)
         self._staging = PinnedRing() if self.device.type == "cuda" else None  # the packed steps' host buffers
@@ -426,7 +428,7 @@ class ModelRunner:
         rows = self._sampling_rows([sr.request for sr in inputs.sampling])
         # The sampler reads the token lists (penalties, min_tokens) and does not keep them: no copies.
         pending = self.sampler.sample_async(logits, rows.params, rows.prompts, rows.outputs, rows.generators,
-                                            rows.plan)
+                                            rows.plan, rows.matchers)
         return LaunchedStep(inputs, pending, rows.index, rows)
 
     def _sampling_rows(self, requests: list) -> "SamplingRows":
@@ -442,6 +444,8 @@ class ModelRunner:
                                   [self._generator(r) for r in requests],
                                   {r.request_id: i for i, r in enumerate(requests)})
         self._rows.plan = SamplingPlan(self._rows.params)
+        if self._rows.plan.grammar_rows:
+            self._rows.matchers = [self._matcher(r) for r in requests]
         return self._rows
 
     def wait(self, step: LaunchedStep) -> None:
@@ -478,9 +482,21 @@ class ModelRunner:
                     skipped.exponential_(generator=gen)
         return gen
 
+    def _matcher(self, request):
+        """The request's grammar matcher (structured output), made on its first sampling step and kept until it
+        finishes: it has consumed the request's output so far."""
+        grammar = request.sampling_params.grammar
+        if grammar is None:
+            return None
+        matcher = self.matchers.get(request.request_id)
+        if matcher is None:
+            matcher = self.matchers[request.request_id] = grammar.matcher()
+        return matcher
+
     def forget(self, request_id: str) -> None:
-        """Drop per-request state (the seeded generator) of a finished or aborted request."""
+        """Drop per-request state (the seeded generator, the grammar matcher) of a finished or aborted request."""
         self.generators.pop(request_id, None)
+        self.matchers.pop(request_id, None)
         if self._rows is not None and request_id in self._rows.index:  # no kept rows hold a finished request
             self._rows = None
 

@@ -1,10 +1,10 @@
 """Batched sampling: logit bias, penalties, temperature, top-k/top-p/min-p, per-request seeds, logprobs.
 
 Order (vLLM v1's sampler): min-tokens stop masking, ``allowed_token_ids`` (every other id masked), ``bad_words``
-(the next token of a banned word masked), ``logit_bias``
-(its non-argmax-invariant logits processors, applied before penalties), repetition penalty, presence/frequency
-penalties, then (random rows only) temperature, top-k, top-p, min-p, and the draw. Greedy rows take the argmax of
-the masked, biased, penalized logits.
+(the next token of a banned word masked), a grammar's mask (structured output: ``pdpool.engine.structured``),
+``logit_bias`` (its non-argmax-invariant logits processors, applied before penalties), repetition penalty,
+presence/frequency penalties, then (random rows only) temperature, top-k, top-p, min-p, and the draw. Greedy rows
+take the argmax of the masked, biased, penalized logits.
 
 Logprobs (sampled token and top-n) come from the raw model logits, log_softmax before any processing (bias
 included): vLLM's default `raw_logprobs`, so a token's reported logprob does not depend on the request's sampling
@@ -30,8 +30,23 @@ from typing import Callable, Sequence
 
 import torch
 
+from pdpool.engine import structured
 from pdpool.engine.pinned import PinnedPool
 from pdpool.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, SamplingParamsError
+
+
+class RequestFault(str):
+    """Why a row failed, when the cause is the request's own parameters rather than the engine: its masks
+    (``min_tokens``, ``allowed_token_ids``, ``bad_words``, a grammar) left nothing to sample, or its grammar broke
+    down (a regex too large for llguidance's lexer shows only as it is built, token by token). The server answers
+    it as a 400 naming ``param``, not a 500."""
+
+    param: str | None
+
+    def __new__(cls, message: str, param: str | None = None) -> "RequestFault":
+        fault = super().__new__(cls, message)
+        fault.param = param
+        return fault
 
 
 @dataclass
@@ -175,11 +190,13 @@ class Sampler:
         return self.sample_async(logits, params, prompt_token_ids, output_token_ids, generators).result()
 
     def sample_async(self, logits, params, prompt_token_ids, output_token_ids, generators,
-                     plan: "SamplingPlan | None" = None) -> PendingSample:
+                     plan: "SamplingPlan | None" = None, matchers: list | None = None) -> PendingSample:
         """``sample`` without waiting: queues the device work (no host sync on the common path: random or greedy
         rows, seeded or not, logprobs) and returns the samples on the device. Rows with penalties or unmet
         ``min_tokens`` read the token lists now, so the caller passes real ids for them. ``plan``: a
-        ``SamplingPlan`` of these same ``params`` that the caller keeps while its batch keeps its rows."""
+        ``SamplingPlan`` of these same ``params`` that the caller keeps while its batch keeps its rows. ``matchers``:
+        each row's ``RowMatcher`` (None for rows without a grammar), kept by the caller across steps; without them a
+        grammar row's matcher is made anew and reads the row's whole output."""
         failed: dict[int, str] = {}
         raw = logits  # on CUDA in the model dtype: the fused pass reads it as it is, without a float32 copy
         device = logits.device
@@ -213,8 +230,14 @@ class Sampler:
         if plan.bad_word_rows:
             processed = processed.clone() if processed is logits else processed
             self._mask_bad_words(processed, params, output_token_ids, plan.bad_word_rows, failed)
+        if plan.grammar_rows:
+            processed = processed.clone() if processed is logits else processed
+            if matchers is None:
+                matchers = [p.grammar.matcher() if p.grammar is not None else None for p in params]
+            structured.mask_rows(processed, [i for i in plan.grammar_rows if i not in failed], matchers,
+                                 output_token_ids, failed, params)
         if plan.masked_rows:
-            _fail_rows_left_empty(processed, plan.masked_rows, failed)
+            _fail_rows_left_empty(processed, params, plan.masked_rows, failed)
         if plan.bias_rows:
             processed = processed.clone() if processed is logits else processed
             self._add_logit_bias(processed, params, plan, failed)
@@ -367,17 +390,17 @@ class SamplingPlan:
     arrival and the next one's finish), so a step pays no per-row Python for it. The params must not change
     while a plan of them is in use (the engine never changes a request's params)."""
 
-    __slots__ = ("min_token_rows", "bias_rows", "allowed_rows", "bad_word_rows", "masked_rows", "fusable",
-                 "any_logprobs", "_temperature", "_bias", "_allowed")
+    __slots__ = ("min_token_rows", "bias_rows", "allowed_rows", "bad_word_rows", "grammar_rows", "masked_rows",
+                 "fusable", "any_logprobs", "_temperature", "_bias", "_allowed")
 
     def __init__(self, params: list[SamplingParams]):
         self.min_token_rows = [i for i, p in enumerate(params) if p.min_tokens > 0]
         self.bias_rows = [i for i, p in enumerate(params) if getattr(p, "logit_bias", None)]
         self.allowed_rows = [i for i, p in enumerate(params) if getattr(p, "allowed_token_ids", None)]
         self.bad_word_rows = [i for i, p in enumerate(params) if getattr(p, "bad_words_token_ids", None)]
-        self.masked_rows = sorted({*self.allowed_rows, *self.bad_word_rows})   # may be left with no token
-        self.fusable = (not self.bias_rows and not self.allowed_rows and not self.bad_word_rows
-                        and all(_fusable(p) for p in params))
+        self.grammar_rows = [i for i, p in enumerate(params) if getattr(p, "grammar", None) is not None]
+        self.masked_rows = sorted({*self.allowed_rows, *self.bad_word_rows, *self.grammar_rows})   # may be left
+        self.fusable = (not self.bias_rows and not self.masked_rows and all(_fusable(p) for p in params))
         self.any_logprobs = any(p.logprobs is not None for p in params)
         self._temperature: torch.Tensor | None = None  # [R] float32 on the logits' device, 0 for greedy rows
         self._bias: tuple | None = None  # (vocab, device, rows [N], ids [N], values [N], bad rows) of logit_bias
@@ -433,15 +456,20 @@ def _outside(name: str, vocab: int) -> str:
     return _reason(IndexError(f"{name} token ids are outside the vocabulary [0, {vocab})"))
 
 
-def _fail_rows_left_empty(processed: torch.Tensor, rows: list[int], failed: dict[int, str]) -> None:
-    """``rows`` (those with ``allowed_token_ids`` or ``bad_words``) whose every logit is now -inf fail alone: the
-    masks of ``min_tokens``, ``allowed_token_ids`` and ``bad_words`` together left nothing to sample. One host
-    sync, only for batches with such rows."""
+def _fail_rows_left_empty(processed: torch.Tensor, params: list[SamplingParams], rows: list[int],
+                          failed: dict[int, str]) -> None:
+    """``rows`` (those with ``allowed_token_ids``, ``bad_words`` or a grammar) whose every logit is now -inf fail
+    alone: the masks of ``min_tokens``, ``allowed_token_ids``, ``bad_words`` and the grammar together left nothing
+    to sample. One host sync, only for batches with such rows."""
     empty = torch.isneginf(processed[column(rows, torch.long, processed.device)]).all(dim=-1).tolist()
     for i, gone in zip(rows, empty):
         if gone:
-            failed.setdefault(i, "no token is left to sample: min_tokens' stop masking, allowed_token_ids and "
-                                 "bad_words together mask every id")
+            p = params[i]
+            param = (structured.param_of(p) if getattr(p, "grammar", None) is not None
+                     else "allowed_token_ids" if getattr(p, "allowed_token_ids", None) else "bad_words")
+            failed.setdefault(i, RequestFault("no token is left to sample: min_tokens' stop masking, "
+                                              "allowed_token_ids, bad_words and the structured output's grammar "
+                                              "together mask every id", param))
 
 
 def _fusable(p: SamplingParams) -> bool:

@@ -70,6 +70,11 @@ class SamplingParams:
     # vLLM's: words never generated; the front end fills ``bad_words_token_ids`` (``Frontend.bad_words_token_ids``)
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    # vLLM's structured output (or OpenAI's response_format): the output must match a JSON schema, a regex, one of
+    # some strings or a grammar (``pdpool.engine.structured``); a dict of vLLM's names or a ``StructuredOutputs``.
+    # The front end compiles it into ``grammar``, which the sampler enforces.
+    structured_outputs: object | None = None
+    grammar: object | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -99,6 +104,10 @@ class SamplingParams:
             self.allowed_token_ids = list(self.allowed_token_ids)
         if self.logit_bias is not None:
             self.logit_bias = normalize_logit_bias(self.logit_bias)
+        if self.structured_outputs is not None:
+            from pdpool.engine.structured import StructuredOutputs
+
+            self.structured_outputs = StructuredOutputs.parse(self.structured_outputs)
         self.validate()
 
     @classmethod
@@ -135,6 +144,12 @@ class SamplingParams:
     def bad_words_read_output(self) -> bool:
         """A bad word of several tokens is banned after its first ones: its row's sampling reads the output ids."""
         return any(len(ids) > 1 for ids in self.bad_words_token_ids or ())
+
+    @property
+    def reads_output(self) -> bool:
+        """Its sampling reads every earlier output id whatever the step: penalties, a bad word of several tokens, a
+        grammar (``min_tokens`` reads only their count, until it is met)."""
+        return self.has_penalties or self.bad_words_read_output or self.grammar is not None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``SamplingParamsError`` naming the first bad field. With ``vocab_size`` (the engine's front end

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdpool.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, SamplingParamsError, short_repr
+from pdpool.engine.structured import StructuredOutputs
 from pdpool.server.errors import APIError
 
 MAX_LOGPROBS = 20
@@ -257,20 +258,47 @@ def _common(body: dict, kind: str, served_model_names: list[str]) -> dict:
                 return_token_ids=get_bool(body, "return_token_ids"))
 
 
-# vLLM's structured-output fields: refused rather than ignored, as is ``response_format`` beyond plain text.
-_CONSTRAINED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+# vLLM's older structured-output fields, each one constraint of ``structured_outputs``.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+_STRUCTURED_FIELDS = ("response_format", "structured_outputs", *_GUIDED)
+
+
+def _structured(body: dict) -> StructuredOutputs | None:
+    """The output's constraint, from OpenAI's ``response_format`` (``json_object``, ``json_schema``; ``text`` is
+    none), vLLM's ``structured_outputs`` or its older ``guided_*`` fields: at most one of them may constrain."""
+    found = []
+    try:
+        fmt = body.get("response_format")
+        if fmt is not None:
+            kind = fmt.get("type") if isinstance(fmt, dict) else None
+            if kind == "json_object":
+                found.append(StructuredOutputs("json_object", True, param="response_format"))
+            elif kind == "json_schema":
+                spec = fmt.get("json_schema")
+                if not isinstance(spec, dict) or spec.get("schema") is None:
+                    raise APIError("'response_format' of type json_schema needs 'json_schema': {\"name\": ..., "
+                                   "\"schema\": {...}}", param="response_format")
+                found.append(StructuredOutputs.parse({"json": spec["schema"]}, "response_format"))
+            elif kind != "text":
+                raise APIError(f"'response_format' must be {{\"type\": \"text\"}}, {{\"type\": \"json_object\"}} or "
+                               f"{{\"type\": \"json_schema\", \"json_schema\": {{...}}}}, got {short_repr(fmt)}",
+                               param="response_format")
+        if body.get("structured_outputs") is not None:
+            found.append(StructuredOutputs.parse(body["structured_outputs"], "structured_outputs"))
+        for name, kind in _GUIDED.items():
+            if body.get(name) is not None:
+                found.append(StructuredOutputs.parse({kind: body[name]}, name))
+    except SamplingParamsError as exc:
+        raise APIError(str(exc), param=exc.param) from None
+    if len(found) > 1:
+        raise APIError(f"only one of {', '.join(_STRUCTURED_FIELDS)} may constrain the output, got "
+                       f"{', '.join(s.param for s in found)}", param=found[1].param)
+    return found[0] if found else None
 
 
 def _refuse_constrained(body: dict) -> None:
-    """Features a client would rely on without noticing that they were dropped (JSON mode, tool calls) are a
-    400, not a silent answer in plain text. A tool list with ``tool_choice: "none"`` asks for text: accepted."""
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise APIError("'response_format' other than {\"type\": \"text\"} is not supported (no structured "
-                       "output: JSON mode and JSON schemas are not implemented)", param="response_format")
-    for name in _CONSTRAINED:
-        if body.get(name) is not None:
-            raise APIError(f"'{name}' is not supported (no structured output)", param=name)
+    """Features a client would rely on without noticing that they were dropped (tool calls) are a 400, not a
+    silent answer in plain text. A tool list with ``tool_choice: "none"`` asks for text: accepted."""
     for listed, choice in (("tools", "tool_choice"), ("functions", "function_call")):
         if body.get(listed) and body.get(choice, "auto") != "none":
             raise APIError(f"tool calling is not supported: send '{choice}': \"none\" to have '{listed}' "
@@ -296,15 +324,15 @@ def _refuse_unimplemented(body: dict, kind: str) -> None:
 
 
 # Every field the two functions above read.
-_REFUSAL_FIELDS = frozenset(("response_format", "tools", "tool_choice", "functions", "function_call", *_CONSTRAINED,
-                             *_UNIMPLEMENTED, *_UNIMPLEMENTED_CHAT))
+_REFUSAL_FIELDS = frozenset(("tools", "tool_choice", "functions", "function_call", *_UNIMPLEMENTED,
+                             *_UNIMPLEMENTED_CHAT))
 
 
 # The body fields ``_sampling_fields`` reads; a body with none of them gets ``SamplingParams``' defaults.
 _SAMPLING_FIELDS = frozenset(("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                               "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
                               "include_stop_str_in_output", "skip_special_tokens", "logit_bias",
-                              "truncate_prompt_tokens", "allowed_token_ids", "bad_words"))
+                              "truncate_prompt_tokens", "allowed_token_ids", "bad_words", *_STRUCTURED_FIELDS))
 
 
 def _sampling(body: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -342,9 +370,18 @@ def _sampling_fields(body: dict, max_tokens: int | None, logprobs: int | None) -
         logit_bias=body.get("logit_bias"),
         truncate_prompt_tokens=get_int(body, "truncate_prompt_tokens"),   # -1 or >= 1: SamplingParams checks
         allowed_token_ids=_allowed_token_ids(body),
-        bad_words=body.get("bad_words") or None,   # a list of strings (SamplingParams checks); [] is none
+        bad_words=_bad_words(body),
+        structured_outputs=_structured(body),
     )
     return make_sampling_params(kwargs)
+
+
+def _bad_words(body: dict) -> list[str] | str | None:
+    """vLLM's ``bad_words``: null, a list of strings (SamplingParams checks each; [] is none) or one string."""
+    value = body.get("bad_words")
+    if value is not None and not isinstance(value, (list, str)):
+        raise APIError(f"'bad_words' must be a list of strings, got {short_repr(value)}", param="bad_words")
+    return value or None
 
 
 def _allowed_token_ids(body: dict) -> list[int] | None:
@@ -456,9 +493,10 @@ def parse_chat(body: dict, served_model_names: list[str], render) -> GenerationR
     if top is not None and not want_logprobs:
         raise APIError("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
     logprobs = (top or 0) if want_logprobs else None
+    legacy_max_tokens = get_int(body, "max_tokens", None, ge=1)   # checked even when the new name wins
     max_tokens = get_int(body, "max_completion_tokens", None, ge=1)
     if max_tokens is None:
-        max_tokens = get_int(body, "max_tokens", None, ge=1)
+        max_tokens = legacy_max_tokens
     add_generation_prompt = get_bool(body, "add_generation_prompt", True)
     continue_final_message = get_bool(body, "continue_final_message")
     if continue_final_message:

@@ -246,3 +246,18 @@ def test_bad_words_allowed_ids_and_bias_match_the_plain_loop(llm):
     overlapped = run(llm, True, params)
     assert overlapped == run(llm, False, params)
     assert overlapped[0][0][:4] != out0[:4]
+
+
+def test_grammar_rows_match_the_plain_loop(llm):
+    """A grammar reads every output id (the overlapped loop waits for real ones), each request its own matcher."""
+    constraints = [{"regex": "[0-9]{2}( [a-z]+)+"}, {"choice": ["alpha", "beta", "gamma"]},
+                   {"json": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}, None,
+                   {"json_object": True}]
+    params = []
+    for i, so in enumerate(constraints):
+        p = SamplingParams(max_tokens=10, temperature=0.0 if i % 2 == 0 else 0.8, seed=i, structured_outputs=so)
+        llm.frontend.apply_prompt_options([1], p, 256)
+        params.append(p)
+    overlapped = run(llm, True, params)
+    assert overlapped == run(llm, False, params)
+    assert overlapped[1][1] in ("alpha", "beta", "gamma")

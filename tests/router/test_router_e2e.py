@@ -162,6 +162,24 @@ def test_truncate_prompt_tokens_is_the_nodes_answer(cluster, router):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"
 
 
+
+def test_structured_output_holds_across_the_handoff(cluster, router):
+    """The prefill node samples the first token under the grammar; the decode node's matcher starts from that
+    token: a schema-valid object, and the same one a colocated node gives."""
+    schema = {"type": "object", "required": ["colour"], "additionalProperties": False,
+              "properties": {"colour": {"type": "string", "enum": ["red", "green", "blue"]}}}
+    body = {"model": "demo", "prompt": PROMPT + " Its flag's colour as JSON:", "max_tokens": 40, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "flag", "schema": schema}}}
+    disagg = router.value('pdpool_router_requests_total{decision="disaggregated"}')
+    mine = router.post("/v1/completions", body)
+    assert mine.status_code == 200, mine.text
+    assert router.value('pdpool_router_requests_total{decision="disaggregated"}') == disagg + 1
+    theirs = httpx.post(cluster["d0"].base_url + "/completions", json=body, timeout=60).json()
+    got = mine.json()["choices"][0]
+    assert got["finish_reason"] == "stop" and got["text"] == theirs["choices"][0]["text"]
+    assert json.loads(got["text"])["colour"] in ("red", "green", "blue")
+
+
 # ---- the API surface ------------------------------------------------------------------------------------
 
 BAD = [
@@ -175,7 +193,9 @@ BAD = [
     ("/v1/completions", {"model": "demo", "prompt": "x", "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
     ("/v1/chat/completions", {"model": "demo", "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+                              "response_format": {"type": "json_objekt"}}, 400, "response_format"),
+    ("/v1/completions", {"model": "demo", "prompt": "x", "structured_outputs": {"regex": "[0-9"}}, 400,
+     "structured_outputs"),   # parsed by the router, compiled (and refused) by the node
     ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("/v1/completions", {"model": "demo", "prompt": "x " * 600, "max_tokens": 4}, 400, None),  # too long: the node
