@@ -270,7 +270,8 @@ class Router:
         return 200, self.metrics.render(), CONTENT_TYPE
 
     async def openapi_page(self, request: Request):
-        return _json(openapi.spec(ROUTES))
+        return _json(openapi.spec(ROUTES, served_model_names=self.served_names, api_key=bool(self.cfg.router.api_key),
+                                  vocab_size=self.frontend.vocab_size, max_model_len=self.max_model_len()))
 
 
 class _MethodNotAllowed(Exception):

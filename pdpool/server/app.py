@@ -18,7 +18,7 @@ from typing import Protocol
 from aiohttp import web
 
 from pdpool.logs import HEADER as REQUEST_ID_HEADER, request_id_from, request_id_var
-from pdpool.server import protocol, tokenize
+from pdpool.server import openapi, protocol, tokenize
 from pdpool.server.auth import check_api_key
 from pdpool.server.errors import APIError, error_middleware
 from pdpool.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -29,7 +29,7 @@ logger = logging.getLogger("pdpool.server")
 NODE_KEY = web.AppKey("node", object)
 CONFIG_KEY = web.AppKey("config", object)
 
-PUBLIC_PATHS = ("/health", "/metrics", "/ping", "/version",
+PUBLIC_PATHS = ("/health", "/metrics", "/openapi.json", "/ping", "/version",
                 "/internal/")  # node-to-node: checked against the internal token instead (pdpool.internal_api)
 TOKEN_IDS_FIELD = "pdpool_prompt_token_ids"
 
@@ -187,6 +187,26 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=request.app[NODE_KEY].metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
+async def openapi_page(request: web.Request) -> web.Response:
+    """This node's routes (those of its app's route table, less the node-to-node ``/internal/`` ones)."""
+    cfg, llm = request.app[CONFIG_KEY], request.app[NODE_KEY].llm
+    return web.json_response(openapi.spec(
+        served_routes(request.app), title="pdpool node", served_model_names=_served_names(request),
+        api_key=bool(cfg.server.api_key), vocab_size=llm.frontend.vocab_size if llm is not None else None,
+        max_model_len=llm.max_model_len if llm is not None else None))
+
+
+def served_routes(app: web.Application) -> list[tuple[str, str]]:
+    """The (method, path) pairs ``app`` serves to clients: HEAD (aiohttp's twin of each GET) and ``/internal/``
+    left out; a path parameter's regex dropped (``/v1/models/{model:.+}`` is ``/v1/models/{model}``)."""
+    routes = []
+    for route in app.router.routes():
+        path = route.resource.canonical if route.resource is not None else ""
+        if route.method != "HEAD" and not path.startswith("/internal/"):
+            routes.append((route.method, path))
+    return routes
+
+
 # ---- app -----------------------------------------------------------------------------------------
 
 def create_app(node_config, node: ServedNode, routes: list[web.RouteDef] = ()) -> web.Application:
@@ -206,5 +226,6 @@ def create_app(node_config, node: ServedNode, routes: list[web.RouteDef] = ()) -
     app.router.add_get("/health/live", health_live)
     app.router.add_get("/health/ready", health_ready)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi_page)
     app.add_routes(list(routes))
     return app

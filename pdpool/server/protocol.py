@@ -96,11 +96,14 @@ def _refuse_constant(name: str):
     raise ValueError(f"{name} is not JSON (numbers must be finite)")
 
 
-def _finite_float(literal: str) -> float:
+def _finite_float(literal: str) -> float | int:
+    """A JSON number written with a fraction or an exponent; an integral one (``350.0``, ``1e3``) is that int, as
+    JSON Schema's ``integer`` and vLLM's lax parsing take it (a token id list ``[350.0]``); float fields read any
+    number as a float."""
     x = float(literal)
     if math.isinf(x):
         raise ValueError(f"the number {short_repr(literal, 40)} is out of range (it would be infinite)")
-    return x
+    return int(x) if x.is_integer() else x
 
 
 # json.loads with these hooks makes a decoder (and its C scanner) per call: one, made once, reads every body

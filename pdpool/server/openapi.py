@@ -1,0 +1,278 @@
+"""``GET /openapi.json`` of a node and of the router: one builder, fed the (method, path) pairs each one serves.
+
+The request bodies say what ``pdpool.server.protocol`` and ``pdpool.server.tokenize`` accept: each field's type
+and bounds, the served model names, and the rules across fields that JSON Schema can say (``stream_options``
+needs ``stream``; ``top_logprobs`` needs ``logprobs``; completions' ``max_tokens`` 0 needs ``echo``; /tokenize
+takes ``prompt`` or ``messages``). Rules it cannot say (``min_tokens`` at most ``max_tokens``, a prompt that fits
+the context) are in the descriptions; breaking one is a 400. Authentication is documented only when an API key
+is set, and so is its 401.
+"""
+
+from __future__ import annotations
+
+from pdpool.engine.sampling_params import _FLOAT32_MAX, LOGIT_BIAS_MAX, MAX_LOGIT_BIAS_ENTRIES, SEED_MAX, SEED_MIN
+from pdpool.server.protocol import MAX_LOGPROBS, MAX_N
+
+_JSON = "application/json"
+_ERROR = {"description": "OpenAI error", "content": {_JSON: {"schema": {"$ref": "#/components/schemas/Error"}}}}
+_ERRORS = {  # what any request may get: every one an OpenAI error body
+    "400": {**_ERROR, "description": "Bad request: the body or a field (named in `param`)"},
+    "404": {**_ERROR, "description": "A model name that is not served"},
+    "413": {**_ERROR, "description": "A body over 64 MiB"},
+    "500": {**_ERROR, "description": "Internal error (a bug; the message names an error id from the log)"},
+    "503": {**_ERROR, "description": "Not ready: the node loads or drains, or the router has no ready node"},
+}
+_GEN_ERRORS = {
+    **_ERRORS,
+    "429": {**_ERROR, "description": "Too many requests in flight (the router's --max-inflight, a prefill "
+                                      "node's lease cap)"},
+    "502": {**_ERROR, "description": "The router's upstream node failed"},
+}
+
+_DOCS = {
+    ("POST", "/v1/completions"): "Text completion (OpenAI).",
+    ("POST", "/v1/chat/completions"): "Chat completion (OpenAI).",
+    ("GET", "/v1/models"): "The served model.",
+    ("GET", "/v1/models/{model}"): "The served model's card by its name (OpenAI's retrieve), else 404.",
+    ("GET", "/health/live"): "200 while the process runs.",
+    ("GET", "/health/ready"): "200 when ready to serve (a router: at least one decode-capable node), else 503.",
+    ("GET", "/metrics"): "Prometheus metrics.",
+    ("GET", "/openapi.json"): "This document.",
+    ("POST", "/tokenize"): "vLLM's tokenize: token ids of a prompt or of a chat (its template applied).",
+    ("POST", "/detokenize"): "vLLM's detokenize: the text of token ids.",
+}
+_PLAIN = {"/metrics": "text/plain"}   # Prometheus' text format (a version parameter follows)
+_NOT_READY = {"/health/ready"}   # /health, its alias, is left out of the document
+_PUBLIC = ("/health", "/metrics", "/openapi.json")
+
+
+def _nullable(schema: dict) -> dict:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _int(low: int | None = None, high: int | None = None) -> dict:
+    s: dict = {"type": "integer"}
+    if low is not None:
+        s["minimum"] = low
+    if high is not None:
+        s["maximum"] = high
+    return s
+
+
+def _num(low: float | None, high: float | None, *, low_open: bool = False) -> dict:
+    s: dict = {"type": "number"}
+    if low is not None:
+        s["exclusiveMinimum" if low_open else "minimum"] = low
+    s["maximum"] = _FLOAT32_MAX if high is None else high
+    return s
+
+
+def _token_id(vocab_size: int | None) -> dict:
+    return _int(0, None if vocab_size is None else vocab_size - 1)
+
+
+def _token_id_key(vocab_size: int | None) -> str:
+    """A regex for ``logit_bias``' keys as the parser takes them (``[+-]?[0-9]{1,19}``, an int in the vocabulary
+    where its size is known: a sign and leading zeros allowed, 19 digits at most)."""
+    if vocab_size is None:
+        return r"^[+-]?[0-9]{1,19}$"
+    return rf"^(?:\+?(?:{'|'.join(_decimal_below(vocab_size, 19))})|-0{{1,19}})$"
+
+
+def _decimal_below(n: int, digits: int) -> list[str]:
+    """Regexes for the integers in [0, n) written in at most ``digits`` digits (leading zeros allowed).
+
+    For n - 1 = 49151: 0{1,19} | 0{0,18}[1-9] | ... | 0{0,14}[1-3][0-9]{4} | 0{0,14}4[0-8][0-9]{3} | ... | 0{0,14}4915[0-1]
+    """
+    top = str(n - 1)
+    alternatives = [f"0{{1,{digits}}}"]
+    for length in range(1, len(top)):          # fewer digits than top
+        alternatives.append(f"0{{0,{digits - length}}}[1-9]" + "[0-9]" * (length - 1))
+    zeros = f"0{{0,{digits - len(top)}}}"
+    for i, digit in enumerate(top):            # top's first i digits, then a smaller digit (top's own, last)
+        low, high = (1 if i == 0 else 0), (int(digit) if i == len(top) - 1 else int(digit) - 1)
+        if high >= low:
+            alternatives.append(f"{zeros}{top[:i]}[{low}-{high}]" + "[0-9]" * (len(top) - 1 - i))
+    return alternatives
+
+
+def _sampling(vocab_size: int | None, max_model_len: int | None) -> dict:
+    """The sampling fields both endpoints share (``protocol._sampling_fields``, ``SamplingParams.validate``)."""
+    token = _token_id(vocab_size)
+    word = {"type": "string", "minLength": 1}
+    return {
+        "temperature": _nullable(_num(0, None)),
+        "top_p": _nullable(_num(0, 1, low_open=True)),
+        "top_k": _nullable({**_int(-1), "description": "-1 or 0: no top-k"}),
+        "min_p": _nullable(_num(0, 1)),
+        "presence_penalty": _nullable(_num(-2, 2)),
+        "frequency_penalty": _nullable(_num(-2, 2)),
+        "repetition_penalty": _nullable(_num(0, 2, low_open=True)),
+        "seed": _nullable({**_int(SEED_MIN, SEED_MAX), "description": "with n > 1, choice j is seeded seed + j, so "
+                                                                      "seed + n - 1 must stay in range"}),
+        "stop": _nullable({"anyOf": [word, {"type": "array", "items": word}]}),
+        "stop_token_ids": _nullable({"type": "array", "items": token}),
+        "ignore_eos": _nullable({"type": "boolean"}),
+        "min_tokens": _nullable({**_int(0), "description": "at most max_tokens"}),
+        "include_stop_str_in_output": _nullable({"type": "boolean"}),
+        "skip_special_tokens": _nullable({"type": "boolean"}),
+        "logit_bias": _nullable({
+            "type": "object", "maxProperties": MAX_LOGIT_BIAS_ENTRIES,
+            "propertyNames": {"pattern": _token_id_key(vocab_size)},
+            "additionalProperties": {"type": "number", "description": f"clamped to [-{LOGIT_BIAS_MAX:g}, "
+                                                                      f"{LOGIT_BIAS_MAX:g}]"},
+            "description": "token id (a decimal string in the vocabulary) -> bias"}),
+        "truncate_prompt_tokens": _nullable({"anyOf": [{"const": -1}, _int(1, max_model_len)],
+                                             "description": "keep the prompt's last N tokens (-1: the context)"}),
+        "allowed_token_ids": _nullable({"type": "array", "items": token, "minItems": 1}),
+        "bad_words": _nullable({"anyOf": [{"type": "string"}, {"type": "array", "items": word}],
+                                "description": "words never generated (one string: one word; \"\": none)"}),
+    }
+
+
+def _common(model: dict) -> dict:
+    """``protocol._common``'s fields (the ones a client sends; refusals of unimplemented features are omitted)."""
+    return {
+        "model": _nullable(model),
+        "stream": _nullable({"type": "boolean"}),
+        "stream_options": _nullable({"type": "object", "properties": {
+            "include_usage": _nullable({"type": "boolean"}),
+            "continuous_usage_stats": _nullable({"type": "boolean"})}}),
+        "n": _nullable(_int(1, MAX_N)),
+        "prompt_logprobs": _nullable(_int(0, MAX_LOGPROBS)),
+        "priority": _nullable(_int(SEED_MIN, SEED_MAX)),
+        "cache_salt": _nullable({"type": "string"}),
+        "user": _nullable({"type": "string"}),
+        "return_token_ids": _nullable({"type": "boolean"}),
+    }
+
+
+# stream_options only with "stream": true (protocol._stream_options)
+_STREAM_RULE = {"stream_options": {"anyOf": [
+    {"properties": {"stream_options": {"type": "null"}}},
+    {"required": ["stream"], "properties": {"stream": {"const": True}}}]}}
+# continue_final_message needs add_generation_prompt false (its default is true): protocol._check_continuation
+_CONTINUE_RULE = {"continue_final_message": {"anyOf": [
+    {"properties": {"continue_final_message": {"enum": [False, None]}}},
+    {"required": ["add_generation_prompt"], "properties": {"add_generation_prompt": {"const": False}}}]}}
+
+
+
+def _completion_body(model: dict, vocab_size: int | None, max_model_len: int | None) -> dict:
+    token = _token_id(vocab_size)
+    ids = {"type": "array", "items": token, "minItems": 1}
+    if max_model_len is not None:
+        ids["maxItems"] = max_model_len
+    text = {"type": "string", "minLength": 1}
+    return {
+        "type": "object", "required": ["prompt"], "additionalProperties": True,
+        "description": "The prompt's tokens and max_tokens must fit the context (max_model_len).",
+        "properties": {
+            **_common(model), **_sampling(vocab_size, max_model_len),
+            "prompt": {"anyOf": [text, {"type": "array", "items": text, "minItems": 1}, ids,
+                                 {"type": "array", "items": ids, "minItems": 1}]},
+            "max_tokens": _nullable({**_int(0), "description": "0 only with echo (the prompt alone)"}),
+            "logprobs": _nullable(_int(0, MAX_LOGPROBS)),
+            "echo": _nullable({"type": "boolean"}),
+            "best_of": _nullable({**_int(1, MAX_N), "description": "equal to n"}),
+        },
+        "dependentSchemas": {**_STREAM_RULE, "max_tokens": {"anyOf": [
+            {"properties": {"max_tokens": {"not": {"const": 0}}}},
+            {"required": ["echo"], "properties": {"echo": {"const": True}}}]}},
+    }
+
+
+def _messages() -> dict:
+    part = {"type": "object", "required": ["type", "text"],
+            "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+    message = {"type": "object", "required": ["role"], "properties": {
+        "role": {"type": "string"},
+        "content": _nullable({"anyOf": [{"type": "string"}, {"type": "array", "items": part}]})}}
+    return {"type": "array", "items": message, "minItems": 1}
+
+
+def _chat_body(model: dict, vocab_size: int | None, max_model_len: int | None) -> dict:
+    return {
+        "type": "object", "required": ["messages"], "additionalProperties": True,
+        "description": "The rendered chat's tokens and max_tokens must fit the context (max_model_len).",
+        "properties": {
+            **_common(model), **_sampling(vocab_size, max_model_len),
+            "messages": _messages(),
+            "max_tokens": _nullable({**_int(1), "description": "max_completion_tokens, when set, wins"}),
+            "max_completion_tokens": _nullable({**_int(1), "description": "max_tokens' new name"}),
+            "logprobs": _nullable({"type": "boolean"}),
+            "top_logprobs": _nullable(_int(0, MAX_LOGPROBS)),
+            "add_generation_prompt": _nullable({"type": "boolean"}),
+            "continue_final_message": _nullable({"type": "boolean", "description": (
+                "true needs add_generation_prompt false and the last message the assistant's")}),
+        },
+        "dependentSchemas": {**_STREAM_RULE, **_CONTINUE_RULE, "top_logprobs": {"anyOf": [
+            {"properties": {"top_logprobs": {"type": "null"}}},
+            {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}]}},
+    }
+
+
+def _tokenize_body(model: dict) -> dict:
+    flags = {name: _nullable({"type": "boolean"}) for name in (
+        "add_special_tokens", "add_generation_prompt", "continue_final_message", "return_token_strs")}
+    return {"type": "object", "additionalProperties": True,
+            "properties": {"model": _nullable(model), "prompt": {"type": "string"}, "messages": _messages(),
+                           **flags},
+            "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}], "dependentSchemas": _CONTINUE_RULE,
+            "description": "prompt or messages, not both; add_special_tokens defaults to true with prompt, false "
+                           "with messages"}
+
+
+def _detokenize_body(model: dict, vocab_size: int | None) -> dict:
+    return {"type": "object", "required": ["tokens"], "additionalProperties": True, "properties": {
+        "model": _nullable(model), "tokens": {"type": "array", "items": _token_id(vocab_size)}}}
+
+
+def spec(routes, *, title: str, served_model_names: list[str], api_key: bool, vocab_size: int | None = None,
+         max_model_len: int | None = None) -> dict:
+    """The document for ``routes`` (the (method, path) pairs served; others are left out). ``api_key``: whether
+    the API (all but /health*, /metrics, /openapi.json) needs ``Authorization: Bearer``. ``vocab_size`` and
+    ``max_model_len``, where known, bound token ids and lengths."""
+    model = {"type": "string", "enum": list(served_model_names)}
+    bodies = {"/v1/completions": _completion_body(model, vocab_size, max_model_len),
+              "/v1/chat/completions": _chat_body(model, vocab_size, max_model_len),
+              "/tokenize": _tokenize_body(model), "/detokenize": _detokenize_body(model, vocab_size)}
+    paths: dict = {}
+    for method, path in sorted(set(routes)):
+        summary = _DOCS.get((method, path))
+        if summary is None:
+            continue
+        op: dict = {"summary": summary, "parameters": [
+            {"name": "X-Request-Id", "in": "header", "required": False, "schema": {"type": "string"},
+             "description": "Request id carried through and echoed back (generated if absent)."}]}
+        if "{model}" in path:
+            op["parameters"].append({"name": "model", "in": "path", "required": True, "schema": model,
+                                     "description": "A served model name (it may hold slashes)."})
+        if path in bodies:
+            op["requestBody"] = {"required": True, "content": {_JSON: {"schema": bodies[path]}}}
+            errors = _GEN_ERRORS if path.startswith("/v1/") else _ERRORS
+            ok: dict = {_JSON: {"schema": {"type": "object"}}}
+            if path.startswith("/v1/"):
+                ok["text/event-stream"] = {"schema": {  # each event: a JSON chunk, the last one "[DONE]"
+                    "type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}}
+            op["responses"] = {"200": {"description": "JSON, or server-sent events when `stream` is true"
+                                       if path.startswith("/v1/") else "OK", "content": ok}, **errors}
+        else:
+            content_type = _PLAIN.get(path, _JSON)
+            op["responses"] = {"200": {"description": "OK", "content": {content_type: {"schema": {}}}}}
+            if path in _NOT_READY:
+                op["responses"]["503"] = {"description": "Not ready", "content": {_JSON: {"schema": {"type": "object"}}}}
+            if "{model}" in path:
+                op["responses"]["404"] = _ERROR
+        if api_key and not path.startswith(_PUBLIC):
+            op["security"] = [{"bearer": []}]
+            op["responses"]["401"] = {**_ERROR, "description": "Missing or wrong API key"}
+        paths.setdefault(path, {})[method.lower()] = op
+    components: dict = {"schemas": {"Error": {
+        "type": "object", "required": ["error"], "properties": {"error": {
+            "type": "object", "required": ["message", "type", "param", "code"],
+            "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                           "param": {"type": ["string", "null"]}, "code": {"type": ["string", "integer"]}}}}}}}
+    if api_key:
+        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    return {"openapi": "3.1.0", "info": {"title": title, "version": "1"}, "paths": paths, "components": components}

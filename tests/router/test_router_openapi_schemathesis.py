@@ -1,0 +1,28 @@
+"""schemathesis against the router's /openapi.json (``tests/schemathesis_run.py``): a router with an API key in
+front of a real node (static discovery)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("schemathesis")
+
+import schemathesis_run  # noqa: E402  (tests/ is on sys.path)
+
+API_KEY = "st-key-42"
+
+
+@pytest.fixture(scope="module")
+def router(launch_server, start_router):
+    node = launch_server("--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "64")   # no key: the
+    try:                                                                  # router's legs present none
+        yield start_router(["--both", node.url], name="router-schemathesis", api_key=API_KEY)
+    finally:
+        node.stop()
+
+
+@pytest.mark.timeout(600)
+def test_router_openapi_holds_under_schemathesis(router):
+    cases, problems = schemathesis_run.run(schemathesis_run.load(router.url, API_KEY))
+    assert not problems, "\n\n".join(problems)
+    assert cases > 100

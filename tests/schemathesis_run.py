@@ -1,0 +1,100 @@
+"""schemathesis (an independent OpenAPI fuzzer) run as ``st run --checks all --mode all`` runs it, against a live
+``/openapi.json``: every check (no 5xx, documented status codes and content types, schema-valid bodies accepted
+and schema-invalid ones refused, authentication enforced as documented, 405 and Allow for undocumented methods),
+positive and negative data, over the examples, coverage and fuzzing phases (stateful testing needs links between
+operations, which the API has none of).
+
+Only the requests are shaped, never the checks: generation lengths are capped (``max_tokens`` at most
+``MAX_TOKENS``, ``n`` at most 2), so that a schema-valid request for the whole context cannot keep a CPU node
+busy for minutes; schemathesis classifies a changed body again (valid or not) before it checks the answer.
+``PDPOOL_SCHEMATHESIS_EXAMPLES`` (default 6 per operation) makes a longer run.
+"""
+
+from __future__ import annotations
+
+import os
+
+EXAMPLES = int(os.environ.get("PDPOOL_SCHEMATHESIS_EXAMPLES", "6"))
+MAX_TOKENS = 3
+
+
+def load(url: str, api_key: str | None):
+    import schemathesis
+
+    config = schemathesis.Config.from_dict({
+        "headers": {"Authorization": f"Bearer {api_key}"} if api_key else {},
+        "request-timeout": 60,
+        "generation": {"mode": "all", "max-examples": EXAMPLES, "database": "none", "deterministic": True},
+        "phases": {"examples": {"enabled": True}, "coverage": {"enabled": True}, "fuzzing": {"enabled": True},
+                   "stateful": {"enabled": False}},
+    })
+    return schemathesis.openapi.from_url(url + "/openapi.json", config=config)
+
+
+def shape(context, case, kwargs) -> None:
+    """schemathesis' ``before_call`` hook (every phase calls it; the case is classified again after it)."""
+    case.body = with_cross_field_rules(context.operation, bounded(context.operation, case.body))
+
+
+def bounded(operation, body):
+    """``body``, capped in what a generation request may cost (see the module's docstring)."""
+    if not (isinstance(body, dict) and operation.path.startswith("/v1/") and operation.method.upper() == "POST"):
+        return body
+    for name, most in (("max_tokens", MAX_TOKENS), ("max_completion_tokens", MAX_TOKENS), ("min_tokens", MAX_TOKENS),
+                       ("n", 2), ("best_of", 2)):
+        if _number(body.get(name)) and body[name] > most:   # 3e9 and 3.0e9 alike: JSON Schema integers
+            body[name] = most
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        body["max_tokens"] = MAX_TOKENS     # absent or null: the rest of the context
+    return body
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def with_cross_field_rules(operation, body):
+    """The rules across fields JSON Schema cannot say (the document's descriptions say them), kept: best_of equals
+    n; continue_final_message continues the last message, which must be the assistant's."""
+    if not isinstance(body, dict):
+        return body
+    n = body.get("n")
+    if _number(body.get("best_of")) and 1 <= body["best_of"] <= 16:
+        body["best_of"] = n if _number(n) and 1 <= n <= 16 else 1
+    messages = body.get("messages")
+    if body.get("continue_final_message") is True and isinstance(messages, list) and messages \
+            and isinstance(messages[-1], dict):
+        messages[-1]["role"] = "assistant"
+    return body
+
+
+def run(schema) -> tuple[int, list[str]]:
+    """Every enabled phase: (cases sent, each failure and error with its curl line and the answer)."""
+    from schemathesis.engine import events, from_schema
+
+    import schemathesis
+
+    cases, problems = 0, []
+    schemathesis.hook("before_call")(shape)
+    try:
+        events_seen = list(from_schema(schema).execute())
+    finally:
+        schemathesis.hooks.GLOBAL_HOOK_DISPATCHER.unregister(shape)
+    for event in events_seen:
+        if isinstance(event, (events.ScenarioFinished, events.FuzzScenarioFinished)):
+            cases += len(event.recorder.cases)
+            for case_id, checks in event.recorder.checks.items():
+                for check in checks:
+                    if check.failure_info is None:
+                        continue
+                    interaction = event.recorder.interactions.get(case_id)
+                    answer = "" if interaction is None or interaction.response is None else (
+                        f"{interaction.response.status_code} {interaction.response.content[:300]!r}")
+                    failure = check.failure_info.failure
+                    problems.append(f"{event.recorder.label}: {check.name}: {failure.title}\n{failure.message}\n"
+                                    f"{check.failure_info.code_sample}\n-> {answer}")
+        elif isinstance(event, events.NonFatalError):
+            problems.append(f"{event.label}: error: {event.value!r}")
+        elif isinstance(event, events.FatalError):
+            raise event.exception
+    return cases, sorted(set(problems))

@@ -1,0 +1,50 @@
+"""Request-body rules schemathesis found broken against the nodes' and the router's /openapi.json (each test fails
+on the code before the fix): the parser itself, no server."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdpool.server import protocol
+from pdpool.server.errors import APIError
+
+NAMES = ["demo"]
+
+
+def render(messages, add_generation_prompt, continue_final_message):
+    return "".join(m["content"] for m in messages) or "x"
+
+
+def test_integral_json_numbers_are_integers():
+    """JSON Schema's integer (and vLLM's lax parsing) takes 350.0: a token-id list may carry it."""
+    body = protocol.read_json_body(b'{"prompt": [350.0, 7171, 2838.0], "max_tokens": 2.0, "temperature": 1.0}')
+    assert body["prompt"] == [350, 7171, 2838] and all(type(t) is int for t in body["prompt"])
+    req = protocol.parse_completion(body, NAMES)
+    assert req.prompts == [[350, 7171, 2838]]
+    assert req.params.temperature == 1.0 and type(req.params.temperature) is float
+    assert protocol.read_json_body(b'{"x": 1.5, "y": -0.0, "z": 1e3}') == {"x": 1.5, "y": 0, "z": 1000}
+    with pytest.raises(APIError):
+        protocol.read_json_body(b'{"x": 1e400}')
+
+
+@pytest.mark.parametrize("value", ["x", 0, -3, True, [1]])
+def test_chat_max_tokens_is_checked_even_beside_max_completion_tokens(value):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2, "max_tokens": value}
+    with pytest.raises(APIError) as err:
+        protocol.parse_chat(body, NAMES, render)
+    assert err.value.param == "max_tokens"
+    ok = protocol.parse_chat({**body, "max_tokens": 9}, NAMES, render)
+    assert ok.params.max_tokens == 2     # the new name wins
+
+
+@pytest.mark.parametrize("value", [{}, 0, False, 3, {"a": 1}])
+def test_bad_words_of_another_type_is_a_400(value):
+    with pytest.raises(APIError) as err:
+        protocol.parse_completion({"prompt": "hi", "bad_words": value}, NAMES)
+    assert err.value.param == "bad_words"
+
+
+@pytest.mark.parametrize("value", [None, [], "", "word", ["a", "b"]])
+def test_bad_words_null_empty_a_word_or_a_list(value):
+    req = protocol.parse_completion({"prompt": "hi", "bad_words": value}, NAMES)
+    assert req.params.bad_words == (None if not value else [value] if isinstance(value, str) else value)
