@@ -567,21 +567,19 @@ def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int |
 
 
 def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
-    """The request's output budget: ``max_tokens``, or what the context leaves when it is None. Raises
-    ``InvalidRequestError`` when the prompt and the completion do not fit in ``max_model_len``."""
+    """The request's output budget, as vLLM (0.32) sets it: ``max_tokens`` (None: no cap) capped at what the context
+    leaves after the prompt, where the request then ends with ``finish_reason`` "length". ``InvalidRequestError``
+    when the prompt leaves no room, or ``max_tokens`` alone is more than the context holds."""
     n, limit = num_prompt_tokens, max_model_len
-    if max_tokens is None:
-        if n >= limit:
-            raise InvalidRequestError(f"This model's maximum context length is {limit} tokens. However, your prompt "
-                              f"has {n} tokens, which leaves no room for the completion.")
-        return limit - n
-    if n + max_tokens > limit:
-        raise InvalidRequestError(
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion). "
-            f"Please reduce the length of the prompt or max_tokens.",
-            param="prompt" if n >= limit else "max_tokens")
-    return max_tokens
+    if n >= limit:
+        raise InvalidRequestError(f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                                  f"{n} tokens, which leaves no room for the completion. Please reduce the length "
+                                  f"of the prompt.", param="prompt")
+    if max_tokens is not None and max_tokens > limit:
+        raise InvalidRequestError(f"This model's maximum context length is {limit} tokens. However, you requested "
+                                  f"{max_tokens} tokens for the completion alone. Please reduce max_tokens.",
+                                  param="max_tokens")
+    return limit - n if max_tokens is None else min(max_tokens, limit - n)
 
 
 

@@ -435,10 +435,10 @@ def parse_completion(body: dict, served_model_names: list[str]) -> GenerationReq
         raise APIError("'suffix' is not supported", param="suffix")
     logprobs = get_int(body, "logprobs", None, ge=0, le=MAX_LOGPROBS)
     echo = get_bool(body, "echo")
-    # vLLM's rule: 16 when the field is absent (OpenAI's default); an explicit null, the rest of the context.
+    # vLLM's rule (0.32): 16 when the field is absent or null (OpenAI's default), capped at what the context leaves.
     # With echo, 0 is allowed (vLLM's and OpenAI's legacy scoring call): the prompt back, with its logprobs when
     # asked; one token is generated and dropped.
-    max_tokens = get_int(body, "max_tokens", None if "max_tokens" in body else 16, ge=0 if echo else 1)
+    max_tokens = get_int(body, "max_tokens", 16, ge=0 if echo else 1)
     echo_only = echo and max_tokens == 0
     params = _sampling(body, 1 if echo_only else max_tokens, logprobs)
     if echo and logprobs is not None:   # the prompt's tokens' logprobs come first (the first token has none)

@@ -43,12 +43,15 @@ def test_unknown_model_is_404(client):
     assert info.value.body["param"] == "model"
 
 
-def test_prompt_plus_max_tokens_over_max_model_len_is_400_with_the_numbers(server, client):
+def test_prompt_filling_the_context_is_400_with_the_numbers(server, client):
+    """A prompt that leaves no room for one token; max_tokens beyond what it leaves is capped instead (vLLM 0.32:
+    tests/server/test_server_max_tokens.py)."""
     max_model_len = server.max_model_len
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="demo", prompt=[1] * 500, max_tokens=100)
+        client.completions.create(model="demo", prompt=[1] * max_model_len, max_tokens=4)
     message = str(info.value)
-    assert str(max_model_len) in message and "500" in message and "100" in message
+    assert "maximum context length" in message and str(max_model_len) in message
+    assert info.value.body["param"] == "prompt"
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi " * 600}])
     assert str(max_model_len) in str(info.value)
