@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import hashlib
 import json
 import time
 import uuid
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from pdpool import __version__
 from pdpool.engine.async_llm import (AsyncLLM, EngineClosedError, EngineStepError, RequestFailedError,
                                      RequestStream)
 from pdpool.engine.llm_engine import InvalidRequestError, QueueFullError, TokenLogprobs
@@ -65,6 +68,7 @@ class Generation:
         self._engine_prefix = f"{self.request_id}-{uuid.uuid4().hex[:8]}" if request_id else self.request_id
         self.created = int(time.time())
         self.choices: list[_Choice] = []
+        self.system_fingerprint = system_fingerprint(llm.engine.fingerprint.encode())
 
     async def start(self) -> None:
         req = self.req
@@ -108,6 +112,13 @@ class Generation:
                  "total_tokens": prompt_tokens + completion}
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return usage
+
+
+@functools.lru_cache(maxsize=4)
+def system_fingerprint(model_fingerprint: bytes) -> str:
+    """OpenAI's ``system_fingerprint``, in vLLM's form (``<server>-<version>-<hash>``): the pdpool version and the
+    model's block-hash fingerprint (model id, dtype, block size), the same on every node of a pool."""
+    return f"pdpool-{__version__}-{hashlib.sha256(model_fingerprint).hexdigest()[:8]}"
 
 
 def _copy_params(params, j: int):
@@ -241,7 +252,7 @@ async def full_response(gen: Generation) -> dict:
         choices.append(choice)
     body = {"id": gen.id, "object": "chat.completion" if req.kind == "chat" else "text_completion",
             "created": gen.created, "model": req.model, "choices": choices,
-            "usage": gen.usage([c.final for c in gen.choices])}
+            "usage": gen.usage([c.final for c in gen.choices]), "system_fingerprint": gen.system_fingerprint}
     if req.return_token_ids and req.kind == "chat" and gen.choices:   # vLLM's place for chat (one prompt)
         body["prompt_token_ids"] = gen.choices[0].final.prompt_token_ids
     if req.prompt_logprobs is not None and req.kind == "chat" and gen.choices:   # and for its prompt_logprobs
@@ -317,7 +328,7 @@ async def stream_response(gen: Generation, http_request: web.Request) -> web.Str
             text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
             lp = (echo_logprobs(tokenizer, c.stream.prompt_token_ids, prompt_logprobs, c, req.logprobs)
                   if prompt_logprobs else None)
-            choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": None}
+            choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": None, "stop_reason": None}
             if req.return_token_ids:
                 choice["prompt_token_ids"] = c.stream.prompt_token_ids
                 ids_sent.add(c.index)
@@ -351,21 +362,25 @@ async def stream_response(gen: Generation, http_request: web.Request) -> web.Str
             if req.logprobs is not None and out.new_logprobs is not None:
                 lp = (chat_logprobs(tokenizer, out.new_logprobs) if req.kind == "chat"
                       else completion_logprobs(tokenizer, out.new_logprobs, c))
+            # Every content chunk has delta.content, the last one too ("" when a stop string ended the text), as
+            # vLLM's; a completion chunk has stop_reason, null until the last, as vLLM's (chat: on the last only).
             if req.kind == "chat":
-                delta = {"content": out.new_text} if out.new_text or not out.finished else {}
-                choice = {"index": c.index, "delta": delta, "logprobs": lp,
+                choice = {"index": c.index, "delta": {"content": out.new_text}, "logprobs": lp,
                           "finish_reason": out.finish_reason if out.finished else None}
+                if out.finished:
+                    choice["stop_reason"] = out.stop_reason
             else:
                 choice = {"index": c.index, "text": out.new_text, "logprobs": lp,
-                          "finish_reason": out.finish_reason if out.finished else None}
-            if out.finished:
-                choice["stop_reason"] = out.stop_reason
+                          "finish_reason": out.finish_reason if out.finished else None,
+                          "stop_reason": out.stop_reason if out.finished else None}
             if req.return_token_ids:
                 if req.kind != "chat" and c.index not in ids_sent:
                     ids_sent.add(c.index)
                     choice["prompt_token_ids"] = out.prompt_token_ids
                 choice["token_ids"] = out.new_token_ids
             data = chunk([choice], choice_usage(out))
+            if out.finished and not req.include_usage:   # vLLM's place for it: each choice's last chunk, or the
+                data["system_fingerprint"] = gen.system_fingerprint   # usage chunk when there is one
             if req.prompt_logprobs is not None and out.prompt_logprobs is not None:   # with the first token
                 plp = vllm_prompt_logprobs(tokenizer, out.prompt_logprobs, req.prompt_logprobs)
                 if req.kind == "chat":
@@ -375,6 +390,7 @@ async def stream_response(gen: Generation, http_request: web.Request) -> web.Str
             await resp.write(_sse(data))
         if req.include_usage:
             final = chunk([], gen.usage([latest.get(x.index) for x in gen.choices]))
+            final["system_fingerprint"] = gen.system_fingerprint
             await resp.write(_sse(final))
         await resp.write(_sse("[DONE]"))
         await resp.write_eof()
