@@ -108,6 +108,23 @@ KV_PARAMS = st.one_of(st.just({"do_remote_decode": True}), st.just({"do_remote_p
                                                        "remote_engine_id", "version"]), json_values(), max_size=3),
                       json_values())
 
+# Structured output: schemas and regexes that compile, that do not, and that give out while generating (a bounded
+# repeat far past llguidance's lexer limit; min_tokens beyond a grammar's end).
+SCHEMAS = st.one_of(st.sampled_from([{"type": "object"}, {"type": "integer", "minimum": 5, "maximum": 3},
+                                     {"enum": ["a", 1, None]}, {"type": "string", "maxLength": 0}, {"not": {}},
+                                     {"type": "array", "items": {"type": "boolean"}, "maxItems": 2}, True, False,
+                                     {"$ref": "#/nope"}, {"type": "nonsense"}]),
+                    st.dictionaries(st.sampled_from(["type", "properties", "required", "enum", "pattern"]),
+                                    json_values(), max_size=2))
+REGEXES = st.one_of(st.sampled_from(["[0-9]{2}", "(a|b)+!", "[0-9", "(?!x)", "x{1000000}", "", "\\d{3}x{99999}",
+                                     "[^\\s\\S]"]), TEXTS)
+CONSTRAINTS = {"json": SCHEMAS, "regex": REGEXES, "json_object": st.one_of(st.booleans(), json_values()),
+               "choice": st.one_of(st.lists(TEXTS, max_size=3), json_values()),
+               "grammar": st.one_of(st.sampled_from(['start: "a" | "b"', 'root ::= [0-9]+', "start: undefined",
+                                                     ""]), TEXTS),
+               "disable_any_whitespace": st.one_of(st.booleans(), json_values()),
+               "structural_tag": json_values()}
+
 COMMON_FIELDS = {
     "model": st.one_of(st.sampled_from(["gpt-17", "", "DEMO"]), json_values()),
     "max_tokens": small_ints(1, 4),
@@ -128,8 +145,14 @@ COMMON_FIELDS = {
     "bad_words": st.one_of(st.lists(TEXTS, max_size=3), json_values()),
     "return_token_ids": st.one_of(st.booleans(), json_values()),
     "include_stop_str_in_output": st.booleans(), "skip_special_tokens": st.one_of(st.booleans(), json_values()),
-    "response_format": st.one_of(st.sampled_from([{"type": "text"}, {"type": "json_object"}, None]), json_values()),
-    "guided_json": json_values(),
+    "response_format": st.one_of(st.sampled_from([{"type": "text"}, {"type": "json_object"}, None]),
+                                 st.fixed_dictionaries({"type": st.just("json_schema"),
+                                                        "json_schema": st.fixed_dictionaries(
+                                                            {"name": st.just("x")}, optional={"schema": SCHEMAS})}),
+                                 json_values()),
+    "structured_outputs": st.one_of(st.fixed_dictionaries({}, optional=CONSTRAINTS), json_values()),
+    "guided_json": st.one_of(SCHEMAS, json_values()), "guided_regex": st.one_of(REGEXES, json_values()),
+    "guided_choice": CONSTRAINTS["choice"], "guided_grammar": CONSTRAINTS["grammar"],
 }
 COMPLETION_FIELDS = {**COMMON_FIELDS, "prompt": PROMPTS, "echo": st.one_of(st.booleans(), json_values()),
                      "max_tokens": small_ints(0, 4),      # 0 with echo: the prompt alone (the scoring call)
