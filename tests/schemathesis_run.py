@@ -6,16 +6,18 @@ operations, which the API has none of).
 
 Only the requests are shaped, never the checks: generation lengths are capped (``max_tokens`` at most
 ``MAX_TOKENS``, ``n`` at most 2), so that a schema-valid request for the whole context cannot keep a CPU node
-busy for minutes; schemathesis classifies a changed body again (valid or not) before it checks the answer.
-``PDPOOL_SCHEMATHESIS_EXAMPLES`` (default 6 per operation) makes a longer run.
+busy for minutes, prompts are cut to fit a 512-token context, and the rules across fields that JSON Schema cannot
+say are kept; schemathesis classifies a changed body again (valid or not) before it checks the answer.
+``PDPOOL_SCHEMATHESIS_EXAMPLES`` (default 20 per operation and mode) makes a longer run.
 """
 
 from __future__ import annotations
 
 import os
 
-EXAMPLES = int(os.environ.get("PDPOOL_SCHEMATHESIS_EXAMPLES", "6"))
+EXAMPLES = int(os.environ.get("PDPOOL_SCHEMATHESIS_EXAMPLES", "20"))
 MAX_TOKENS = 3
+TEXT = 64   # characters of a prompt, or of a chat's messages together
 
 
 def load(url: str, api_key: str | None):
@@ -46,6 +48,24 @@ def bounded(operation, body):
             body[name] = most
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = MAX_TOKENS     # absent or null: the rest of the context
+    # The prompt within the context (512 tokens): a character may be 4 byte-level tokens
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        body["prompt"] = prompt[:TEXT]
+    elif isinstance(prompt, list):
+        body["prompt"] = [p[:TEXT] if isinstance(p, (str, list)) else p for p in prompt[:4]][:TEXT]
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        body["messages"] = messages = messages[:4]
+        for m in messages:
+            for key in ("role", "content"):
+                if isinstance(m, dict) and isinstance(m.get(key), str):
+                    m[key] = m[key][:TEXT // 4]
+            if isinstance(m, dict) and isinstance(m.get("content"), list):
+                m["content"] = m["content"][:2]
+                for part in m["content"]:
+                    if isinstance(part, dict) and isinstance(part.get("text"), str):
+                        part["text"] = part["text"][:TEXT // 8]
     return body
 
 

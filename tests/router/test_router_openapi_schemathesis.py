@@ -14,7 +14,7 @@ API_KEY = "st-key-42"
 
 @pytest.fixture(scope="module")
 def router(launch_server, start_router):
-    node = launch_server("--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "64")   # no key: the
+    node = launch_server("--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "96")   # no key: the
     try:                                                                  # router's legs present none
         yield start_router(["--both", node.url], name="router-schemathesis", api_key=API_KEY)
     finally:
