@@ -59,6 +59,8 @@ def chat(**kw) -> dict:
     return {"model": "demo", "messages": CHAT, "max_tokens": 8, "temperature": 0, **kw}
 
 
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
+          "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20}}}
 STREAM_USAGE = {"stream": True, "stream_options": {"include_usage": True}}
 STREAM_CONT = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
 
@@ -122,6 +124,24 @@ CASES: list[tuple[str, str, str, object]] = [
     ("chat stream logprobs", "POST", "/v1/chat/completions", chat(stream=True, logprobs=True, top_logprobs=1,
                                                                   max_tokens=3)),
     ("chat stream stop", "POST", "/v1/chat/completions", chat(stream=True, stop=["."], max_tokens=32)),
+    # ---- structured output (greedy: the text must match, which needs the same mask at every step) ----
+    ("chat response_format json_object", "POST", "/v1/chat/completions",
+     chat(response_format={"type": "json_object"}, max_tokens=40)),
+    ("chat response_format json_schema", "POST", "/v1/chat/completions",
+     chat(response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": SCHEMA}},
+          max_tokens=40)),
+    ("chat stream json_schema", "POST", "/v1/chat/completions",
+     chat(stream=True, response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": SCHEMA}},
+          max_tokens=40)),
+    ("cmpl structured json", "POST", "/v1/completions", cmpl(structured_outputs={"json": SCHEMA}, max_tokens=40)),
+    ("cmpl structured regex", "POST", "/v1/completions",
+     cmpl(structured_outputs={"regex": "[A-Z][a-z]+, [A-Z][a-z]+"}, max_tokens=16)),
+    ("cmpl structured choice", "POST", "/v1/completions",
+     cmpl(structured_outputs={"choice": ["Paris", "London", "Rome"]}, max_tokens=8)),
+    ("cmpl structured grammar", "POST", "/v1/completions",
+     cmpl(structured_outputs={"grammar": 'root ::= "The answer is " ("yes" | "no") "."'}, max_tokens=16)),
+    ("cmpl structured json compact", "POST", "/v1/completions",
+     cmpl(structured_outputs={"json": SCHEMA, "disable_any_whitespace": True}, max_tokens=40)),
     ("models", "GET", "/v1/models", None),
     ("model retrieve", "GET", "/v1/models/demo", None),
     ("tokenize prompt", "POST", "/tokenize", {"model": "demo", "prompt": PROMPT}),
@@ -159,8 +179,12 @@ CASES: list[tuple[str, str, str, object]] = [
     ("ERR stream_options without stream", "POST", "/v1/completions",
      cmpl(stream_options={"include_usage": True})),
     ("ERR cmpl suffix", "POST", "/v1/completions", cmpl(suffix="x")),
-    ("ERR chat response_format json", "POST", "/v1/chat/completions",
-     chat(response_format={"type": "json_object"})),
+    ("ERR chat response_format xml", "POST", "/v1/chat/completions", chat(response_format={"type": "xml"})),
+    ("ERR cmpl json_schema without schema", "POST", "/v1/completions",
+     cmpl(response_format={"type": "json_schema", "json_schema": {"name": "x"}})),
+    ("ERR cmpl structured bad regex", "POST", "/v1/completions", cmpl(structured_outputs={"regex": "[0-9"})),
+    ("ERR cmpl structured two kinds", "POST", "/v1/completions",
+     cmpl(structured_outputs={"regex": "a", "choice": ["a"]})),
     ("ERR chat tool_choice required", "POST", "/v1/chat/completions",
      chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
           tool_choice="required")),
