@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 
+from pdpool import __version__
 from pdpool.frontend import Frontend
 from pdpool.logs import HEADER as REQUEST_ID_HEADER, request_id_from, request_id_var
 from pdpool.router import openapi
@@ -39,7 +40,7 @@ from pdpool.server.errors import APIError
 
 logger = logging.getLogger("pdpool.router")
 
-PUBLIC = ("/health", "/metrics", "/openapi.json")
+PUBLIC = ("/health", "/metrics", "/openapi.json", "/version")
 GENERATE = ("/v1/completions", "/v1/chat/completions")
 # (method, path) -> handler name; GET routes answer HEAD too. /openapi.json lists what is here. MODEL_PATH stands
 # for every path under /v1/models/ (OpenAI's retrieve: the rest of the path is the model's name, slashes and all).
@@ -48,7 +49,8 @@ ROUTES = {("POST", "/v1/completions"): "generate", ("POST", "/v1/chat/completion
           ("GET", "/v1/models"): "models", ("GET", MODEL_PATH): "model", ("GET", "/health/live"): "health_live",
           ("GET", "/health/ready"): "health_ready", ("GET", "/health"): "health_ready",
           ("GET", "/metrics"): "metrics_page", ("GET", "/openapi.json"): "openapi_page",
-          ("POST", "/tokenize"): "tokenize_page", ("POST", "/detokenize"): "detokenize_page"}
+          ("POST", "/tokenize"): "tokenize_page", ("POST", "/detokenize"): "detokenize_page",
+          ("GET", "/version"): "version_page"}
 _ALLOWED: dict[str, list[str]] = {}
 for _method, _path in ROUTES:
     _ALLOWED.setdefault(_path, []).extend([_method, "HEAD"] if _method == "GET" else [_method])
@@ -259,6 +261,9 @@ class Router:
 
     async def health_live(self, request: Request):
         return _json({"status": "alive", "pid": os.getpid()})  # with --workers: which one answered
+
+    async def version_page(self, request: Request):
+        return _json({"version": __version__})
 
     async def health_ready(self, request: Request):
         nodes = {e.node_id: e.role for e in self.pool.decode_candidates()}

@@ -17,6 +17,7 @@ from typing import Protocol
 
 from aiohttp import web
 
+from pdpool import __version__
 from pdpool.logs import HEADER as REQUEST_ID_HEADER, request_id_from, request_id_var
 from pdpool.server import openapi, protocol, tokenize
 from pdpool.server.auth import check_api_key
@@ -169,6 +170,11 @@ async def model(request: web.Request) -> web.Response:
     return web.json_response(card)
 
 
+async def version(request: web.Request) -> web.Response:
+    """vLLM's ``/version``: the server's pdpool version."""
+    return web.json_response({"version": __version__})
+
+
 async def health_live(request: web.Request) -> web.Response:
     return web.json_response({"status": "alive"})
 
@@ -224,6 +230,7 @@ def create_app(node_config, node: ServedNode, routes: list[web.RouteDef] = ()) -
     app.router.add_get("/v1/models/{model:.+}", model)
     app.router.add_get("/health", health_ready)
     app.router.add_get("/health/live", health_live)
+    app.router.add_get("/version", version)
     app.router.add_get("/health/ready", health_ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi_page)

@@ -40,12 +40,13 @@ _DOCS = {
     ("GET", "/health/ready"): "200 when ready to serve (a router: at least one decode-capable node), else 503.",
     ("GET", "/metrics"): "Prometheus metrics.",
     ("GET", "/openapi.json"): "This document.",
+    ("GET", "/version"): "The server's pdpool version (vLLM's route).",
     ("POST", "/tokenize"): "vLLM's tokenize: token ids of a prompt or of a chat (its template applied).",
     ("POST", "/detokenize"): "vLLM's detokenize: the text of token ids.",
 }
 _PLAIN = {"/metrics": "text/plain"}   # Prometheus' text format (a version parameter follows)
 _NOT_READY = {"/health/ready"}   # /health, its alias, is left out of the document
-_PUBLIC = ("/health", "/metrics", "/openapi.json")
+_PUBLIC = ("/health", "/metrics", "/openapi.json", "/version")
 
 
 def _nullable(schema: dict) -> dict:

@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+import pdpool
+
 from cluster import INTERNAL_TOKEN, completion_body, token_ids, wait_for  # noqa: F401
 from routers import redis_flags
 
@@ -104,7 +106,8 @@ def test_models_health_openapi_metrics(router):
     spec = httpx.get(router.url + "/openapi.json").json()
     assert set(spec["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}",
                                   "/health/live", "/health/ready", "/metrics", "/openapi.json", "/tokenize",
-                                  "/detokenize"}
+                                  "/detokenize", "/version"}
+    assert httpx.get(router.url + "/version").json() == {"version": pdpool.__version__}   # vLLM's route, no key
     body = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body["properties"]["max_tokens"]["type"] == ["integer", "null"]   # null: the rest of the context
     router.client().completions.create(model="demo", prompt="metrics", max_tokens=1)   # a decision, also alone

@@ -158,6 +158,10 @@ def test_models_and_health(server, client):
     assert models.data[0].model_extra["max_model_len"] == server.max_model_len
     for path in ("/health", "/health/live", "/health/ready"):
         assert httpx.get(server.url + path, timeout=30).status_code == 200
+    import pdpool
+
+    version = httpx.get(server.url + "/version", timeout=30)   # vLLM's route; public, as vLLM's
+    assert version.status_code == 200 and version.json() == {"version": pdpool.__version__}
 
 
 def test_unexpected_exception_is_500_json_and_the_app_stays_up():
