@@ -118,10 +118,11 @@ class Tokenizer:
         return [self._tok.id_to_token(t) for t in token_ids]
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False) -> str:
+                            continue_final_message: bool = False, tools: list[dict] | None = None) -> str:
         """``continue_final_message``: the text ends inside the last message (an assistant's partial answer, for
         the model to go on with), not after its end-of-turn tokens: transformers' way, which vLLM calls: render
-        with a tag after that message's content, then cut the text at the tag."""
+        with a tag after that message's content, then cut the text at the tag. ``tools``: the request's, for
+        templates that describe them to the model (vLLM passes them too; the demo model's template ignores them)."""
         if self._template is None:
             raise ValueError("this model's tokenizer has no chat template")
         if continue_final_message:
@@ -131,7 +132,7 @@ class Tokenizer:
                 raise ValueError("continue_final_message is set but the conversation is empty")
             final = messages[-1]
             messages = [*messages[:-1], {**final, "content": final.get("content", "") + _CONTINUE_TAG}]
-        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                      documents=None, **{k: v for k, v in self.special_tokens.items() if v})
         if not continue_final_message:
             return text
@@ -619,10 +620,10 @@ class Frontend:
         return cls(ModelFiles.read(path), Tokenizer(path), token_cache_chunks)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> str:
+                    continue_final_message: bool = False, tools: list[dict] | None = None) -> str:
         """The chat template applied to ``messages``; raises ``InvalidRequestError`` (param ``messages``) when it fails."""
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt, continue_final_message)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt, continue_final_message, tools)
         except Exception as exc:  # noqa: BLE001 - a template error is the client's message list
             raise InvalidRequestError(f"cannot apply the chat template: {exc}", param="messages") from None
 

@@ -21,6 +21,7 @@ from typing import Any
 from pdpool.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, SamplingParamsError, short_repr
 from pdpool.engine.structured import StructuredOutputs
 from pdpool.server.errors import APIError
+from pdpool.server.tools import ToolChoice, parse_tools
 
 MAX_LOGPROBS = 20
 MAX_N = 16
@@ -53,6 +54,8 @@ class GenerationRequest:
     # pdpool's extension (``pdpool_prompt_token_ids``): the token ids of each prompt, computed by the router with
     # the same front end, so router and engine hash the same tokens; the node does not tokenize again.
     prompt_token_ids: list[list[int]] | None = None
+    # chat's tool_choice "required" or a named function: the answer's text is read back as tool calls
+    tool_choice: ToolChoice | None = None
 
 
 async def read_json(request) -> dict:
@@ -247,7 +250,7 @@ def _common(body: dict, kind: str, served_model_names: list[str]) -> dict:
     if best_of is not None and best_of != n:
         raise APIError("'best_of' other than 'n' is not supported", param="best_of")
     if not _REFUSAL_FIELDS.isdisjoint(body):   # most bodies have none of them: no per-field reads
-        _refuse_constrained(body)
+        _refuse_constrained(body, kind)
         _refuse_unimplemented(body, kind)
     kv = body.get("kv_transfer_params")
     if kv is not None and not isinstance(kv, dict):
@@ -299,10 +302,13 @@ def _structured(body: dict) -> StructuredOutputs | None:
     return found[0] if found else None
 
 
-def _refuse_constrained(body: dict) -> None:
-    """Features a client would rely on without noticing that they were dropped (tool calls) are a 400, not a
-    silent answer in plain text. A tool list with ``tool_choice: "none"`` asks for text: accepted."""
-    for listed, choice in (("tools", "tool_choice"), ("functions", "function_call")):
+def _refuse_constrained(body: dict, kind: str) -> None:
+    """Features a client would rely on without noticing that they were dropped (the legacy ``functions``, tools
+    on completions) are a 400, not a silent answer in plain text. A list with ``"none"`` asks for text: accepted.
+    Chat's ``tools`` are ``pdpool.server.tools``' (read by ``parse_chat``)."""
+    pairs = (("functions", "function_call"),) if kind == "chat" else (("tools", "tool_choice"),
+                                                                       ("functions", "function_call"))
+    for listed, choice in pairs:
         if body.get(listed) and body.get(choice, "auto") != "none":
             raise APIError(f"tool calling is not supported: send '{choice}': \"none\" to have '{listed}' "
                            f"ignored and get text", param=listed)
@@ -452,6 +458,8 @@ def parse_completion(body: dict, served_model_names: list[str]) -> GenerationReq
 # ---- /v1/chat/completions ------------------------------------------------------------------------
 
 def _messages(body: dict) -> list[dict]:
+    """Each message's role and text content, and what chat templates read of tool calls: an assistant's
+    ``tool_calls`` (arguments as an object), a tool's ``tool_call_id``, a ``name``."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise APIError("'messages' must be a non-empty list", param="messages")
@@ -471,7 +479,40 @@ def _messages(body: dict) -> list[dict]:
             content = ""
         if not isinstance(content, str):
             raise APIError(f"messages[{i}].content must be a string or a list of text parts", param="messages")
-        out.append({"role": _text(m["role"], "messages"), "content": _text(content, "messages")})
+        message = {"role": _text(m["role"], "messages"), "content": _text(content, "messages")}
+        if m.get("tool_calls") is not None:
+            message["tool_calls"] = _history_tool_calls(m["tool_calls"], i)
+        for name in ("tool_call_id", "name"):
+            if m.get(name) is not None:
+                if not isinstance(m[name], str):
+                    raise APIError(f"messages[{i}].{name} must be a string", param="messages")
+                message[name] = _text(m[name], "messages")
+        out.append(message)
+    return out
+
+
+def _history_tool_calls(calls, i: int) -> list[dict]:
+    """An earlier answer's tool calls, as templates take them: arguments as an object (the JSON text parsed; an
+    object given as such is kept; empty, or text that is no JSON object, is {}: a bad turn in the history must
+    not fail every later request of the conversation, vLLM's reasoning too)."""
+    if not isinstance(calls, list):
+        raise APIError(f"messages[{i}].tool_calls must be a list", param="messages")
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or call.get("type", "function") != "function" \
+                or not isinstance(function.get("name"), str):
+            raise APIError(f"messages[{i}].tool_calls entries must be {{\"type\": \"function\", \"function\": "
+                           f"{{\"name\": ..., \"arguments\": ...}}}}, got {short_repr(call)}", param="messages")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments else {}
+            except ValueError:
+                arguments = {}
+        if not isinstance(arguments, dict):
+            arguments = {}
+        out.append({**call, "type": "function", "function": {**function, "arguments": arguments}})
     return out
 
 
@@ -487,10 +528,11 @@ def _check_continuation(messages: list[dict], add_generation_prompt: bool) -> No
 
 
 def parse_chat(body: dict, served_model_names: list[str], render) -> GenerationRequest:
-    """``render(messages, add_generation_prompt, continue_final_message) -> str`` applies the tokenizer's chat
-    template."""
+    """``render(messages, add_generation_prompt, continue_final_message, tools) -> str`` applies the tokenizer's
+    chat template."""
     common = _common(body, "chat", served_model_names)
     messages = _messages(body)
+    tools, tool_choice = parse_tools(body) if "tools" in body or "tool_choice" in body else (None, None)
     want_logprobs = get_bool(body, "logprobs")
     top = get_int(body, "top_logprobs", None, ge=0, le=MAX_LOGPROBS)
     if top is not None and not want_logprobs:
@@ -505,14 +547,19 @@ def parse_chat(body: dict, served_model_names: list[str], render) -> GenerationR
     if continue_final_message:
         _check_continuation(messages, add_generation_prompt)
     try:
-        prompt = render(messages, add_generation_prompt, continue_final_message)
+        prompt = render(messages, add_generation_prompt, continue_final_message, tools)
     except Exception as exc:  # noqa: BLE001 - a template error is the client's message list
         raise APIError(f"cannot apply the chat template: {exc}", param="messages") from None
     # Without max_tokens (None) the engine fills the rest of the context.
     params = _sampling(body, max_tokens, logprobs)
     params.prompt_logprobs = common["prompt_logprobs"]
-    return _checked(GenerationRequest(prompts=[prompt], params=params,
-                                      max_tokens_given=max_tokens is not None, logprobs=logprobs, **common))
+    if tool_choice is not None:
+        if params.structured_outputs is not None:
+            raise APIError(f"'{params.structured_outputs.param}' and 'tool_choice' {short_repr(body['tool_choice'])} "
+                           f"both constrain the output: send one of them", param=params.structured_outputs.param)
+        params.structured_outputs = StructuredOutputs("json", tool_choice.schema, param="tools")
+    return _checked(GenerationRequest(prompts=[prompt], params=params, max_tokens_given=max_tokens is not None,
+                                      logprobs=logprobs, tool_choice=tool_choice, **common))
 
 
 def _checked(req: GenerationRequest) -> GenerationRequest:

@@ -27,6 +27,7 @@ from pdpool.engine.sampling_params import SamplingParamsError
 from pdpool.logs import HEADER as REQUEST_ID_HEADER
 from pdpool.server.errors import APIError
 from pdpool.server.protocol import GenerationRequest
+from pdpool.server.tools import ToolCallStream, finish_reason, tool_message
 
 
 @dataclass
@@ -38,6 +39,7 @@ class _Choice:
     started: bool = False               # chat streaming: role delta sent
     final: RequestOutput | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    tool_calls: ToolCallStream | None = None   # chat streaming with tool_choice: the calls' deltas so far
 
 
 def api_error(exc: BaseException) -> APIError:
@@ -228,9 +230,12 @@ async def full_response(gen: Generation) -> dict:
     for c in gen.choices:
         out = c.final
         if req.kind == "chat":
-            choice = {"index": c.index, "message": {"role": "assistant", "content": out.text},
+            message, finish = {"role": "assistant", "content": out.text}, out.finish_reason
+            if req.tool_choice is not None:
+                message, finish = tool_message(req.tool_choice, out.text), finish_reason(req.tool_choice, finish)
+            choice = {"index": c.index, "message": message,
                       "logprobs": chat_logprobs(tokenizer, c.logprobs) if req.logprobs is not None else None,
-                      "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+                      "finish_reason": finish, "stop_reason": out.stop_reason}
         else:
             text, generated = ("", []) if req.echo_only else (out.text, c.logprobs)
             if req.echo:
@@ -355,7 +360,15 @@ async def stream_response(gen: Generation, http_request: web.Request) -> web.Str
                 if not out.finished:
                     continue
                 out = dataclasses.replace(out, new_text="", new_logprobs=[], new_token_ids=[])
-            if not (out.new_text or out.finished or out.new_logprobs or (req.return_token_ids and out.new_token_ids)
+            tool_deltas = None
+            if req.tool_choice is not None:
+                if c.tool_calls is None:
+                    c.tool_calls = ToolCallStream(req.tool_choice)
+                tool_deltas = c.tool_calls.feed(out.new_text)
+                if out.finished and not tool_deltas and req.tool_choice.name is not None and c.tool_calls.sent:
+                    tool_deltas = [{"index": 0, "function": {"arguments": ""}}]   # vLLM's last chunk of a call
+            if not ((out.new_text if tool_deltas is None else tool_deltas) or out.finished or out.new_logprobs
+                    or (req.return_token_ids and out.new_token_ids)
                     or (req.prompt_logprobs is not None and out.prompt_logprobs is not None)):
                 continue
             lp = None
@@ -367,6 +380,9 @@ async def stream_response(gen: Generation, http_request: web.Request) -> web.Str
             if req.kind == "chat":
                 choice = {"index": c.index, "delta": {"content": out.new_text}, "logprobs": lp,
                           "finish_reason": out.finish_reason if out.finished else None}
+                if tool_deltas is not None:   # tool calls: their deltas in place of text (none yet: {})
+                    choice["delta"] = {"tool_calls": tool_deltas} if tool_deltas else {}
+                    choice["finish_reason"] = finish_reason(req.tool_choice, choice["finish_reason"])
                 if out.finished:
                     choice["stop_reason"] = out.stop_reason
             else:

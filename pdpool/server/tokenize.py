@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pdpool.frontend import Frontend, InvalidRequestError, check_token_ids
 from pdpool.server.errors import APIError
+from pdpool.server.tools import read_tools
 from pdpool.server.protocol import (_check_continuation, _messages, _text, get_bool, model_not_found,
                                     short_repr)
 
@@ -46,7 +47,8 @@ def tokenize(body: dict, frontend: Frontend, served_model_names: list[str], max_
         if continue_final_message:
             _check_continuation(messages, add_generation_prompt)
         try:
-            text = frontend.render_chat(messages, add_generation_prompt, continue_final_message)
+            text = frontend.render_chat(messages, add_generation_prompt, continue_final_message,
+                                        read_tools(body["tools"]) if body.get("tools") is not None else None)
         except InvalidRequestError as exc:
             raise APIError(str(exc), param=exc.param) from None
         add_special = get_bool(body, "add_special_tokens", False)

@@ -183,6 +183,48 @@ def test_structured_output_holds_across_the_handoff(cluster, router):
     assert json.loads(got["text"])["colour"] in ("red", "green", "blue")
 
 
+def test_tool_calls_hold_across_the_handoff(cluster, router):
+    """tool_choice "required" and a named function through the router: the prefill node samples the first token
+    under the tools' schema, the decode node goes on and reads the calls back; the same calls a colocated node
+    makes, whole and streamed."""
+    weather = {"type": "object", "required": ["city"], "additionalProperties": False,
+               "properties": {"city": {"type": "string", "maxLength": 16}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}},
+             {"type": "function", "function": {"name": "get_time", "parameters": {
+                 "type": "object", "additionalProperties": False, "properties": {"tz": {"type": "string",
+                                                                                     "maxLength": 8}}}}}]
+    for tool_choice, finish in (("required", "tool_calls"),
+                                ({"type": "function", "function": {"name": "get_weather"}}, "stop")):
+        body = {"model": "demo", "messages": [{"role": "user", "content": PROMPT + " What is the weather there?"}],
+                "max_tokens": 80, "temperature": 0, "tools": tools, "tool_choice": tool_choice}
+        disagg = router.value('pdpool_router_requests_total{decision="disaggregated"}')
+        mine = router.post("/v1/chat/completions", body)
+        assert mine.status_code == 200, mine.text
+        assert router.value('pdpool_router_requests_total{decision="disaggregated"}') == disagg + 1
+        theirs = httpx.post(cluster["d0"].base_url + "/chat/completions", json=body, timeout=60).json()
+        got = mine.json()["choices"][0]
+        assert got["finish_reason"] == finish and got["message"]["content"] == "", (got, theirs)
+        calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got["message"]["tool_calls"]]
+        assert calls == [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                         for c in theirs["choices"][0]["message"]["tool_calls"]]
+        for name, arguments in calls:
+            if name == "get_weather":
+                assert set(arguments) == {"city"} and isinstance(arguments["city"], str)
+        streamed = router.post("/v1/chat/completions", {**body, "stream": True})
+        assert streamed.status_code == 200, streamed.text
+        names, arguments, last = {}, {}, None
+        for line in streamed.text.splitlines():
+            if not line.startswith("data: {"):
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                for d in choice["delta"].get("tool_calls") or ():
+                    names[d["index"]] = d["function"].get("name") or names.get(d["index"])
+                    arguments[d["index"]] = arguments.get(d["index"], "") + d["function"]["arguments"]
+                last = choice["finish_reason"] or last
+        assert last == finish
+        assert [(names[i], json.loads(arguments[i])) for i in sorted(names)] == calls
+
+
 # ---- the API surface ------------------------------------------------------------------------------------
 
 BAD = [
@@ -200,7 +242,12 @@ BAD = [
     ("/v1/completions", {"model": "demo", "prompt": "x", "structured_outputs": {"regex": "[0-9"}}, 400,
      "structured_outputs"),   # parsed by the router, compiled (and refused) by the node
     ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "x"}],
-                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "x"}], "tools": [],
+                              "tool_choice": "required"}, 400, "tools"),
     ("/v1/completions", {"model": "demo", "prompt": "x " * 600, "max_tokens": 4}, 400, None),  # too long: the node
 ]
 

@@ -230,6 +230,6 @@ def test_every_field_the_refusals_read_is_in_the_list():
             return default
 
     for kind in ("completion", "chat"):
-        protocol._refuse_constrained(Recorder())
+        protocol._refuse_constrained(Recorder(), kind)
         protocol._refuse_unimplemented(Recorder(), kind)
     assert seen and seen <= protocol._REFUSAL_FIELDS
