@@ -43,6 +43,12 @@ THREADS = 2
 # error classification, roles). Texts are compared only for greedy cases (see GREEDY_TEXT).
 VALUE_KEYS = {"object", "finish_reason", "stop_reason", "prompt_tokens", "completion_tokens", "total_tokens",
               "cached_tokens", "type", "code", "param", "role", "count", "max_model_len", "owned_by", "index"}
+# vllm serve 0.32 answers tool_choice "required" or a named function only with a tool parser loaded, which takes
+# --enable-auto-tool-choice besides --tool-call-parser (else a 400, "requires --tool-call-parser to be set"); for
+# those two choices a parser that keeps the base class's request adjustment (pythonic does) constrains the output
+# with the tools' JSON schema and reads the JSON back, whatever the model. "auto" then runs the pythonic parser on
+# free text (a 200 there; pdpool has no model-specific parser and refuses it).
+VLLM_TOOL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
 COMMON = 4   # a difference in this many cases or more is reported once, with its count
 MAP_SUFFIXES = (".top_logprobs[]", "prompt_logprobs[]")   # dicts keyed by token text / id: keys are data
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
@@ -59,6 +65,19 @@ def chat(**kw) -> dict:
     return {"model": "demo", "messages": CHAT, "max_tokens": 8, "temperature": 0, **kw}
 
 
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+           "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"type": "string", "enum": ["c", "f"]}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "additionalProperties": False, "required": ["tz"],
+             "properties": {"tz": {"type": "string", "maxLength": 10}, "hours": {"type": "integer", "minimum": 0,
+                                                                                 "maximum": 23}}}}}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+WEATHER_CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
+HISTORY = [{"role": "user", "content": "Weather in Paris?"},
+           {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+               "name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"c\"}"}}]},
+           {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}]
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
           "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20}}}
 STREAM_USAGE = {"stream": True, "stream_options": {"include_usage": True}}
@@ -142,6 +161,28 @@ CASES: list[tuple[str, str, str, object]] = [
      cmpl(structured_outputs={"grammar": 'root ::= "The answer is " ("yes" | "no") "."'}, max_tokens=16)),
     ("cmpl structured json compact", "POST", "/v1/completions",
      cmpl(structured_outputs={"json": SCHEMA, "disable_any_whitespace": True}, max_tokens=40)),
+    # ---- tool calls: tool_choice "required" and a named function, constrained by the tools' schemas ----
+    ("chat tools required", "POST", "/v1/chat/completions",
+     chat(messages=WEATHER_CHAT, tools=TOOLS, tool_choice="required", max_tokens=60)),
+    ("chat tools named", "POST", "/v1/chat/completions",
+     chat(messages=WEATHER_CHAT, tools=TOOLS, tool_choice=NAMED, max_tokens=60)),
+    ("chat tools required stream", "POST", "/v1/chat/completions",
+     chat(messages=WEATHER_CHAT, tools=TOOLS, tool_choice="required", max_tokens=60, stream=True)),
+    ("chat tools named stream usage", "POST", "/v1/chat/completions",
+     chat(messages=WEATHER_CHAT, tools=TOOLS, tool_choice=NAMED, max_tokens=60, **STREAM_USAGE)),
+    ("chat tools required n=2", "POST", "/v1/chat/completions",
+     chat(messages=WEATHER_CHAT, tools=TOOLS, tool_choice="required", max_tokens=60, n=2, temperature=1.0,
+          seed=0)),
+    ("chat tools named length", "POST", "/v1/chat/completions",
+     chat(messages=WEATHER_CHAT, tools=TOOLS, tool_choice=NAMED, max_tokens=5)),
+    ("chat tools required length", "POST", "/v1/chat/completions",
+     chat(messages=WEATHER_CHAT, tools=TOOLS, tool_choice="required", max_tokens=5)),
+    ("chat tools required length stream", "POST", "/v1/chat/completions",
+     chat(messages=WEATHER_CHAT, tools=TOOLS, tool_choice="required", max_tokens=5, stream=True)),
+    ("chat tools parallel false", "POST", "/v1/chat/completions",
+     chat(messages=WEATHER_CHAT, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=60)),
+    ("chat tool call history", "POST", "/v1/chat/completions", chat(messages=HISTORY, max_tokens=8)),
+    ("tokenize tools", "POST", "/tokenize", {"model": "demo", "messages": WEATHER_CHAT, "tools": TOOLS}),
     ("models", "GET", "/v1/models", None),
     ("model retrieve", "GET", "/v1/models/demo", None),
     ("tokenize prompt", "POST", "/tokenize", {"model": "demo", "prompt": PROMPT}),
@@ -185,8 +226,21 @@ CASES: list[tuple[str, str, str, object]] = [
     ("ERR cmpl structured bad regex", "POST", "/v1/completions", cmpl(structured_outputs={"regex": "[0-9"})),
     ("ERR cmpl structured two kinds", "POST", "/v1/completions",
      cmpl(structured_outputs={"regex": "a", "choice": ["a"]})),
-    ("ERR chat tool_choice required", "POST", "/v1/chat/completions",
-     chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    ("ERR chat tool_choice auto", "POST", "/v1/chat/completions", chat(tools=TOOLS, tool_choice="auto")),
+    ("ERR chat tool_choice required no tools", "POST", "/v1/chat/completions", chat(tool_choice="required")),
+    ("ERR chat tool_choice auto no tools", "POST", "/v1/chat/completions", chat(tool_choice="auto")),
+    ("ERR chat named not in tools", "POST", "/v1/chat/completions",
+     chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})),
+    ("ERR chat tools empty", "POST", "/v1/chat/completions", chat(tools=[], tool_choice="required")),
+    ("ERR chat tool without name", "POST", "/v1/chat/completions",
+     chat(tools=[{"type": "function", "function": {"parameters": {}}}], tool_choice="required")),
+    ("ERR chat tool_choice bad", "POST", "/v1/chat/completions", chat(tools=TOOLS, tool_choice="always")),
+    ("ERR chat named + structured_outputs", "POST", "/v1/chat/completions",
+     chat(tools=TOOLS, tool_choice=NAMED, structured_outputs={"regex": "a"})),
+    ("ERR chat required + response_format", "POST", "/v1/chat/completions",
+     chat(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})),
+    ("ERR chat tool schema invalid", "POST", "/v1/chat/completions",
+     chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
           tool_choice="required")),
     ("ERR chat use_beam_search", "POST", "/v1/chat/completions", chat(use_beam_search=True)),
     ("ERR cmpl top_logprobs wrong endpoint", "POST", "/v1/chat/completions", chat(top_logprobs=2)),
@@ -325,11 +379,21 @@ def raw_case(http: httpx.Client, method: str, path: str, body) -> dict:
 
 
 def _choice_text(c: dict) -> str:
-    return c.get("text") if "text" in c else (c.get("message") or {}).get("content") or ""
+    if "text" in c:
+        return c.get("text")
+    message = c.get("message") or {}
+    return (message.get("content") or "") + _calls_text(message.get("tool_calls"))
 
 
 def _chunk_text(e: dict) -> str:
-    return "".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for c in e.get("choices") or [])
+    return "".join(c.get("text") or (c.get("delta") or {}).get("content")
+                   or _calls_text((c.get("delta") or {}).get("tool_calls")) for c in e.get("choices") or [])
+
+
+def _calls_text(calls) -> str:
+    """Tool calls as text, for the greedy comparison: each one's name (when given) and its arguments (so far)."""
+    return "".join(f"{(c.get('function') or {}).get('name') or ''}{(c.get('function') or {}).get('arguments') or ''}"
+                   for c in calls or ())
 
 
 def client_case(client, path: str, body) -> dict:
@@ -396,7 +460,7 @@ def start(engine: str, vllm_venv: str, model: str, log_dir: Path) -> tuple[subpr
         env.update(VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GB), VLLM_CPU_OMP_THREADS_BIND=f"0-{THREADS - 1}")
         cmd = [str(Path(vllm_venv) / "bin" / "vllm"), "serve", model, "--served-model-name", "demo", "--host",
                "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
-               "--seed", "0"]
+               "--seed", "0", *VLLM_TOOL_ARGS]
         cwd = "/tmp"   # the checkout's operator/ folder would shadow the stdlib module
     log = open(log_dir / f"{engine}.log", "w")
     print(f"--- {engine}: {' '.join(cmd)}", flush=True)
