@@ -503,8 +503,11 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompt_t
         return torch.tensor([getattr(params[i], name) for i in rows], dtype=logits.dtype, device=device)[:, None]
 
     x = logits[rows]  # [r, V]
-    rep = column("repetition_penalty")
-    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    # A penalty below float32's smallest normal (valid: > 0) would be 0 here: x / 0 and -inf * 0 (a masked id) are
+    # inf and NaN, and a NaN row samples id 0 whatever its masks. Floored at it, and the quotient capped at the
+    # largest float32, every logit stays a number and a masked one stays -inf.
+    rep = column("repetition_penalty").clamp_(min=torch.finfo(logits.dtype).tiny)
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x).clamp_(max=torch.finfo(logits.dtype).max)
     x -= column("frequency_penalty") * output_counts + column("presence_penalty") * (output_counts > 0)
     logits[rows] = x
     return logits
@@ -513,7 +516,9 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompt_t
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p on [r, V] logits of non-greedy rows; returns probabilities [r, V]."""
     device = logits.device
-    x = logits / column([p.temperature for p in params], logits.dtype, device)[:, None]
+    # capped: a huge logit (a penalty's quotient) over a small temperature is inf, and softmax of inf is NaN
+    x = (logits / column([p.temperature for p in params], logits.dtype, device)[:, None]).clamp_(
+        max=torch.finfo(logits.dtype).max)
     if any(p.top_k > 0 or p.top_p < 1 for p in params):
         x = apply_top_k_top_p(x, [p.top_k for p in params], [p.top_p for p in params])
     if any(p.min_p > 0 for p in params):

@@ -65,11 +65,15 @@ class StructuredOutputs:
                                       f"{given or 'none'}")
         kind = given[0]
         value = _checked(kind, raw[kind], f"{param}.{kind}" if param == "structured_outputs" else param)
-        compact = raw.get("disable_any_whitespace", False)
-        if not isinstance(compact, bool):
-            raise SamplingParamsError(param, f"{param}.disable_any_whitespace must be a boolean, got "
-                                      f"{short_repr(compact)}")
-        return cls(kind, value, compact, param)
+        for option in OPTIONS:   # taken and checked; only disable_any_whitespace changes the grammar
+            given_option = raw.get(option)
+            if option not in raw or (option == "whitespace_pattern" and given_option is None):
+                continue
+            if not isinstance(given_option, str if option == "whitespace_pattern" else bool):
+                raise SamplingParamsError(param, f"{param}.{option} must be a "
+                                          f"{'string' if option == 'whitespace_pattern' else 'boolean'}, got "
+                                          f"{short_repr(given_option)}")
+        return cls(kind, value, bool(raw.get("disable_any_whitespace")), param)
 
     def key(self) -> str:
         """The constraint as text: compiled grammars are kept by it."""

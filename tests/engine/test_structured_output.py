@@ -76,6 +76,8 @@ def test_a_constraint_that_does_not_compile_is_an_invalid_request(llm, raw, para
     ({"structural_tag": {"x": 1}}, "not supported"),
     ({"regex": "a", "colour": 1}, "unknown fields"),
     ({"regex": "a", "disable_any_whitespace": "no"}, "boolean"),
+    ({"regex": "a", "disable_fallback": 1}, "boolean"),   # found by schemathesis: options were not type-checked
+    ({"regex": "a", "whitespace_pattern": 7}, "string"),
     ("json", "must be an object"),
 ])
 def test_malformed_constraints_are_refused_by_name(raw, words):
@@ -155,3 +157,15 @@ def test_grammar_and_min_tokens_that_leave_nothing_fail_the_row(llm):
     out = Sampler(eos_token_ids=llm.frontend.eos_token_ids).sample(
         torch.zeros(1, llm.frontend.vocab_size), [params], [[1]], [seven], [None])
     assert "no token is left to sample" in out.failed[0]
+
+
+@pytest.mark.parametrize("kw", [dict(repetition_penalty=5e-324), dict(repetition_penalty=5e-324, temperature=0),
+                                dict(repetition_penalty=1e-40, temperature=1e-4)])
+def test_extreme_penalties_keep_the_grammar_and_sample_numbers(llm, kw):
+    """A repetition penalty that is 0 in float32 (5e-324 is valid: above 0) made the logits inf and NaN: a NaN row
+    sampled id 0 whatever its mask, and a grammar row then failed (a 400) or a plain one returned id 0 as text."""
+    params = [SamplingParams(max_tokens=6, seed=1, structured_outputs={"json_object": True}, **kw),
+              SamplingParams(max_tokens=6, seed=1, **kw)]
+    constrained, plain = llm.generate(["Hello Hello Hello"] * 2, params, use_tqdm=False)
+    assert constrained.outputs[0].text.startswith("{")
+    assert 0 not in plain.outputs[0].token_ids   # <|endoftext|>: what a NaN row drew
