@@ -73,11 +73,22 @@ def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+              "guided_grammar")
+# Constraints that compile and leave room for any min_tokens: what a schema-valid schema, regex or grammar becomes
+COMPILING = {"json": {"type": "object"}, "regex": "[a-z ]{0,64}", "grammar": 'start: /[a-z ]{0,64}/'}
+CHOICES = ["yes", "no"]
+
+
 def with_cross_field_rules(operation, body):
     """The rules across fields JSON Schema cannot say (the document's descriptions say them), kept: best_of equals
-    n; continue_final_message continues the last message, which must be the assistant's."""
+    n; continue_final_message continues the last message, which must be the assistant's; one structured-output
+    field at most, whose schema, regex or grammar compiles (schema-valid ones are replaced by one that does), and
+    without min_tokens, allowed_token_ids or bad_words beside it (together they may leave no token to sample)."""
     if not isinstance(body, dict):
         return body
+    _tools_that_compile(body)
+    _one_compiling_constraint(body)
     n = body.get("n")
     if _number(body.get("best_of")) and 1 <= body["best_of"] <= 16:
         body["best_of"] = n if _number(n) and 1 <= n <= 16 else 1
@@ -86,6 +97,56 @@ def with_cross_field_rules(operation, body):
             and isinstance(messages[-1], dict):
         messages[-1]["role"] = "assistant"
     return body
+
+
+def _one_compiling_constraint(body: dict) -> None:
+    given = [f for f in STRUCTURED if body.get(f) is not None
+             and not (f == "response_format" and isinstance(body[f], dict) and body[f].get("type") == "text")]
+    for extra in given[1:]:
+        del body[extra]
+    if not given:
+        return
+    for masks in ("min_tokens", "allowed_token_ids", "bad_words"):   # with a grammar they may leave no token
+        body.pop(masks, None)
+    field, value = given[0], body[given[0]]
+    kind = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar"}.get(field)
+    if kind is not None and isinstance(value, (dict, bool, str) if kind == "json" else str) and value != "":
+        body[field] = COMPILING[kind]
+    elif field == "guided_choice" and _words(value):
+        body[field] = CHOICES
+    elif field == "structured_outputs" and isinstance(value, dict):
+        for key, good in COMPILING.items():
+            if isinstance(value.get(key), (dict, bool, str) if key == "json" else str) and value[key] != "":
+                value[key] = good
+        if _words(value.get("choice")):
+            value["choice"] = CHOICES
+    elif field == "response_format" and isinstance(value, dict) and isinstance(value.get("json_schema"), dict) \
+            and isinstance(value["json_schema"].get("schema"), (dict, bool)):
+        value["json_schema"]["schema"] = COMPILING["json"]
+
+
+def _tools_that_compile(body: dict) -> None:
+    """A named tool_choice names the first tool; each tool's parameters compile; a call's own grammar is the only
+    constraint (tool calls with response_format or structured_outputs are refused)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if not (isinstance(tools, list) and tools and all(isinstance(t, dict) and isinstance(t.get("function"), dict)
+                                                      for t in tools)):
+        return
+    for tool in tools:
+        if isinstance(tool["function"].get("parameters"), dict):
+            tool["function"]["parameters"] = COMPILING["json"]
+    first = tools[0]["function"].get("name")
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict) and isinstance(first, str):
+        choice["function"]["name"] = first
+    if choice not in (None, "none"):
+        for field in STRUCTURED:
+            body.pop(field, None)
+        for masks in ("min_tokens", "allowed_token_ids", "bad_words"):
+            body.pop(masks, None)
+
+
+def _words(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(c, str) and c for c in value)
 
 
 def run(schema) -> tuple[int, list[str]]:

@@ -136,6 +136,38 @@ def _sampling(vocab_size: int | None, max_model_len: int | None) -> dict:
         "allowed_token_ids": _nullable({"type": "array", "items": token, "minItems": 1}),
         "bad_words": _nullable({"anyOf": [{"type": "string"}, {"type": "array", "items": word}],
                                 "description": "words never generated (one string: one word; \"\": none)"}),
+        **_structured(),
+    }
+
+
+def _structured() -> dict:
+    """Structured output (``protocol._structured``): at most one of these constrains the output, and a schema,
+    regex or grammar must compile (llguidance's dialects), which JSON Schema cannot say."""
+    text = {"type": "string", "minLength": 1}
+    schema = {"anyOf": [{"type": "object"}, {"type": "boolean"}], "description": "a JSON schema"}
+    choices = {"type": "array", "items": text, "minItems": 1}
+    kinds = {"json": {"anyOf": [schema, {"type": "string", "description": "a JSON schema as text"}]},
+             "regex": text, "choice": choices, "grammar": {**text, "description": "Lark or GBNF"},
+             "json_object": {"type": "boolean"}}
+    return {
+        "response_format": _nullable({"anyOf": [
+            {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+            {"type": "object", "required": ["type", "json_schema"], "properties": {
+                "type": {"const": "json_schema"},
+                "json_schema": {"type": "object", "required": ["schema"], "properties": {
+                    "name": _nullable({"type": "string"}), "description": _nullable({"type": "string"}),
+                    "schema": schema, "strict": _nullable({"type": "boolean"})}}}}]}),
+        "structured_outputs": _nullable({
+            "type": "object", "additionalProperties": False,
+            "properties": {**{k: _nullable(v) for k, v in kinds.items()},
+                           "disable_any_whitespace": {"type": "boolean"}, "disable_fallback": {"type": "boolean"},
+                           "disable_additional_properties": {"type": "boolean"},
+                           "whitespace_pattern": _nullable({"type": "string"})},
+            "oneOf": [{"required": [k], "properties": {k: {"const": True} if k == "json_object" else _SET}}
+                      for k in kinds],
+            "description": "vLLM's: exactly one of json, regex, choice, grammar (not null) and json_object (true)"}),
+        "guided_json": _nullable(kinds["json"]), "guided_regex": _nullable(text),
+        "guided_choice": _nullable(choices), "guided_grammar": _nullable(kinds["grammar"]),
     }
 
 
@@ -213,8 +245,35 @@ def _chat_body(model: dict, vocab_size: int | None, max_model_len: int | None) -
             "add_generation_prompt": _nullable({"type": "boolean"}),
             "continue_final_message": _nullable({"type": "boolean", "description": (
                 "true needs add_generation_prompt false and the last message the assistant's")}),
+            **_tools(),
         },
-        "allOf": [_STREAM_RULE, _CONTINUE_RULE, _needs("top_logprobs", _SET, "logprobs", True)],
+        "allOf": [_STREAM_RULE, _CONTINUE_RULE, _needs("top_logprobs", _SET, "logprobs", True),
+                  # tools without tool_choice would be "auto", refused; a call needs tools (pdpool/server/tools.py)
+                  {"if": {"required": ["tools"], "properties": {"tools": _SET}},
+                   "then": {"required": ["tool_choice"], "properties": {"tool_choice": _SET}}},
+                  {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {"not": {"enum": [None, "none"]}}}},
+                   "then": {"required": ["tools"], "properties": {"tools": _SET}}}],
+    }
+
+
+def _tools() -> dict:
+    """``tools`` and ``tool_choice`` (``pdpool/server/tools.py``): "required" or a named function constrains the
+    answer to the tools' schemas; "auto" needs a model-specific parser and is refused."""
+    name = {"type": "string", "minLength": 1}
+    function = {"type": "object", "required": ["name"], "properties": {
+        "name": name, "description": _nullable({"type": "string"}),
+        "parameters": _nullable({"type": "object", "description": "a JSON schema (it must compile)"})}}
+    named = {"type": "object", "required": ["function"], "properties": {   # type: "function" when absent
+        "type": {"const": "function"}, "function": {"type": "object", "required": ["name"],
+                                                    "properties": {"name": {"type": "string"}}}}}
+    return {
+        "tools": _nullable({"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["function"],   # type: "function" when absent, as in vLLM
+            "properties": {"type": {"const": "function"}, "function": function}}}),
+        "tool_choice": _nullable({"anyOf": [{"enum": ["none", "required"]}, named], "description": (
+            "\"required\" or a function of tools (by name): a call constrained to the tools' schemas; \"none\": "
+            "text; \"auto\" is refused (no model-specific parser)")}),
+        "parallel_tool_calls": _nullable({"type": "boolean"}),
     }
 
 

@@ -284,6 +284,11 @@ def _structured(body: dict) -> StructuredOutputs | None:
                 if not isinstance(spec, dict) or spec.get("schema") is None:
                     raise APIError("'response_format' of type json_schema needs 'json_schema': {\"name\": ..., "
                                    "\"schema\": {...}}", param="response_format")
+                for key, kind in (("name", str), ("description", str), ("strict", bool)):
+                    if spec.get(key) is not None and not isinstance(spec[key], kind):
+                        raise APIError(f"'response_format.json_schema.{key}' must be a "
+                                       f"{'string' if kind is str else 'boolean'}, got {short_repr(spec[key])}",
+                                       param="response_format")
                 found.append(StructuredOutputs.parse({"json": spec["schema"]}, "response_format"))
             elif kind != "text":
                 raise APIError(f"'response_format' must be {{\"type\": \"text\"}}, {{\"type\": \"json_object\"}} or "
@@ -333,6 +338,7 @@ def _refuse_unimplemented(body: dict, kind: str) -> None:
 
 
 # Every field the two functions above read.
+_TOOL_FIELDS = frozenset(("tools", "tool_choice", "parallel_tool_calls"))
 _REFUSAL_FIELDS = frozenset(("tools", "tool_choice", "functions", "function_call", *_UNIMPLEMENTED,
                              *_UNIMPLEMENTED_CHAT))
 
@@ -532,7 +538,7 @@ def parse_chat(body: dict, served_model_names: list[str], render) -> GenerationR
     chat template."""
     common = _common(body, "chat", served_model_names)
     messages = _messages(body)
-    tools, tool_choice = parse_tools(body) if "tools" in body or "tool_choice" in body else (None, None)
+    tools, tool_choice = parse_tools(body) if not _TOOL_FIELDS.isdisjoint(body) else (None, None)
     want_logprobs = get_bool(body, "logprobs")
     top = get_int(body, "top_logprobs", None, ge=0, le=MAX_LOGPROBS)
     if top is not None and not want_logprobs:

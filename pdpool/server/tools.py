@@ -31,6 +31,10 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, ToolChoice | None]:
     the choice to constrain the output to. Every refusal names its field."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):   # checked whatever tool_choice is (schemathesis)
+        raise APIError(f"'parallel_tool_calls' must be a boolean, got {short_repr(parallel)}",
+                       param="parallel_tool_calls")
     if tools is not None:
         tools = read_tools(tools)
     if choice is None:
@@ -48,10 +52,6 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, ToolChoice | None]:
                        param="tool_choice")
     by_name = {t["function"]["name"]: t["function"] for t in tools}
     if choice == "required":
-        parallel = body.get("parallel_tool_calls")
-        if parallel is not None and not isinstance(parallel, bool):
-            raise APIError(f"'parallel_tool_calls' must be a boolean, got {short_repr(parallel)}",
-                           param="parallel_tool_calls")
         return tools, ToolChoice(_calls_schema(tools, parallel))
     function = choice.get("function")
     if choice.get("type", "function") != "function" or not isinstance(function, dict) \

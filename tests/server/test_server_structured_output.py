@@ -106,3 +106,16 @@ def test_a_constraint_that_breaks_while_generating_is_400(server, extra):
     assert "<state>" not in r.json()["error"]["message"]
     ok = post(server, "/v1/completions", {"model": "demo", "prompt": "Hi", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"structured_outputs": {"regex": "a", "disable_additional_properties": None}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": 7}}, "structured_outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "name": 7}}}, "response_format"),
+    ({"parallel_tool_calls": {}}, "parallel_tool_calls"),
+])
+def test_options_beside_a_constraint_are_type_checked(server, extra, param):
+    """Found by schemathesis: these were taken whatever their type (answered 200)."""
+    body = {"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], **extra}
+    assert_error(post(server, "/v1/chat/completions", body), 400, param=param)
