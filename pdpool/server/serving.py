@@ -395,8 +395,11 @@ async def stream_response(gen: Generation, http_request: web.Request) -> web.Str
                     choice["prompt_token_ids"] = out.prompt_token_ids
                 choice["token_ids"] = out.new_token_ids
             data = chunk([choice], choice_usage(out))
-            if out.finished and not req.include_usage:   # vLLM's place for it: each choice's last chunk, or the
-                data["system_fingerprint"] = gen.system_fingerprint   # usage chunk when there is one
+            # vLLM's place for it: each choice's last chunk, or only the usage chunk when there is one. Here each
+            # choice's last chunk always has it too: a router asks a node for the usage chunk to read the realized
+            # prefix hits and keeps it from a client that did not ask, which would have had it nowhere.
+            if out.finished:
+                data["system_fingerprint"] = gen.system_fingerprint
             if req.prompt_logprobs is not None and out.prompt_logprobs is not None:   # with the first token
                 plp = vllm_prompt_logprobs(tokenizer, out.prompt_logprobs, req.prompt_logprobs)
                 if req.kind == "chat":

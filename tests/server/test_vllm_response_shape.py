@@ -29,7 +29,9 @@ def test_system_fingerprint_names_the_server_and_stays_put(client):
 
 
 def test_streamed_fingerprint_on_each_last_chunk_or_the_usage_chunk(server):
-    """vLLM's places: each choice's last chunk; with include_usage, the usage chunk alone."""
+    """vLLM's places: each choice's last chunk; with include_usage, the usage chunk alone. Here each choice's last
+    chunk has it with include_usage too (a router asks for the usage chunk and hides it from a client that did
+    not: the client would otherwise get none; tests/router/test_router_differential.py found that)."""
     for path, body in (("/completions", {"prompt": "The sky is", "n": 2}), ("/chat/completions", {"messages": CHAT})):
         for usage in (False, True):
             chunks = stream_chunks(server, path, {**body, "max_tokens": 3,
@@ -37,7 +39,7 @@ def test_streamed_fingerprint_on_each_last_chunk_or_the_usage_chunk(server):
             finishing = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
             assert len(finishing) == body.get("n", 1)
             marked = [c for c in chunks if "system_fingerprint" in c]
-            assert marked == ([chunks[-1]] if usage else finishing)
+            assert marked == (finishing + [chunks[-1]] if usage else finishing)
             assert all(c["system_fingerprint"].startswith("pdpool-") for c in marked)
             assert (chunks[-1]["choices"] == []) == usage
 
