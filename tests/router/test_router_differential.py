@@ -3,7 +3,7 @@
 Hypothesis draws a valid ``/v1/completions`` or ``/v1/chat/completions`` body from the options that take special
 paths (prompt forms, echo, ``max_tokens`` 0 with echo, logprobs, ``prompt_logprobs``, ``truncate_prompt_tokens``,
 stop strings and ids, ``ignore_eos``, ``min_tokens``, ``logit_bias``, ``n``, streaming with usage,
-``return_token_ids``, seeded sampling) and sends it first to the router (1 prefill + 2 decode real nodes, real
+``return_token_ids``, seeded sampling, structured output) and sends it first to the router (1 prefill + 2 decode real nodes, real
 Redis and NIXL, the demo model on CPU) and then, as it is, to the decode node ``d0``, which serves a request
 without ``kv_transfer_params`` end to end. Every prompt ends in drawn words, so most are new to the decode nodes
 and the router hands them off (prefill on ``p0``, KV over NIXL, decode on ``d0``/``d1``); prompt-logprob and
@@ -55,6 +55,9 @@ WORDS = "river mountain lantern harbor violet copper meadow falcon orchard glaci
 # ' in' 281, ' river' 4626, ' city' 2240; <|im_end|> (EOS) 2
 COMMON_IDS = (28, 30, 260, 284, 282, 253, 198, 314, 288, 281, 4626, 2240, 2)
 STOPS = (",", ".", " the", "e", "\n", " and", "a")
+CONSTRAINTS = ({"regex": "[a-z ]{1,40}"}, {"choice": ["river", "harbor lights", "copper"]}, {"json_object": True},
+               {"json": {"type": "object", "required": ["word"], "properties": {"word": {"enum": WORDS[:5]}}}},
+               {"grammar": 'start: "The " WORD\nWORD: "river" | "harbor"', "disable_any_whitespace": True})
 
 
 def _text(draw) -> str:
@@ -121,6 +124,8 @@ def requests(draw) -> tuple[str, dict]:
         body["logit_bias"] = draw(st.dictionaries(st.sampled_from(COMMON_IDS).map(str),
                                                   st.sampled_from([-100, -5, -0.5, 2.5, 8, 100]),
                                                   min_size=1, max_size=3))
+    if draw(st.integers(0, 3)) == 0:   # structured output: the decode node's grammar goes on from the prefill's token
+        body["structured_outputs"] = draw(st.sampled_from(CONSTRAINTS))
     if draw(st.integers(0, 3)) == 0:
         body["n"] = 2
     if draw(st.booleans()):
