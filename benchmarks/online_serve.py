@@ -47,6 +47,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group, SIGKILL after 30 s."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -113,12 +123,7 @@ def run_engine(engine: str, args, model: str, out_dir: Path) -> dict[int, dict]:
     except Exception as e:
         print(f"    {engine} failed: {e}; log: {log.name}", flush=True)
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        stop(server)
         log.close()
     return results
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from online_serve import DEFAULT_VLLM_VENV, free_port, wait_ready  # noqa: E402
+from online_serve import DEFAULT_VLLM_VENV, free_port, stop, wait_ready  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 1024
@@ -472,15 +472,6 @@ def start(engine: str, vllm_venv: str, model: str, log_dir: Path) -> tuple[subpr
         stop(proc)
         raise
     return proc, url
-
-
-def stop(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 # ---- comparison ------------------------------------------------------------------------------------------------

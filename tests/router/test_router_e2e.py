@@ -166,6 +166,15 @@ def test_truncate_prompt_tokens_is_the_nodes_answer(cluster, router):
 
 
 
+def disaggregated_and_colocated(cluster, router, path: str, body: dict) -> tuple[dict, dict]:
+    """The router's whole answer to ``body`` (asserted 200 and handed off) and a colocated node's (d0's)."""
+    disagg = router.value('pdpool_router_requests_total{decision="disaggregated"}')
+    mine = router.post(path, body)
+    assert mine.status_code == 200, mine.text
+    assert router.value('pdpool_router_requests_total{decision="disaggregated"}') == disagg + 1
+    return mine.json(), httpx.post(cluster["d0"].base_url + path.removeprefix("/v1"), json=body, timeout=60).json()
+
+
 def test_structured_output_holds_across_the_handoff(cluster, router):
     """The prefill node samples the first token under the grammar; the decode node's matcher starts from that
     token: a schema-valid object, and the same one a colocated node gives."""
@@ -173,12 +182,8 @@ def test_structured_output_holds_across_the_handoff(cluster, router):
               "properties": {"colour": {"type": "string", "enum": ["red", "green", "blue"]}}}
     body = {"model": "demo", "prompt": PROMPT + " Its flag's colour as JSON:", "max_tokens": 40, "temperature": 0,
             "response_format": {"type": "json_schema", "json_schema": {"name": "flag", "schema": schema}}}
-    disagg = router.value('pdpool_router_requests_total{decision="disaggregated"}')
-    mine = router.post("/v1/completions", body)
-    assert mine.status_code == 200, mine.text
-    assert router.value('pdpool_router_requests_total{decision="disaggregated"}') == disagg + 1
-    theirs = httpx.post(cluster["d0"].base_url + "/completions", json=body, timeout=60).json()
-    got = mine.json()["choices"][0]
+    mine, theirs = disaggregated_and_colocated(cluster, router, "/v1/completions", body)
+    got = mine["choices"][0]
     assert got["finish_reason"] == "stop" and got["text"] == theirs["choices"][0]["text"]
     assert json.loads(got["text"])["colour"] in ("red", "green", "blue")
 
@@ -197,12 +202,8 @@ def test_tool_calls_hold_across_the_handoff(cluster, router):
                                 ({"type": "function", "function": {"name": "get_weather"}}, "stop")):
         body = {"model": "demo", "messages": [{"role": "user", "content": PROMPT + " What is the weather there?"}],
                 "max_tokens": 80, "temperature": 0, "tools": tools, "tool_choice": tool_choice}
-        disagg = router.value('pdpool_router_requests_total{decision="disaggregated"}')
-        mine = router.post("/v1/chat/completions", body)
-        assert mine.status_code == 200, mine.text
-        assert router.value('pdpool_router_requests_total{decision="disaggregated"}') == disagg + 1
-        theirs = httpx.post(cluster["d0"].base_url + "/chat/completions", json=body, timeout=60).json()
-        got = mine.json()["choices"][0]
+        mine, theirs = disaggregated_and_colocated(cluster, router, "/v1/chat/completions", body)
+        got = mine["choices"][0]
         assert got["finish_reason"] == finish and got["message"]["content"] == "", (got, theirs)
         calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got["message"]["tool_calls"]]
         assert calls == [(c["function"]["name"], json.loads(c["function"]["arguments"]))
