@@ -30,8 +30,8 @@ from typing import Any, AsyncIterator, Protocol, Sequence
 from pdpool.engine.llm_engine import EngineOutput, InvalidRequestError, LLMEngine
 from pdpool.engine.output_processor import OutputProcessor, RequestOutput
 from pdpool.engine.sampler import RequestFault
-from pdpool.engine.structured import Grammars
 from pdpool.engine.sampling_params import SamplingParams
+from pdpool.engine.structured import Grammars
 from pdpool.frontend import Frontend, ModelFiles, Tokenizer
 
 logger = logging.getLogger(__name__)

@@ -40,9 +40,9 @@ from typing import Any, Protocol, Sequence
 
 from pdpool.block_hash import ModelFingerprint
 from pdpool.engine.kv_cache_manager import KVCacheManager
-from pdpool.engine.sampler import RequestFault
 from pdpool.engine.model_runner import LaunchedStep, ModelRunner
 from pdpool.engine.request import Request, RequestStatus
+from pdpool.engine.sampler import RequestFault
 from pdpool.engine.sampling_params import SamplingParams
 from pdpool.engine.scheduler import Scheduler, SchedulerOutput
 from pdpool.frontend import InvalidRequestError, check_token_ids, resolve_max_tokens
