@@ -102,6 +102,8 @@ class ServerConfig:
     api_key: str | None = opt(None, "Bearer key clients must present.", secret=True)
     max_log_len: int = opt(0, "Characters of each prompt to log at its arrival, with its request id (0: none).",
                            ge=0)
+    return_tokens_as_token_ids: bool = opt(False, "Logprobs name tokens 'token_id:<id>' unless a request's "
+                                           "return_tokens_as_token_ids says otherwise (vLLM's flag).")
 
 
 @dataclass

@@ -108,7 +108,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _generate(request: web.Request, llm, req: protocol.GenerationRequest) -> web.StreamResponse:
     rid = request["request_id"]
-    max_log_len = request.app[CONFIG_KEY].server.max_log_len
+    server_config = request.app[CONFIG_KEY].server
+    if req.return_tokens_as_token_ids is None:   # the request's choice wins, either way, as in vLLM
+        req.return_tokens_as_token_ids = server_config.return_tokens_as_token_ids
+    max_log_len = server_config.max_log_len
     if max_log_len:
         logger.info("request %s: %s prompt %r", rid, req.kind, str(req.prompts[0])[:max_log_len])
     gen = Generation(llm, req, rid)

@@ -185,6 +185,8 @@ def _common(model: dict) -> dict:
         "cache_salt": _nullable({"type": "string"}),
         "user": _nullable({"type": "string"}),
         "return_token_ids": _nullable({"type": "boolean"}),
+        "return_tokens_as_token_ids": _nullable({"type": "boolean", "description": (
+            "logprobs name tokens 'token_id:<id>' (null: the server's --return-tokens-as-token-ids)")}),
     }
 
 

@@ -56,6 +56,8 @@ class GenerationRequest:
     prompt_token_ids: list[list[int]] | None = None
     # chat's tool_choice "required" or a named function: the answer's text is read back as tool calls
     tool_choice: ToolChoice | None = None
+    # vLLM's: logprobs name tokens ``token_id:<id>``; None: the server's default (``--return-tokens-as-token-ids``)
+    return_tokens_as_token_ids: bool | None = None
 
 
 async def read_json(request) -> dict:
@@ -261,7 +263,8 @@ def _common(body: dict, kind: str, served_model_names: list[str]) -> dict:
                 n=n, priority=get_int(body, "priority", 0, ge=INT64_MIN, le=INT64_MAX),
                 cache_salt=get_str(body, "cache_salt"),
                 kv_transfer_params=kv, user=get_str(body, "user"),
-                return_token_ids=get_bool(body, "return_token_ids"))
+                return_token_ids=get_bool(body, "return_token_ids"),
+                return_tokens_as_token_ids=get_bool(body, "return_tokens_as_token_ids", None))
 
 
 # vLLM's older structured-output fields, each one constraint of ``structured_outputs``.
@@ -326,7 +329,7 @@ def _refuse_constrained(body: dict, kind: str) -> None:
 # vLLM's request fields that pdpool does not implement. Unknown fields are ignored, as in vLLM, but these vLLM
 # knows: dropped, each would answer another request than the one sent (every prompt token kept, no token banned,
 # no beam search, the model's own chat template), so any value but absent (null) or a no-op one is a 400.
-_UNIMPLEMENTED = ("logits_processors", "use_beam_search", "return_tokens_as_token_ids", "chat_template")
+_UNIMPLEMENTED = ("logits_processors", "use_beam_search", "chat_template")
 _UNIMPLEMENTED_CHAT = ("echo",)  # completions' echo is implemented; vLLM's chat echo is not
 
 

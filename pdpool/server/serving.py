@@ -135,27 +135,38 @@ def _token_str(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
-def completion_logprobs(tokenizer, entries: list[TokenLogprobs], choice: _Choice) -> dict:
+def _token_name(tokenizer, token_id: int, as_ids: bool) -> str:
+    """A token as logprobs name it: its text, or with vLLM's ``return_tokens_as_token_ids`` ``token_id:<id>`` (a
+    token that is part of a UTF-8 character has no text of its own)."""
+    return f"token_id:{token_id}" if as_ids else tokenizer.decode([token_id])
+
+
+def completion_logprobs(tokenizer, entries: list[TokenLogprobs], choice: _Choice, as_ids: bool = False) -> dict:
+    """``as_ids``: tokens and top_logprobs' keys as ``token_id:<id>``; ``text_offset`` stays the offset in the
+    answer's text (vLLM's counts the ``token_id:<id>`` strings' lengths, which index nothing)."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     for e in entries:
         s = _token_str(tokenizer, e.token_id)
-        tokens.append(s)
+        name = f"token_id:{e.token_id}" if as_ids else s
+        tokens.append(name)
         token_logprobs.append(e.logprob)
-        top.append(_top_with_sampled(tokenizer, s, e))
+        top.append(_top_with_sampled(tokenizer, name, e, as_ids))
         offsets.append(choice.text_offset)
         choice.text_offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def echo_logprobs(tokenizer, prompt_token_ids: list[int], entries: list, choice: _Choice, top_n: int) -> dict:
+def echo_logprobs(tokenizer, prompt_token_ids: list[int], entries: list, choice: _Choice, top_n: int,
+                  as_ids: bool = False) -> dict:
     """An echoed prompt's part of a completion's logprobs, as vLLM gives it: its first token has no logprob and
     no top (nothing predicts it); ``entries`` is the engine's ``prompt_logprobs`` (first None), whose tops may be
     longer than the request's ``logprobs`` (``top_n``) when it also asked for vLLM's ``prompt_logprobs``."""
     first = _token_str(tokenizer, prompt_token_ids[0])
-    out = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [choice.text_offset]}
+    out = {"tokens": [f"token_id:{prompt_token_ids[0]}" if as_ids else first],
+           "token_logprobs": [None], "top_logprobs": [None], "text_offset": [choice.text_offset]}
     choice.text_offset += len(first)
     rest = completion_logprobs(tokenizer, [TokenLogprobs(e.token_id, e.logprob, e.top[:top_n] if e.top else None)
-                                           for e in entries[1:]], choice)
+                                           for e in entries[1:]], choice, as_ids)
     for key, values in out.items():
         values += rest[key]
     return out
@@ -177,24 +188,28 @@ def _joined(a: dict, b: dict) -> dict:
     return {key: a[key] + b[key] for key in a}
 
 
-def _top_with_sampled(tokenizer, sampled: str, e: TokenLogprobs) -> dict[str, float]:
+def _top_with_sampled(tokenizer, sampled: str, e: TokenLogprobs, as_ids: bool = False) -> dict[str, float]:
     """One position's ``top_logprobs`` as vLLM (and OpenAI's legacy completions) give it: the sampled token, then
     the top N (N + 1 entries when the sampled one is not among them; with ``logprobs=0``, the sampled one alone).
     Two ids that decode to the same text keep the first's value."""
     top = {sampled: e.logprob}
     for t, lp in e.top or ():
-        top.setdefault(_token_str(tokenizer, t), lp)
+        top.setdefault(_token_name(tokenizer, t, as_ids), lp)
     return top
 
 
-def chat_logprobs(tokenizer, entries: list[TokenLogprobs]) -> dict:
+def chat_logprobs(tokenizer, entries: list[TokenLogprobs], as_ids: bool = False) -> dict:
+    """``as_ids``: each ``token`` as ``token_id:<id>``, as vLLM names them; the sampled token's ``bytes`` stay its
+    text's, a top entry's are its name's (vLLM's, both)."""
     def item(token_id: int, lp: float) -> dict:
-        s = _token_str(tokenizer, token_id)
+        s = _token_name(tokenizer, token_id, as_ids)
         return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
 
     content = []
     for e in entries:
         d = item(e.token_id, e.logprob)
+        if as_ids:
+            d["bytes"] = list(_token_str(tokenizer, e.token_id).encode("utf-8"))
         d["top_logprobs"] = [item(t, lp) for t, lp in (e.top or [])]
         content.append(d)
     return {"content": content}
@@ -226,6 +241,7 @@ async def full_response(gen: Generation) -> dict:
         gen.abort()
     tokenizer = gen.llm.tokenizer
     req = gen.req
+    as_ids = bool(req.return_tokens_as_token_ids)
     choices = []
     for c in gen.choices:
         out = c.final
@@ -234,7 +250,7 @@ async def full_response(gen: Generation) -> dict:
             if req.tool_choice is not None:
                 message, finish = tool_message(req.tool_choice, out.text), finish_reason(req.tool_choice, finish)
             choice = {"index": c.index, "message": message,
-                      "logprobs": chat_logprobs(tokenizer, c.logprobs) if req.logprobs is not None else None,
+                      "logprobs": chat_logprobs(tokenizer, c.logprobs, as_ids) if req.logprobs is not None else None,
                       "finish_reason": finish, "stop_reason": out.stop_reason}
         else:
             text, generated = ("", []) if req.echo_only else (out.text, c.logprobs)
@@ -243,9 +259,9 @@ async def full_response(gen: Generation) -> dict:
                 text = prompt_text + text
             lp = None
             if req.logprobs is not None:
-                lp = completion_logprobs(tokenizer, generated, c) if not req.echo else _joined(
-                    echo_logprobs(tokenizer, out.prompt_token_ids, out.prompt_logprobs, c, req.logprobs),
-                    completion_logprobs(tokenizer, generated, c))
+                lp = completion_logprobs(tokenizer, generated, c, as_ids) if not req.echo else _joined(
+                    echo_logprobs(tokenizer, out.prompt_token_ids, out.prompt_logprobs, c, req.logprobs, as_ids),
+                    completion_logprobs(tokenizer, generated, c, as_ids))
             choice = {"index": c.index, "text": text, "logprobs": lp,
                       "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
         if req.prompt_logprobs is not None and req.kind != "chat":
@@ -278,6 +294,7 @@ def _sse(data: dict | str) -> bytes:
 async def stream_response(gen: Generation, http_request: web.Request) -> web.StreamResponse:
     req = gen.req
     tokenizer = gen.llm.tokenizer
+    as_ids = bool(req.return_tokens_as_token_ids)
     # The request id header here: the app's middleware adds it only to a response not yet prepared.
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        REQUEST_ID_HEADER: gen.request_id})
@@ -331,7 +348,7 @@ async def stream_response(gen: Generation, http_request: web.Request) -> web.Str
             if c.stream.prompt_cut:   # truncate_prompt_tokens cut it: what the engine kept, as a whole answer gives
                 prompt = c.stream.prompt_token_ids
             text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
-            lp = (echo_logprobs(tokenizer, c.stream.prompt_token_ids, prompt_logprobs, c, req.logprobs)
+            lp = (echo_logprobs(tokenizer, c.stream.prompt_token_ids, prompt_logprobs, c, req.logprobs, as_ids)
                   if prompt_logprobs else None)
             choice = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": None, "stop_reason": None}
             if req.return_token_ids:
@@ -373,8 +390,8 @@ async def stream_response(gen: Generation, http_request: web.Request) -> web.Str
                 continue
             lp = None
             if req.logprobs is not None and out.new_logprobs is not None:
-                lp = (chat_logprobs(tokenizer, out.new_logprobs) if req.kind == "chat"
-                      else completion_logprobs(tokenizer, out.new_logprobs, c))
+                lp = (chat_logprobs(tokenizer, out.new_logprobs, as_ids) if req.kind == "chat"
+                      else completion_logprobs(tokenizer, out.new_logprobs, c, as_ids))
             # Every content chunk has delta.content, the last one too ("" when a stop string ended the text), as
             # vLLM's; a completion chunk has stop_reason, null until the last, as vLLM's (chat: on the last only).
             if req.kind == "chat":

@@ -103,7 +103,6 @@ TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type"
     ("/v1/completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),   # -1 or >= 1
     ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
     ("/v1/completions", {"logits_processors": ["x"]}, "logits_processors"),
-    ("/v1/completions", {"return_tokens_as_token_ids": True, "logprobs": 1}, "return_tokens_as_token_ids"),
     ("/v1/chat/completions", {"chat_template": "{{ 'x' }}"}, "chat_template"),
     ("/v1/chat/completions", {"echo": True}, "echo"),
     ("/v1/completions", {"guided_choice": []}, "guided_choice"),
