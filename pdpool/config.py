@@ -26,6 +26,10 @@ from typing import Any, Literal, get_args, get_origin
 ROLES = ("both", "prefill", "decode")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")   # pdpool.server.tool_parsers.PARSERS
+_AUTO_TOOL_HELP = ("Serve tool_choice \"auto\" (the default with tools): the model's own tool-call format, read by "
+                   "--tool-call-parser, becomes message.tool_calls (vLLM's flag).")
+_PARSER_HELP = "The model's tool-call format, for --enable-auto-tool-choice (vLLM's names)."
 
 
 def opt(default: Any, help: str, *, choices: tuple | None = None, ge: float | None = None,
@@ -102,6 +106,8 @@ class ServerConfig:
     api_key: str | None = opt(None, "Bearer key clients must present.", secret=True)
     max_log_len: int = opt(0, "Characters of each prompt to log at its arrival, with its request id (0: none).",
                            ge=0)
+    enable_auto_tool_choice: bool = opt(False, _AUTO_TOOL_HELP, crd="model.enableAutoToolChoice")
+    tool_call_parser: str | None = opt(None, _PARSER_HELP, choices=TOOL_CALL_PARSERS, crd="model.toolCallParser")
     return_tokens_as_token_ids: bool = opt(False, "Logprobs name tokens 'token_id:<id>' unless a request's "
                                            "return_tokens_as_token_ids says otherwise (vLLM's flag).")
 
@@ -143,6 +149,7 @@ class NodeConfig:
 
     def __post_init__(self) -> None:
         validate(self)
+        _check_auto_tool_choice(self.server)
 
     @property
     def served_model_name(self) -> str:
@@ -210,6 +217,8 @@ class RouterConfig:
                        crd="router.workers")
     recent_seconds: float = opt(5.0, "Seconds a prefix the router just sent to a node counts as held there, before "
                                 "the node has published it to Redis (0: off).", ge=0)
+    enable_auto_tool_choice: bool = opt(False, _AUTO_TOOL_HELP, crd="model.enableAutoToolChoice")
+    tool_call_parser: str | None = opt(None, _PARSER_HELP, choices=TOOL_CALL_PARSERS, crd="model.toolCallParser")
     token_cache_chunks: int = opt(8192, "Prompt chunks (about 256 characters each) whose token ids the router keeps, "
                                   "so shared system prompts are tokenized once (0: no cache).", ge=0)
 
@@ -221,10 +230,23 @@ class RouterCommandConfig:
 
     def __post_init__(self) -> None:
         validate(self)
+        _check_auto_tool_choice(self.router)
 
     @property
     def served_model_name(self) -> str:
         return self.router.served_model_name or self.router.model
+
+
+def _check_auto_tool_choice(section) -> None:
+    """vLLM's startup check: auto tool choice needs a parser (a parser alone is allowed, and unused)."""
+    if section.enable_auto_tool_choice and not section.tool_call_parser:
+        raise ConfigError(f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(TOOL_CALL_PARSERS)}): "
+                          "the model's tool-call format")
+
+
+def auto_tool_parser(section) -> str | None:
+    """The parser that serves tool_choice "auto", or None where auto is refused."""
+    return section.tool_call_parser if section.enable_auto_tool_choice else None
 
 
 SECTIONS = {

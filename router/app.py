@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import aiohttp
 
 from pdpool import __version__
+from pdpool.config import auto_tool_parser
 from pdpool.frontend import Frontend
 from pdpool.logs import HEADER as REQUEST_ID_HEADER, request_id_from, request_id_var
 from pdpool.router import openapi
@@ -83,6 +84,7 @@ class Router:
         r = cfg.router
         self.frontend = frontend
         self.served_names = [cfg.served_model_name]
+        self.tool_parser = auto_tool_parser(r)   # tool_choice "auto": accepted and refused as the nodes do
         self.created = int(time.time())
         self.pool = Pool(r.node_cooldown)
         self.inflight = InflightTracker()
@@ -218,7 +220,7 @@ class Router:
         self.num_inflight += 1
         try:
             body = self._body(request)
-            rr = parse(request.path, body, self.frontend, self.served_names, rid, request.body)
+            rr = parse(request.path, body, self.frontend, self.served_names, rid, request.body, self.tool_parser)
             await self.path.serve(exchange, rr)
         finally:
             self.num_inflight -= 1
@@ -276,7 +278,8 @@ class Router:
 
     async def openapi_page(self, request: Request):
         return _json(openapi.spec(ROUTES, served_model_names=self.served_names, api_key=bool(self.cfg.router.api_key),
-                                  vocab_size=self.frontend.vocab_size, max_model_len=self.max_model_len()))
+                                  vocab_size=self.frontend.vocab_size, max_model_len=self.max_model_len(),
+                                  auto_tool_choice=self.tool_parser is not None))
 
 
 class _MethodNotAllowed(Exception):

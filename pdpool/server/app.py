@@ -18,6 +18,7 @@ from typing import Protocol
 from aiohttp import web
 
 from pdpool import __version__
+from pdpool.config import auto_tool_parser
 from pdpool.logs import HEADER as REQUEST_ID_HEADER, request_id_from, request_id_var
 from pdpool.server import openapi, protocol, tokenize
 from pdpool.server.auth import check_api_key
@@ -101,7 +102,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await protocol.read_json(request)
     llm = request.app[NODE_KEY].require_llm()
-    req = protocol.parse_chat(body, _served_names(request), llm.tokenizer.apply_chat_template)
+    req = protocol.parse_chat(body, _served_names(request), llm.tokenizer.apply_chat_template,
+                              auto_tool_parser(request.app[CONFIG_KEY].server))
     req.prompt_token_ids = forwarded_token_ids(body, len(req.prompts))
     return await _generate(request, llm, req)
 
@@ -202,7 +204,8 @@ async def openapi_page(request: web.Request) -> web.Response:
     return web.json_response(openapi.spec(
         served_routes(request.app), title="pdpool node", served_model_names=_served_names(request),
         api_key=bool(cfg.server.api_key), vocab_size=llm.frontend.vocab_size if llm is not None else None,
-        max_model_len=llm.max_model_len if llm is not None else None))
+        max_model_len=llm.max_model_len if llm is not None else None,
+        auto_tool_choice=auto_tool_parser(cfg.server) is not None))
 
 
 def served_routes(app: web.Application) -> list[tuple[str, str]]:

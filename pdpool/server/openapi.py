@@ -233,7 +233,7 @@ def _messages() -> dict:
     return {"type": "array", "items": message, "minItems": 1}
 
 
-def _chat_body(model: dict, vocab_size: int | None, max_model_len: int | None) -> dict:
+def _chat_body(model: dict, vocab_size: int | None, max_model_len: int | None, auto_tool_choice: bool = False) -> dict:
     return {
         "type": "object", "required": ["messages"], "additionalProperties": True,
         "description": "The rendered chat's tokens and max_tokens must fit the context (max_model_len).",
@@ -247,20 +247,22 @@ def _chat_body(model: dict, vocab_size: int | None, max_model_len: int | None) -
             "add_generation_prompt": _nullable({"type": "boolean"}),
             "continue_final_message": _nullable({"type": "boolean", "description": (
                 "true needs add_generation_prompt false and the last message the assistant's")}),
-            **_tools(),
+            **_tools(auto_tool_choice),
         },
         "allOf": [_STREAM_RULE, _CONTINUE_RULE, _needs("top_logprobs", _SET, "logprobs", True),
-                  # tools without tool_choice would be "auto", refused; a call needs tools (pdpool/server/tools.py)
-                  {"if": {"required": ["tools"], "properties": {"tools": _SET}},
-                   "then": {"required": ["tool_choice"], "properties": {"tool_choice": _SET}}},
+                  # a call needs tools (pdpool/server/tools.py)
                   {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {"not": {"enum": [None, "none"]}}}},
-                   "then": {"required": ["tools"], "properties": {"tools": _SET}}}],
+                   "then": {"required": ["tools"], "properties": {"tools": _SET}}}]
+                 + ([] if auto_tool_choice else [   # tools without tool_choice are "auto": refused without a parser
+                     {"if": {"required": ["tools"], "properties": {"tools": _SET}},
+                      "then": {"required": ["tool_choice"], "properties": {"tool_choice": _SET}}}]),
     }
 
 
-def _tools() -> dict:
+def _tools(auto_tool_choice: bool = False) -> dict:
     """``tools`` and ``tool_choice`` (``pdpool/server/tools.py``): "required" or a named function constrains the
-    answer to the tools' schemas; "auto" needs a model-specific parser and is refused."""
+    answer to the tools' schemas; "auto" needs a model-specific parser (``auto_tool_choice``: the server has
+    one), else it is refused."""
     name = {"type": "string", "minLength": 1}
     function = {"type": "object", "required": ["name"], "properties": {
         "name": name, "description": _nullable({"type": "string"}),
@@ -272,9 +274,12 @@ def _tools() -> dict:
         "tools": _nullable({"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["function"],   # type: "function" when absent, as in vLLM
             "properties": {"type": {"const": "function"}, "function": function}}}),
-        "tool_choice": _nullable({"anyOf": [{"enum": ["none", "required"]}, named], "description": (
+        "tool_choice": _nullable({"anyOf": [{"enum": ["none", "required", *(["auto"] if auto_tool_choice else [])]},
+                                            named], "description": (
             "\"required\" or a function of tools (by name): a call constrained to the tools' schemas; \"none\": "
-            "text; \"auto\" is refused (no model-specific parser)")}),
+            "text; \"auto\" (the default with tools): " + (
+                "the model's own calls, read by the server's --tool-call-parser" if auto_tool_choice else
+                "refused (the server runs without --enable-auto-tool-choice)"))}),
         "parallel_tool_calls": _nullable({"type": "boolean"}),
     }
 
@@ -296,13 +301,14 @@ def _detokenize_body(model: dict, vocab_size: int | None) -> dict:
 
 
 def spec(routes, *, title: str, served_model_names: list[str], api_key: bool, vocab_size: int | None = None,
-         max_model_len: int | None = None) -> dict:
+         max_model_len: int | None = None, auto_tool_choice: bool = False) -> dict:
     """The document for ``routes`` (the (method, path) pairs served; others are left out). ``api_key``: whether
     the API (all but /health*, /metrics, /openapi.json) needs ``Authorization: Bearer``. ``vocab_size`` and
-    ``max_model_len``, where known, bound token ids and lengths."""
+    ``max_model_len``, where known, bound token ids and lengths. ``auto_tool_choice``: tool_choice "auto" is
+    served (--enable-auto-tool-choice)."""
     model = {"type": "string", "enum": list(served_model_names)}
     bodies = {"/v1/completions": _completion_body(model, vocab_size, max_model_len),
-              "/v1/chat/completions": _chat_body(model, vocab_size, max_model_len),
+              "/v1/chat/completions": _chat_body(model, vocab_size, max_model_len, auto_tool_choice),
               "/tokenize": _tokenize_body(model), "/detokenize": _detokenize_body(model, vocab_size)}
     paths: dict = {}
     for method, path in sorted(set(routes)):

@@ -536,12 +536,12 @@ def _check_continuation(messages: list[dict], add_generation_prompt: bool) -> No
                        f"{short_repr(messages[-1]['role'])}", param="messages")
 
 
-def parse_chat(body: dict, served_model_names: list[str], render) -> GenerationRequest:
+def parse_chat(body: dict, served_model_names: list[str], render, tool_parser: str | None = None) -> GenerationRequest:
     """``render(messages, add_generation_prompt, continue_final_message, tools) -> str`` applies the tokenizer's
-    chat template."""
+    chat template. ``tool_parser``: the server's for ``tool_choice`` "auto" (None: auto is refused)."""
     common = _common(body, "chat", served_model_names)
     messages = _messages(body)
-    tools, tool_choice = parse_tools(body) if not _TOOL_FIELDS.isdisjoint(body) else (None, None)
+    tools, tool_choice = parse_tools(body, tool_parser) if not _TOOL_FIELDS.isdisjoint(body) else (None, None)
     want_logprobs = get_bool(body, "logprobs")
     top = get_int(body, "top_logprobs", None, ge=0, le=MAX_LOGPROBS)
     if top is not None and not want_logprobs:
@@ -562,7 +562,7 @@ def parse_chat(body: dict, served_model_names: list[str], render) -> GenerationR
     # Without max_tokens (None) the engine fills the rest of the context.
     params = _sampling(body, max_tokens, logprobs)
     params.prompt_logprobs = common["prompt_logprobs"]
-    if tool_choice is not None:
+    if tool_choice is not None and tool_choice.schema is not None:   # "auto" leaves the output free
         if params.structured_outputs is not None:
             raise APIError(f"'{params.structured_outputs.param}' and 'tool_choice' {short_repr(body['tool_choice'])} "
                            f"both constrain the output: send one of them", param=params.structured_outputs.param)

@@ -27,7 +27,7 @@ from pdpool.engine.sampling_params import SamplingParamsError
 from pdpool.logs import HEADER as REQUEST_ID_HEADER
 from pdpool.server.errors import APIError
 from pdpool.server.protocol import GenerationRequest
-from pdpool.server.tools import ToolCallStream, finish_reason, tool_message
+from pdpool.server.tools import AutoToolStream, ToolCallStream, finish_reason, tool_message
 
 
 @dataclass
@@ -39,7 +39,7 @@ class _Choice:
     started: bool = False               # chat streaming: role delta sent
     final: RequestOutput | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-    tool_calls: ToolCallStream | None = None   # chat streaming with tool_choice: the calls' deltas so far
+    tool_calls: ToolCallStream | AutoToolStream | None = None   # chat streaming with tool_choice: the calls so far
 
 
 def api_error(exc: BaseException) -> APIError:
@@ -248,7 +248,8 @@ async def full_response(gen: Generation) -> dict:
         if req.kind == "chat":
             message, finish = {"role": "assistant", "content": out.text}, out.finish_reason
             if req.tool_choice is not None:
-                message, finish = tool_message(req.tool_choice, out.text), finish_reason(req.tool_choice, finish)
+                message = tool_message(req.tool_choice, out.text)
+                finish = finish_reason(req.tool_choice, finish, called="tool_calls" in message)
             choice = {"index": c.index, "message": message,
                       "logprobs": chat_logprobs(tokenizer, c.logprobs, as_ids) if req.logprobs is not None else None,
                       "finish_reason": finish, "stop_reason": out.stop_reason}
@@ -377,14 +378,19 @@ async def stream_response(gen: Generation, http_request: web.Request) -> web.Str
                 if not out.finished:
                     continue
                 out = dataclasses.replace(out, new_text="", new_logprobs=[], new_token_ids=[])
-            tool_deltas = None
-            if req.tool_choice is not None:
+            tool_deltas = auto_delta = None
+            if req.tool_choice is not None and req.tool_choice.parser is not None:   # "auto": content and calls
+                if c.tool_calls is None:
+                    c.tool_calls = AutoToolStream(req.tool_choice)
+                auto_delta = c.tool_calls.feed(out.new_text, out.finished)
+            elif req.tool_choice is not None:
                 if c.tool_calls is None:
                     c.tool_calls = ToolCallStream(req.tool_choice)
                 tool_deltas = c.tool_calls.feed(out.new_text)
                 if out.finished and not tool_deltas and req.tool_choice.name is not None and c.tool_calls.sent:
                     tool_deltas = [{"index": 0, "function": {"arguments": ""}}]   # vLLM's last chunk of a call
-            if not ((out.new_text if tool_deltas is None else tool_deltas) or out.finished or out.new_logprobs
+            fresh = out.new_text if auto_delta is None else auto_delta.get("content") or auto_delta.get("tool_calls")
+            if not ((fresh if tool_deltas is None else tool_deltas) or out.finished or out.new_logprobs
                     or (req.return_token_ids and out.new_token_ids)
                     or (req.prompt_logprobs is not None and out.prompt_logprobs is not None)):
                 continue
@@ -400,6 +406,10 @@ async def stream_response(gen: Generation, http_request: web.Request) -> web.Str
                 if tool_deltas is not None:   # tool calls: their deltas in place of text (none yet: {})
                     choice["delta"] = {"tool_calls": tool_deltas} if tool_deltas else {}
                     choice["finish_reason"] = finish_reason(req.tool_choice, choice["finish_reason"])
+                elif auto_delta is not None:   # "auto": the parser's content and complete calls
+                    choice["delta"] = auto_delta
+                    choice["finish_reason"] = finish_reason(req.tool_choice, choice["finish_reason"],
+                                                            c.tool_calls.called)
                 if out.finished:
                     choice["stop_reason"] = out.stop_reason
             else:

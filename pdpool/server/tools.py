@@ -1,10 +1,12 @@
-"""Tool calls without a model-specific parser: ``tool_choice`` ``"required"`` or a named function.
+"""Tool calls: ``tool_choice`` ``"required"`` or a named function, and ``"auto"`` with a tool-call parser.
 
-The request's ``tools`` and ``tool_choice`` become a JSON-schema constraint on the output (structured output):
-a named function's ``parameters``, or for ``"required"`` an array of ``{"name", "parameters"}`` objects, one of
-the tools each (``parallel_tool_calls: false``: at most one). The answer reads that JSON back as
-``message.tool_calls``, or as ``delta.tool_calls`` when streaming. ``"auto"`` would need the model's own
-tool-call format (a parser per model family): refused, as vLLM refuses it without one. ``"none"`` is text.
+``"required"`` and a named function need no model-specific parser: the request's ``tools`` and ``tool_choice``
+become a JSON-schema constraint on the output (structured output): a named function's ``parameters``, or for
+``"required"`` an array of ``{"name", "parameters"}`` objects, one of the tools each (``parallel_tool_calls:
+false``: at most one). The answer reads that JSON back as ``message.tool_calls``, or as ``delta.tool_calls`` when
+streaming. ``"auto"`` (the default with tools) leaves the output free and reads the model's own tool-call format
+with the server's ``--tool-call-parser`` (``pdpool.server.tool_parsers``); without ``--enable-auto-tool-choice``
+it is refused, as vLLM refuses it. ``"none"`` is text.
 """
 
 from __future__ import annotations
@@ -15,20 +17,25 @@ from dataclasses import dataclass, field
 
 from pdpool.engine.sampling_params import short_repr
 from pdpool.server.errors import APIError
+from pdpool.server.tool_parsers import make_parser, parse_whole
 
 _USAGE = '{"type": "function", "function": {"name": "my_function"}}'
 
 
 @dataclass
 class ToolChoice:
-    """What a chat answer's text is: one named function's arguments (``name`` set), or a JSON array of calls."""
-    schema: dict
+    """What a chat answer's text is: one named function's arguments (``name`` set), a JSON array of calls
+    (``schema`` alone), or free text read by a tool-call parser (``parser`` set, no ``schema``: "auto")."""
+    schema: dict | None
     name: str | None = None
+    parser: str | None = None
+    parallel: bool = True     # "auto" with parallel_tool_calls false: the first call alone, as vLLM's
 
 
-def parse_tools(body: dict) -> tuple[list[dict] | None, ToolChoice | None]:
+def parse_tools(body: dict, auto_parser: str | None = None) -> tuple[list[dict] | None, ToolChoice | None]:
     """The request's tools (for the chat template; None without) and, for ``"required"`` or a named function,
-    the choice to constrain the output to. Every refusal names its field."""
+    the choice to constrain the output to; for ``"auto"`` the parser to read it with (``auto_parser``: the
+    server's, None where auto is not enabled). Every refusal names its field."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
@@ -47,9 +54,12 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, ToolChoice | None]:
     if not tools:
         raise APIError("'tool_choice' other than \"none\" needs 'tools'", param="tool_choice")
     if choice == "auto":
-        raise APIError("'tool_choice' \"auto\" (the model's own tool-call format) is not supported: send \"required\" "
-                       "or a named function for a call constrained to the tools' schemas, or \"none\" for text",
-                       param="tool_choice")
+        if auto_parser is None:
+            raise APIError("'tool_choice' \"auto\" (the default with tools) needs the server started with "
+                           "--enable-auto-tool-choice and --tool-call-parser (the model's own tool-call format): "
+                           "send \"required\" or a named function for a call constrained to the tools' schemas, "
+                           "or \"none\" for text", param="tool_choice")
+        return tools, ToolChoice(None, parser=auto_parser, parallel=parallel is not False)
     by_name = {t["function"]["name"]: t["function"] for t in tools}
     if choice == "required":
         return tools, ToolChoice(_calls_schema(tools, parallel))
@@ -125,7 +135,14 @@ def _call(name: str, arguments: str) -> dict:
 def tool_message(choice: ToolChoice, text: str) -> dict:
     """A whole answer's message. A named function's call holds the text as its arguments, even cut short by
     max_tokens; ``"required"``'s text is a JSON array of calls, each one's arguments re-serialized, and none when
-    the array is unfinished. The content is "" (not null), as vLLM's."""
+    the array is unfinished. The content is "" (not null), as vLLM's. ``"auto"``: the parser's content (null when
+    the answer is calls alone) and calls, if any."""
+    if choice.parser is not None:
+        content, calls = parse_whole(choice.parser, text)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [_call(c.name, c.arguments) for c in calls[:None if choice.parallel else 1]]
+        return message
     message = {"role": "assistant", "content": ""}
     if choice.name is not None:
         message["tool_calls"] = [_call(choice.name, text)]
@@ -140,9 +157,41 @@ def tool_message(choice: ToolChoice, text: str) -> dict:
     return message
 
 
-def finish_reason(choice: ToolChoice, reason: str | None) -> str | None:
-    """vLLM's: ``"required"``'s calls, once complete, end with "tool_calls"; a named function's with "stop"."""
+def finish_reason(choice: ToolChoice, reason: str | None, called: bool = False) -> str | None:
+    """vLLM's: ``"required"``'s calls, once complete, end with "tool_calls"; a named function's with "stop";
+    ``"auto"``'s with "tool_calls" when the answer called a tool (``called``), else as text does. A call cut by
+    max_tokens stays "length" (as vLLM streams it; vLLM's whole answer says "tool_calls" then)."""
+    if choice.parser is not None:
+        return "tool_calls" if called and reason == "stop" else reason
     return "tool_calls" if choice.name is None and reason == "stop" else reason
+
+
+class AutoToolStream:
+    """A streamed ``"auto"`` answer's text -> its chunks' deltas: content until a call starts, then each call
+    once complete, in one ``delta.tool_calls`` entry (index, id, type, name, whole arguments). The pieces are
+    the whole answer's (``pdpool.server.tool_parsers``), so a stream says what the whole answer says."""
+
+    def __init__(self, choice: ToolChoice) -> None:
+        self.parser = make_parser(choice.parser)
+        self.parallel = choice.parallel
+        self.calls = 0
+
+    @property
+    def called(self) -> bool:
+        return self.calls > 0
+
+    def feed(self, new_text: str, final: bool) -> dict:
+        content, tool_calls = "", []
+        for piece in self.parser.feed(new_text, final):
+            if isinstance(piece, str):
+                content += piece
+            elif self.parallel or self.calls == 0:
+                tool_calls.append({"index": self.calls, "id": tool_call_id(), "type": "function",
+                                   "function": {"name": piece.name, "arguments": piece.arguments}})
+                self.calls += 1
+        if not tool_calls:
+            return {"content": content}
+        return {"content": content, "tool_calls": tool_calls} if content else {"tool_calls": tool_calls}
 
 
 @dataclass

@@ -1,0 +1,141 @@
+"""``tool_choice: "auto"`` with ``--enable-auto-tool-choice --tool-call-parser NAME``, end to end with the demo
+model and the official ``openai`` client: whatever the greedy model answers is read the same whole and streamed,
+and a few-shot prompt in the parser's format makes it call the tool (``message.tool_calls``, ``finish_reason``
+"tool_calls"). Without the flag, auto stays a 400 naming ``tool_choice``."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from test_server_errors import assert_error, post
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather of a city",
+                                           "parameters": WEATHER}}]
+PLAIN = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def rendered_call(parser: str, city: str) -> str:
+    """A call to get_weather as a model trained for ``parser`` writes it."""
+    if parser == "hermes":
+        return '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>' % city
+    if parser == "llama3_json":
+        return '{"name": "get_weather", "parameters": {"city": "%s"}}' % city
+    return '[get_weather(city="%s")]' % city
+
+
+def few_shot(parser: str) -> list[dict]:
+    """Two earlier answers in the parser's format: the greedy demo model answers the third the same way."""
+    messages = [{"role": "system", "content": "You answer only with a tool call."}]
+    for city in ("Paris", "Rome"):
+        messages += [{"role": "user", "content": f"Weather in {city}?"},
+                     {"role": "assistant", "content": rendered_call(parser, city)}]
+    return messages + [{"role": "user", "content": "Weather in Berlin?"}]
+
+
+@pytest.fixture(scope="module", params=["hermes", "llama3_json", "pythonic"])
+def auto_server(request, launch_server):
+    srv = launch_server("--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "8",
+                        "--enable-auto-tool-choice", "--tool-call-parser", request.param)
+    srv.parser = request.param
+    yield srv
+    srv.stop()
+
+
+def accumulate(stream) -> dict:
+    """Per choice: its content, calls (index -> id, name, arguments joined) and finish reason, from the chunks."""
+    out: dict = {}
+    usage = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            got = out.setdefault(c.index, {"content": "", "calls": {}, "finish": None})
+            got["content"] += c.delta.content or ""
+            for t in c.delta.tool_calls or []:
+                call = got["calls"].setdefault(t.index, {"id": None, "name": None, "arguments": ""})
+                if t.id:
+                    assert call["id"] is None, "a call's id comes once"
+                    call["id"], call["name"] = t.id, t.function.name
+                call["arguments"] += t.function.arguments or ""
+            got["finish"] = c.finish_reason or got["finish"]
+    return {"choices": out, "usage": usage}
+
+
+def whole_as_streamed(choice) -> dict:
+    calls = {i: {"id": t.id, "name": t.function.name, "arguments": t.function.arguments}
+             for i, t in enumerate(choice.message.tool_calls or [])}
+    return {"content": choice.message.content or "", "calls": calls, "finish": choice.finish_reason}
+
+
+def same_answer(whole: dict, streamed: dict) -> None:
+    assert streamed["content"] == whole["content"]
+    assert streamed["finish"] == whole["finish"]
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed["calls"].values()] == \
+        [(c["name"], json.loads(c["arguments"])) for c in whole["calls"].values()]
+    for call in streamed["calls"].values():
+        assert call["id"].startswith("chatcmpl-tool-")
+
+
+@pytest.mark.parametrize("messages", ["plain", "few_shot"])
+def test_the_greedy_answer_reads_the_same_whole_and_streamed(auto_server, messages):
+    client = auto_server.client()
+    msgs = PLAIN if messages == "plain" else few_shot(auto_server.parser)
+    kw = dict(model="demo", messages=msgs, tools=TOOLS, temperature=0, max_tokens=48)
+    whole = client.chat.completions.create(**kw)
+    streamed = accumulate(client.chat.completions.create(**kw, stream=True))
+    same_answer(whole_as_streamed(whole.choices[0]), streamed["choices"][0])
+
+
+def test_a_few_shot_prompt_makes_the_model_call_the_tool(auto_server):
+    r = auto_server.client().chat.completions.create(model="demo", messages=few_shot(auto_server.parser),
+                                                     tools=TOOLS, tool_choice="auto", temperature=0, max_tokens=48)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None   # the answer is the call alone
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Berlin"}
+
+
+def test_n_choices_stream_with_usage_as_their_whole_answers(auto_server):
+    client = auto_server.client()
+    kw = dict(model="demo", messages=few_shot(auto_server.parser), tools=TOOLS, temperature=1.0, seed=7, n=2,
+              max_tokens=48)
+    whole = client.chat.completions.create(**kw)
+    streamed = accumulate(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert sorted(streamed["choices"]) == [0, 1]
+    for choice in whole.choices:
+        same_answer(whole_as_streamed(choice), streamed["choices"][choice.index])
+    assert streamed["usage"].completion_tokens == whole.usage.completion_tokens
+
+
+def test_tool_choice_none_and_required_are_unchanged(auto_server):
+    client = auto_server.client()
+    r = client.chat.completions.create(model="demo", messages=few_shot(auto_server.parser), tools=TOOLS,
+                                       tool_choice="none", temperature=0, max_tokens=48)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason != "tool_calls"
+    assert r.choices[0].message.content   # the call's text, as text
+    r = client.chat.completions.create(model="demo", messages=PLAIN, tools=TOOLS, tool_choice="required",
+                                       temperature=0, max_tokens=48)
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content == ""
+    assert "city" in json.loads(r.choices[0].message.tool_calls[0].function.arguments)
+
+
+def test_auto_without_the_flag_is_a_400_naming_tool_choice(server):
+    body = {"model": "demo", "messages": PLAIN, "tools": TOOLS, "max_tokens": 4}
+    for extra in ({}, {"tool_choice": "auto"}):
+        err = assert_error(post(server, "/v1/chat/completions", {**body, **extra}), 400, "tool_choice")
+        assert "--enable-auto-tool-choice" in err["message"]
+
+
+def test_openapi_lists_auto_only_where_it_is_served(auto_server, server):
+    def choices(srv) -> list:
+        body = httpx.get(srv.url + "/openapi.json", headers=srv.headers(), timeout=30).json()
+        schema = body["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        return schema["properties"]["tool_choice"]["anyOf"][0]["anyOf"][0]["enum"]
+    assert "auto" in choices(auto_server) and "auto" not in choices(server)
