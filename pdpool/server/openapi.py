@@ -247,6 +247,9 @@ def _chat_body(model: dict, vocab_size: int | None, max_model_len: int | None, a
             "add_generation_prompt": _nullable({"type": "boolean"}),
             "continue_final_message": _nullable({"type": "boolean", "description": (
                 "true needs add_generation_prompt false and the last message the assistant's")}),
+            "echo": _nullable({"type": "boolean", "description": (
+                "the last message's content starts the answer when its role is the answer's (the assistant's, or "
+                "with add_generation_prompt false the last message's own)")}),
             **_tools(auto_tool_choice),
         },
         "allOf": [_STREAM_RULE, _CONTINUE_RULE, _needs("top_logprobs", _SET, "logprobs", True),

@@ -58,6 +58,11 @@ class GenerationRequest:
     tool_choice: ToolChoice | None = None
     # vLLM's: logprobs name tokens ``token_id:<id>``; None: the server's default (``--return-tokens-as-token-ids``)
     return_tokens_as_token_ids: bool | None = None
+    # chat: the answer's role, vLLM's: the assistant's, or with add_generation_prompt false the last message's
+    response_role: str = "assistant"
+    # chat's echo (vLLM's): the text each choice's content starts with, the last message's when its role is the
+    # answer's; "" is none
+    chat_echo: str = ""
 
 
 async def read_json(request) -> dict:
@@ -330,11 +335,10 @@ def _refuse_constrained(body: dict, kind: str) -> None:
 # knows: dropped, each would answer another request than the one sent (every prompt token kept, no token banned,
 # no beam search, the model's own chat template), so any value but absent (null) or a no-op one is a 400.
 _UNIMPLEMENTED = ("logits_processors", "use_beam_search", "chat_template")
-_UNIMPLEMENTED_CHAT = ("echo",)  # completions' echo is implemented; vLLM's chat echo is not
 
 
 def _refuse_unimplemented(body: dict, kind: str) -> None:
-    for name in _UNIMPLEMENTED + (_UNIMPLEMENTED_CHAT if kind == "chat" else ()):
+    for name in _UNIMPLEMENTED:
         value = body.get(name)
         if value is not None and value is not False and not (isinstance(value, list) and not value):  # no-ops
             raise APIError(f"'{name}' is not supported (got {short_repr(value)})", param=name)
@@ -342,8 +346,7 @@ def _refuse_unimplemented(body: dict, kind: str) -> None:
 
 # Every field the two functions above read.
 _TOOL_FIELDS = frozenset(("tools", "tool_choice", "parallel_tool_calls"))
-_REFUSAL_FIELDS = frozenset(("tools", "tool_choice", "functions", "function_call", *_UNIMPLEMENTED,
-                             *_UNIMPLEMENTED_CHAT))
+_REFUSAL_FIELDS = frozenset(("tools", "tool_choice", "functions", "function_call", *_UNIMPLEMENTED))
 
 
 # The body fields ``_sampling_fields`` reads; a body with none of them gets ``SamplingParams``' defaults.
@@ -477,13 +480,13 @@ def _messages(body: dict) -> list[dict]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(f"messages[{i}] must be an object with a 'role'", param="messages")
         content = m.get("content")
-        if isinstance(content, list):  # content parts: keep the text ones
+        if isinstance(content, list):  # content parts: keep the text ones, one a line, as vLLM joins them
             texts = []
             for part in content:
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise APIError(f"messages[{i}].content: only text parts are supported", param="messages")
                 texts.append(part["text"])
-            content = "".join(texts)
+            content = "\n".join(texts)
         if content is None:
             content = ""
         if not isinstance(content, str):
@@ -555,6 +558,11 @@ def parse_chat(body: dict, served_model_names: list[str], render, tool_parser: s
     continue_final_message = get_bool(body, "continue_final_message")
     if continue_final_message:
         _check_continuation(messages, add_generation_prompt)
+    response_role = "assistant" if add_generation_prompt else messages[-1]["role"]
+    echo = get_bool(body, "echo") and messages[-1]["role"] == response_role
+    # vLLM's chat echo: the last message, when its role is the answer's, starts the answer (with
+    # continue_final_message, the whole message then: its given start and the continuation)
+    chat_echo = messages[-1]["content"] if echo else ""
     try:
         prompt = render(messages, add_generation_prompt, continue_final_message, tools)
     except Exception as exc:  # noqa: BLE001 - a template error is the client's message list
@@ -568,7 +576,8 @@ def parse_chat(body: dict, served_model_names: list[str], render, tool_parser: s
                            f"both constrain the output: send one of them", param=params.structured_outputs.param)
         params.structured_outputs = StructuredOutputs("json", tool_choice.schema, param="tools")
     return _checked(GenerationRequest(prompts=[prompt], params=params, max_tokens_given=max_tokens is not None,
-                                      logprobs=logprobs, tool_choice=tool_choice, **common))
+                                      logprobs=logprobs, tool_choice=tool_choice, response_role=response_role,
+                                      chat_echo=chat_echo, **common))
 
 
 def _checked(req: GenerationRequest) -> GenerationRequest:

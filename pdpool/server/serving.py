@@ -250,6 +250,9 @@ async def full_response(gen: Generation) -> dict:
             if req.tool_choice is not None:
                 message = tool_message(req.tool_choice, out.text)
                 finish = finish_reason(req.tool_choice, finish, called="tool_calls" in message)
+            message["role"] = req.response_role
+            if req.chat_echo:   # vLLM's chat echo: the last message's content first (tool calls' "" or null too)
+                message["content"] = req.chat_echo + (message.get("content") or "")
             choice = {"index": c.index, "message": message,
                       "logprobs": chat_logprobs(tokenizer, c.logprobs, as_ids) if req.logprobs is not None else None,
                       "finish_reason": finish, "stop_reason": out.stop_reason}
@@ -338,12 +341,17 @@ async def stream_response(gen: Generation, http_request: web.Request) -> web.Str
         ids_sent: set[int] = set()
         if req.kind == "chat":
             for c in gen.choices:  # role first, as OpenAI does
-                first = chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                first = chunk([{"index": c.index, "delta": {"role": req.response_role, "content": ""},
                                 "logprobs": None, "finish_reason": None}],
                               choice_usage(None, len(c.stream.prompt_token_ids)))
                 if req.return_token_ids:
                     first["prompt_token_ids"] = c.stream.prompt_token_ids
                 await resp.write(_sse(first))
+            if req.chat_echo:   # vLLM's chat echo: each choice's next chunk is the echoed message
+                for c in gen.choices:
+                    await resp.write(_sse(chunk([{"index": c.index, "delta": {"content": req.chat_echo},
+                                                  "logprobs": None, "finish_reason": None}],
+                                                choice_usage(None, len(c.stream.prompt_token_ids)))))
         def echo_chunk(c: _Choice, prompt_logprobs: list | None) -> bytes:
             prompt = req.prompts[c.index // req.n]
             if c.stream.prompt_cut:   # truncate_prompt_tokens cut it: what the engine kept, as a whole answer gives

@@ -104,7 +104,6 @@ TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type"
     ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
     ("/v1/completions", {"logits_processors": ["x"]}, "logits_processors"),
     ("/v1/chat/completions", {"chat_template": "{{ 'x' }}"}, "chat_template"),
-    ("/v1/chat/completions", {"echo": True}, "echo"),
     ("/v1/completions", {"guided_choice": []}, "guided_choice"),
 ])
 def test_what_would_be_silently_dropped_is_400(server, path, extra, param):
@@ -120,6 +119,7 @@ def test_plain_text_format_and_tools_declined_by_tool_choice_are_served(server):
     for extra in ({"response_format": {"type": "text"}}, {"tools": [TOOL], "tool_choice": "none"},
                   {"tool_choice": "none"},
                   {"use_beam_search": False, "bad_words": [], "echo": False, "prompt_logprobs": None},
+                  {"echo": True},
                   {"some_field_vllm_does_not_know": 1}):
         r = post(server, "/v1/chat/completions", {"model": "demo", "messages": messages, "max_tokens": 2, **extra})
         assert r.status_code == 200, r.text

@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from test_return_token_ids import events, post
 from test_server_errors import assert_error
@@ -102,3 +104,106 @@ def test_the_server_flag_is_the_default_a_request_overrides(flagged):
 def test_return_tokens_as_token_ids_must_be_a_boolean(server):
     r = post(server, "completions", {"model": "demo", "prompt": PROMPT, "return_tokens_as_token_ids": "yes"})
     assert_error(r, 400, param="return_tokens_as_token_ids")
+
+
+# ---- chat echo ------------------------------------------------------------------------------------
+
+PARTIAL = [{"role": "user", "content": "What is the capital of France?"},
+           {"role": "assistant", "content": "The capital of France is"}]
+
+
+def chat_text(server, body: dict) -> tuple[list[str], list[dict]]:
+    """Each choice's content, whole; and the stream's chunks of the same body."""
+    whole = post(server, "chat/completions", body)
+    assert whole.status_code == 200, whole.text
+    return [c["message"]["content"] for c in whole.json()["choices"]], events(server, "chat/completions",
+                                                                              {**body, "stream": True})
+
+
+@pytest.mark.parametrize("extra", [{}, {"add_generation_prompt": False, "continue_final_message": True}])
+def test_chat_echo_prepends_the_assistant_message(server, extra):
+    body = {"model": "demo", "messages": PARTIAL, "max_tokens": 4, "temperature": 0, **extra}
+    plain = post(server, "chat/completions", body).json()["choices"][0]["message"]["content"]
+    texts, chunks = chat_text(server, {**body, "echo": True})
+    assert texts == [PARTIAL[-1]["content"] + plain]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert deltas[1] == {"content": PARTIAL[-1]["content"]}   # the echo's own chunk, right after the role's
+    assert "".join(d.get("content") or "" for d in deltas) == texts[0]
+
+
+def test_chat_echo_with_n_and_usage(server):
+    body = {"model": "demo", "messages": PARTIAL, "max_tokens": 3, "n": 2, "seed": 1, "echo": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    texts, chunks = chat_text(server, {k: v for k, v in body.items() if k != "stream_options"})
+    assert all(t.startswith(PARTIAL[-1]["content"]) for t in texts)
+    chunks = events(server, "chat/completions", {**body, "stream": True})
+    echoed = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content") == PARTIAL[-1]["content"]]
+    assert sorted(c["choices"][0]["index"] for c in echoed) == [0, 1]
+    assert all(c["usage"]["completion_tokens"] == 0 for c in echoed)
+    assert chunks[-1]["usage"]["completion_tokens"] <= 6
+
+
+def test_chat_echo_needs_the_answers_role(server):
+    """The last message is the user's: with a generation prompt the answer is the assistant's, nothing is echoed;
+    without one the answer goes on with the user's message, in its role, as vLLM's does."""
+    ask = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+    body = {"model": "demo", "messages": ask, "max_tokens": 3, "temperature": 0}
+    plain = post(server, "chat/completions", body).json()["choices"][0]["message"]["content"]
+    assert chat_text(server, {**body, "echo": True})[0] == [plain]
+    body["add_generation_prompt"] = False
+    whole = post(server, "chat/completions", {**body, "echo": True}).json()["choices"][0]["message"]
+    unechoed = post(server, "chat/completions", body).json()["choices"][0]["message"]
+    assert whole == {"role": "user", "content": "Hi\nthere" + unechoed["content"]}   # parts joined as vLLM's
+
+
+def test_chat_echo_with_a_tool_call_keeps_the_calls(server):
+    tools = [{"type": "function", "function": {"name": "capital", "parameters": {
+        "type": "object", "required": ["city"], "properties": {"city": {"type": "string", "maxLength": 10}}}}}]
+    body = {"model": "demo", "messages": PARTIAL, "max_tokens": 30, "temperature": 0, "tools": tools,
+            "tool_choice": {"type": "function", "function": {"name": "capital"}}}
+    plain = post(server, "chat/completions", body).json()["choices"][0]["message"]
+    echoed = post(server, "chat/completions", {**body, "echo": True}).json()["choices"][0]["message"]
+    assert echoed["tool_calls"][0]["function"] == plain["tool_calls"][0]["function"]
+    assert echoed["content"] == PARTIAL[-1]["content"] + (plain["content"] or "")
+
+
+def test_chat_echo_must_be_a_boolean(server):
+    r = post(server, "chat/completions", {"model": "demo", "messages": PARTIAL, "echo": "yes"})
+    assert_error(r, 400, param="echo")
+
+
+ROLES = st.sampled_from(["user", "assistant", "system", "tool"])
+FLAG = st.sampled_from([None, True, False])
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(roles=st.lists(ROLES, min_size=1, max_size=3), echo=FLAG, add_generation_prompt=FLAG,
+       continue_final_message=FLAG, content=st.text(max_size=12), n=st.integers(1, 2), stream=st.booleans())
+def test_any_echo_combination_is_answered_or_refused_by_name(server, roles, echo, add_generation_prompt,
+                                                              continue_final_message, content, n, stream):
+    messages = [{"role": role, "content": content or "x"} for role in roles]
+    body = {"model": "demo", "messages": messages, "max_tokens": 1, "n": n, "seed": 0, "stream": stream}
+    for name, value in (("echo", echo), ("add_generation_prompt", add_generation_prompt),
+                        ("continue_final_message", continue_final_message)):
+        if value is not None:
+            body[name] = value
+    r = post(server, "chat/completions", body)
+    generation_prompt = add_generation_prompt is not False
+    if continue_final_message and (generation_prompt or roles[-1] != "assistant"):
+        assert_error(r, 400, param="add_generation_prompt" if generation_prompt else "messages")
+        return
+    assert r.status_code == 200, r.text
+    role = "assistant" if generation_prompt else roles[-1]
+    echoed = messages[-1]["content"] if echo and roles[-1] == role else ""
+    if stream:
+        chunks = [c for c in events(server, "chat/completions", {**body, "stream": True}) if c["choices"]]
+        for i in range(n):
+            deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"][0]["index"] == i]
+            assert deltas[0] == {"role": role, "content": ""}
+            assert "".join(d.get("content") or "" for d in deltas).startswith(echoed)
+            if echoed:
+                assert deltas[1] == {"content": echoed}
+    else:
+        for choice in r.json()["choices"]:
+            assert choice["message"]["role"] == role and choice["message"]["content"].startswith(echoed)
