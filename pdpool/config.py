@@ -110,6 +110,9 @@ class ServerConfig:
     tool_call_parser: str | None = opt(None, _PARSER_HELP, choices=TOOL_CALL_PARSERS, crd="model.toolCallParser")
     return_tokens_as_token_ids: bool = opt(False, "Logprobs name tokens 'token_id:<id>' unless a request's "
                                            "return_tokens_as_token_ids says otherwise (vLLM's flag).")
+    trust_request_chat_template: bool = opt(False, "Take a chat request's own chat_template (jinja, sandboxed; "
+                                            "else a 400, as vLLM's flag). A pool's router needs it too.",
+                                            crd="model.trustRequestChatTemplate")
 
 
 @dataclass
@@ -219,6 +222,9 @@ class RouterConfig:
                                 "the node has published it to Redis (0: off).", ge=0)
     enable_auto_tool_choice: bool = opt(False, _AUTO_TOOL_HELP, crd="model.enableAutoToolChoice")
     tool_call_parser: str | None = opt(None, _PARSER_HELP, choices=TOOL_CALL_PARSERS, crd="model.toolCallParser")
+    trust_request_chat_template: bool = opt(False, "Take a chat request's own chat_template (else a 400): the "
+                                            "router renders it to route, the nodes to answer; set it on both.",
+                                            crd="model.trustRequestChatTemplate")
     token_cache_chunks: int = opt(8192, "Prompt chunks (about 256 characters each) whose token ids the router keeps, "
                                   "so shared system prompts are tokenized once (0: no cache).", ge=0)
 

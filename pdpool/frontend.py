@@ -25,7 +25,7 @@ import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import datetime
-from functools import cached_property, partial
+from functools import cached_property, lru_cache, partial
 from pathlib import Path
 from typing import Sequence
 
@@ -118,12 +118,16 @@ class Tokenizer:
         return [self._tok.id_to_token(t) for t in token_ids]
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, tools: list[dict] | None = None) -> str:
+                            continue_final_message: bool = False, tools: list[dict] | None = None,
+                            chat_template: str | None = None) -> str:
         """``continue_final_message``: the text ends inside the last message (an assistant's partial answer, for
         the model to go on with), not after its end-of-turn tokens: transformers' way, which vLLM calls: render
         with a tag after that message's content, then cut the text at the tag. ``tools``: the request's, for
-        templates that describe them to the model (vLLM passes them too; the demo model's template ignores them)."""
-        if self._template is None:
+        templates that describe them to the model (vLLM passes them too; the demo model's template ignores them).
+        ``chat_template``: a request's own template in place of the model's (the server decides whether to trust
+        it); "" is the model's, as in vLLM."""
+        template = compile_chat_template(chat_template) if chat_template else self._template
+        if template is None:
             raise ValueError("this model's tokenizer has no chat template")
         if continue_final_message:
             if add_generation_prompt:
@@ -132,7 +136,7 @@ class Tokenizer:
                 raise ValueError("continue_final_message is set but the conversation is empty")
             final = messages[-1]
             messages = [*messages[:-1], {**final, "content": final.get("content", "") + _CONTINUE_TAG}]
-        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+        text = template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                      documents=None, **{k: v for k, v in self.special_tokens.items() if v})
         if not continue_final_message:
             return text
@@ -146,24 +150,36 @@ class Tokenizer:
 
     @cached_property
     def _template(self):
-        if self.chat_template is None:
-            return None
-        from jinja2.exceptions import TemplateError
-        from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        return None if self.chat_template is None else _chat_template_env().from_string(self.chat_template)
 
-        def raise_exception(message: str):
-            raise TemplateError(message)
 
-        def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                              sort_keys=sort_keys)
+@lru_cache(maxsize=1)
+def _chat_template_env():
+    """The jinja environment of every chat template, the model's and a request's: transformers' (a sandbox: a
+    template reads its variables and calls no Python beyond these helpers)."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        env.filters["tojson"] = tojson
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        return env.from_string(self.chat_template)
+    def raise_exception(message: str):
+        raise TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+@lru_cache(maxsize=32)
+def compile_chat_template(source: str):
+    """A request's chat template, compiled once for as long as it stays among the 32 most recently used (clients
+    send the same few again and again); a syntax error raises jinja's ``TemplateSyntaxError`` (not cached)."""
+    return _chat_template_env().from_string(source)
 
 
 class PieceEncoder:
@@ -620,12 +636,17 @@ class Frontend:
         return cls(ModelFiles.read(path), Tokenizer(path), token_cache_chunks)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, tools: list[dict] | None = None) -> str:
-        """The chat template applied to ``messages``; raises ``InvalidRequestError`` (param ``messages``) when it fails."""
+                    continue_final_message: bool = False, tools: list[dict] | None = None,
+                    chat_template: str | None = None) -> str:
+        """The chat template (the model's, or the request's ``chat_template``) applied to ``messages``; raises
+        ``InvalidRequestError`` when it fails, naming ``chat_template`` when it was the request's, else
+        ``messages``."""
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt, continue_final_message, tools)
-        except Exception as exc:  # noqa: BLE001 - a template error is the client's message list
-            raise InvalidRequestError(f"cannot apply the chat template: {exc}", param="messages") from None
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt, continue_final_message, tools,
+                                                      chat_template)
+        except Exception as exc:  # noqa: BLE001 - a template error is the client's message list or template
+            raise InvalidRequestError(f"cannot apply the chat template: {exc}",
+                                      param="chat_template" if chat_template else "messages") from None
 
     def encode_prompt_json(self, prompt: str | Sequence[int], add_special_tokens: bool = True
                            ) -> tuple[list[int], bytes | None]:

@@ -220,7 +220,8 @@ class Router:
         self.num_inflight += 1
         try:
             body = self._body(request)
-            rr = parse(request.path, body, self.frontend, self.served_names, rid, request.body, self.tool_parser)
+            rr = parse(request.path, body, self.frontend, self.served_names, rid, request.body, self.tool_parser,
+                       trust_chat_template=self.cfg.router.trust_request_chat_template)
             await self.path.serve(exchange, rr)
         finally:
             self.num_inflight -= 1
@@ -256,7 +257,8 @@ class Router:
 
     async def tokenize_page(self, request: Request):
         """vLLM's ``POST /tokenize``, from the router's own front end (no node is asked)."""
-        return _json(tokenize.tokenize(self._body(request), self.frontend, self.served_names, self.max_model_len()))
+        return _json(tokenize.tokenize(self._body(request), self.frontend, self.served_names, self.max_model_len(),
+                                       trust_chat_template=self.cfg.router.trust_request_chat_template))
 
     async def detokenize_page(self, request: Request):
         return _json(tokenize.detokenize(self._body(request), self.frontend, self.served_names))
@@ -279,7 +281,8 @@ class Router:
     async def openapi_page(self, request: Request):
         return _json(openapi.spec(ROUTES, served_model_names=self.served_names, api_key=bool(self.cfg.router.api_key),
                                   vocab_size=self.frontend.vocab_size, max_model_len=self.max_model_len(),
-                                  auto_tool_choice=self.tool_parser is not None))
+                                  auto_tool_choice=self.tool_parser is not None,
+                                  chat_template=self.cfg.router.trust_request_chat_template))
 
 
 class _MethodNotAllowed(Exception):

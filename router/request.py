@@ -89,14 +89,16 @@ class RoutedRequest:
 
 
 def parse(path: str, body: dict, frontend: Frontend, served_names: list[str], request_id: str,
-          raw: bytes = b"", tool_parser: str | None = None) -> RoutedRequest:
+          raw: bytes = b"", tool_parser: str | None = None, *, trust_chat_template: bool = False) -> RoutedRequest:
     """Raises ``APIError`` (4xx) for what a node would refuse before generating; the context length is the
     nodes' to check (their 400 reaches the client as is). ``tool_parser``: the pool's for tool_choice "auto"
     (None: refused, as the nodes refuse it without one)."""
     if TOKEN_IDS_FIELD in body:
         raise APIError(f"'{TOKEN_IDS_FIELD}' is set by the router, not by clients", param=TOKEN_IDS_FIELD)
     if path.endswith("/chat/completions"):
-        req = protocol.parse_chat(body, served_names, frontend.render_chat, tool_parser)
+        # a request's chat_template: rendered here as the node renders it, so both hash the same prompt
+        req = protocol.parse_chat(body, served_names, frontend.render_chat, tool_parser,
+                                  trust_chat_template=trust_chat_template)
     else:
         req = protocol.parse_completion(body, served_names)
     add_special = req.kind != "chat"

@@ -51,9 +51,10 @@ def bounded(operation, body):
     # The prompt within the context (512 tokens): a character may be 4 byte-level tokens
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        body["prompt"] = prompt[:TEXT]
+        body["prompt"] = _tokenizable(prompt[:TEXT])
     elif isinstance(prompt, list):
-        body["prompt"] = [p[:TEXT] if isinstance(p, (str, list)) else p for p in prompt[:4]][:TEXT]
+        body["prompt"] = [_tokenizable(p[:TEXT]) if isinstance(p, str) else p[:TEXT] if isinstance(p, list) else p
+                          for p in prompt[:4]][:TEXT]
     messages = body.get("messages")
     if isinstance(messages, list):
         body["messages"] = messages = messages[:4]
@@ -67,6 +68,12 @@ def bounded(operation, body):
                     if isinstance(part, dict) and isinstance(part.get("text"), str):
                         part["text"] = part["text"][:TEXT // 8]
     return body
+
+
+def _tokenizable(text: str) -> str:
+    """A text prompt the tokenizer keeps something of: one of control characters alone (``"\\x13"``) tokenizes to
+    no token, an empty prompt (a 400, as in vLLM), which JSON Schema cannot tell from text."""
+    return text if not text or any(c.isprintable() for c in text) else text + "x"
 
 
 def _number(value) -> bool:

@@ -103,7 +103,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await protocol.read_json(request)
     llm = request.app[NODE_KEY].require_llm()
     req = protocol.parse_chat(body, _served_names(request), llm.tokenizer.apply_chat_template,
-                              auto_tool_parser(request.app[CONFIG_KEY].server))
+                              auto_tool_parser(request.app[CONFIG_KEY].server),
+                              trust_chat_template=request.app[CONFIG_KEY].server.trust_request_chat_template)
     req.prompt_token_ids = forwarded_token_ids(body, len(req.prompts))
     return await _generate(request, llm, req)
 
@@ -143,7 +144,9 @@ async def tokenize_route(request: web.Request) -> web.Response:
     """vLLM's ``POST /tokenize`` (``pdpool.server.tokenize``)."""
     body = await protocol.read_json(request)
     llm = request.app[NODE_KEY].require_llm()
-    return web.json_response(tokenize.tokenize(body, llm.frontend, _served_names(request), llm.max_model_len))
+    trusted = request.app[CONFIG_KEY].server.trust_request_chat_template
+    return web.json_response(tokenize.tokenize(body, llm.frontend, _served_names(request), llm.max_model_len,
+                                               trust_chat_template=trusted))
 
 
 async def detokenize_route(request: web.Request) -> web.Response:
@@ -205,7 +208,8 @@ async def openapi_page(request: web.Request) -> web.Response:
         served_routes(request.app), title="pdpool node", served_model_names=_served_names(request),
         api_key=bool(cfg.server.api_key), vocab_size=llm.frontend.vocab_size if llm is not None else None,
         max_model_len=llm.max_model_len if llm is not None else None,
-        auto_tool_choice=auto_tool_parser(cfg.server) is not None))
+        auto_tool_choice=auto_tool_parser(cfg.server) is not None,
+        chat_template=cfg.server.trust_request_chat_template))
 
 
 def served_routes(app: web.Application) -> list[tuple[str, str]]:

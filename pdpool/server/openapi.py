@@ -233,7 +233,8 @@ def _messages() -> dict:
     return {"type": "array", "items": message, "minItems": 1}
 
 
-def _chat_body(model: dict, vocab_size: int | None, max_model_len: int | None, auto_tool_choice: bool = False) -> dict:
+def _chat_body(model: dict, vocab_size: int | None, max_model_len: int | None, auto_tool_choice: bool = False,
+               chat_template: bool = False) -> dict:
     return {
         "type": "object", "required": ["messages"], "additionalProperties": True,
         "description": "The rendered chat's tokens and max_tokens must fit the context (max_model_len).",
@@ -250,6 +251,7 @@ def _chat_body(model: dict, vocab_size: int | None, max_model_len: int | None, a
             "echo": _nullable({"type": "boolean", "description": (
                 "the last message's content starts the answer when its role is the answer's (the assistant's, or "
                 "with add_generation_prompt false the last message's own)")}),
+            "chat_template": _chat_template(chat_template),
             **_tools(auto_tool_choice),
         },
         "allOf": [_STREAM_RULE, _CONTINUE_RULE, _needs("top_logprobs", _SET, "logprobs", True),
@@ -287,13 +289,24 @@ def _tools(auto_tool_choice: bool = False) -> dict:
     }
 
 
-def _tokenize_body(model: dict) -> dict:
+def _chat_template(trusted: bool) -> dict:
+    """A request's ``chat_template``: with --trust-request-chat-template a jinja template (one that does not
+    render is a 400 naming it); without, only null."""
+    if trusted:
+        return _nullable({"type": "string", "description": "a jinja chat template in place of the model's (\"\": "
+                                                           "the model's); one that fails to render is a 400"})
+    return {"type": "null", "description": "a request's template needs --trust-request-chat-template"}
+
+
+def _tokenize_body(model: dict, chat_template: bool = False) -> dict:
     flags = {name: _nullable({"type": "boolean"}) for name in (
         "add_special_tokens", "add_generation_prompt", "continue_final_message", "return_token_strs")}
     return {"type": "object", "additionalProperties": True,
             "properties": {"model": _nullable(model), "prompt": {"type": "string"}, "messages": _messages(),
-                           **flags},
-            "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}], "allOf": [_CONTINUE_RULE],
+                           "chat_template": _chat_template(chat_template), **flags},
+            # continue_final_message is read with messages only (a prompt is tokenized as it is)
+            "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}],
+            "allOf": [{"if": {"required": ["messages"]}, "then": _CONTINUE_RULE}],
             "description": "prompt or messages, not both; add_special_tokens defaults to true with prompt, false "
                            "with messages"}
 
@@ -304,15 +317,15 @@ def _detokenize_body(model: dict, vocab_size: int | None) -> dict:
 
 
 def spec(routes, *, title: str, served_model_names: list[str], api_key: bool, vocab_size: int | None = None,
-         max_model_len: int | None = None, auto_tool_choice: bool = False) -> dict:
+         max_model_len: int | None = None, auto_tool_choice: bool = False, chat_template: bool = False) -> dict:
     """The document for ``routes`` (the (method, path) pairs served; others are left out). ``api_key``: whether
     the API (all but /health*, /metrics, /openapi.json) needs ``Authorization: Bearer``. ``vocab_size`` and
     ``max_model_len``, where known, bound token ids and lengths. ``auto_tool_choice``: tool_choice "auto" is
-    served (--enable-auto-tool-choice)."""
+    served (--enable-auto-tool-choice). ``chat_template``: a request's is taken (--trust-request-chat-template)."""
     model = {"type": "string", "enum": list(served_model_names)}
     bodies = {"/v1/completions": _completion_body(model, vocab_size, max_model_len),
-              "/v1/chat/completions": _chat_body(model, vocab_size, max_model_len, auto_tool_choice),
-              "/tokenize": _tokenize_body(model), "/detokenize": _detokenize_body(model, vocab_size)}
+              "/v1/chat/completions": _chat_body(model, vocab_size, max_model_len, auto_tool_choice, chat_template),
+              "/tokenize": _tokenize_body(model, chat_template), "/detokenize": _detokenize_body(model, vocab_size)}
     paths: dict = {}
     for method, path in sorted(set(routes)):
         summary = _DOCS.get((method, path))

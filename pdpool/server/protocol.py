@@ -333,8 +333,8 @@ def _refuse_constrained(body: dict, kind: str) -> None:
 
 # vLLM's request fields that pdpool does not implement. Unknown fields are ignored, as in vLLM, but these vLLM
 # knows: dropped, each would answer another request than the one sent (every prompt token kept, no token banned,
-# no beam search, the model's own chat template), so any value but absent (null) or a no-op one is a 400.
-_UNIMPLEMENTED = ("logits_processors", "use_beam_search", "chat_template")
+# no beam search), so any value but absent (null) or a no-op one is a 400.
+_UNIMPLEMENTED = ("logits_processors", "use_beam_search")
 
 
 def _refuse_unimplemented(body: dict, kind: str) -> None:
@@ -528,6 +528,17 @@ def _history_tool_calls(calls, i: int) -> list[dict]:
     return out
 
 
+def request_chat_template(body: dict, trusted: bool) -> str | None:
+    """vLLM's rule: a request's ``chat_template`` (any string, "" too) is a 400 unless the server trusts them (a
+    template is code the server runs); trusted, "" is the model's own."""
+    template = get_str(body, "chat_template")
+    if template is not None and not trusted:
+        raise APIError("'chat_template' is given but this server does not take a request's chat template: start "
+                       "it with --trust-request-chat-template (a pool: its router and its nodes)",
+                       param="chat_template")
+    return template or None
+
+
 def _check_continuation(messages: list[dict], add_generation_prompt: bool) -> None:
     """vLLM's refusals for ``continue_final_message``: the model goes on with the last message, so it must be the
     assistant's, and no new assistant turn may be opened after it (``add_generation_prompt`` defaults to true)."""
@@ -539,8 +550,11 @@ def _check_continuation(messages: list[dict], add_generation_prompt: bool) -> No
                        f"{short_repr(messages[-1]['role'])}", param="messages")
 
 
-def parse_chat(body: dict, served_model_names: list[str], render, tool_parser: str | None = None) -> GenerationRequest:
-    """``render(messages, add_generation_prompt, continue_final_message, tools) -> str`` applies the tokenizer's
+def parse_chat(body: dict, served_model_names: list[str], render, tool_parser: str | None = None, *,
+               trust_chat_template: bool = False) -> GenerationRequest:
+    """``render(messages, add_generation_prompt, continue_final_message, tools, chat_template) -> str`` applies the
+    request's ``chat_template`` (taken only with ``trust_chat_template``, the server's
+    ``--trust-request-chat-template``), or the tokenizer's
     chat template. ``tool_parser``: the server's for ``tool_choice`` "auto" (None: auto is refused)."""
     common = _common(body, "chat", served_model_names)
     messages = _messages(body)
@@ -563,10 +577,12 @@ def parse_chat(body: dict, served_model_names: list[str], render, tool_parser: s
     # vLLM's chat echo: the last message, when its role is the answer's, starts the answer (with
     # continue_final_message, the whole message then: its given start and the continuation)
     chat_echo = messages[-1]["content"] if echo else ""
+    chat_template = request_chat_template(body, trust_chat_template)
     try:
-        prompt = render(messages, add_generation_prompt, continue_final_message, tools)
-    except Exception as exc:  # noqa: BLE001 - a template error is the client's message list
-        raise APIError(f"cannot apply the chat template: {exc}", param="messages") from None
+        prompt = render(messages, add_generation_prompt, continue_final_message, tools, chat_template)
+    except Exception as exc:  # noqa: BLE001 - a template error is the client's message list or template
+        raise APIError(f"cannot apply the chat template: {exc}",
+                       param="chat_template" if chat_template else "messages") from None
     # Without max_tokens (None) the engine fills the rest of the context.
     params = _sampling(body, max_tokens, logprobs)
     params.prompt_logprobs = common["prompt_logprobs"]

@@ -16,7 +16,7 @@ from pdpool.frontend import Frontend, InvalidRequestError, check_token_ids
 from pdpool.server.errors import APIError
 from pdpool.server.tools import read_tools
 from pdpool.server.protocol import (_check_continuation, _messages, _text, get_bool, model_not_found,
-                                    short_repr)
+                                    request_chat_template, short_repr)
 
 
 def _check_model(body: dict, served_model_names: list[str]) -> None:
@@ -29,8 +29,10 @@ def _check_model(body: dict, served_model_names: list[str]) -> None:
         raise model_not_found(model, served_model_names)
 
 
-def tokenize(body: dict, frontend: Frontend, served_model_names: list[str], max_model_len: int | None) -> dict:
-    """The answer to ``POST /tokenize``; raises ``APIError``."""
+def tokenize(body: dict, frontend: Frontend, served_model_names: list[str], max_model_len: int | None, *,
+             trust_chat_template: bool = False) -> dict:
+    """The answer to ``POST /tokenize``; raises ``APIError``. ``messages`` render with the request's
+    ``chat_template`` as a chat request's do (taken only with ``trust_chat_template``)."""
     _check_model(body, served_model_names)
     if ("prompt" in body) == ("messages" in body):
         raise APIError("send either 'prompt' (text) or 'messages' (a chat), not both or neither", param="prompt")
@@ -46,9 +48,11 @@ def tokenize(body: dict, frontend: Frontend, served_model_names: list[str], max_
         continue_final_message = get_bool(body, "continue_final_message")
         if continue_final_message:
             _check_continuation(messages, add_generation_prompt)
+        chat_template = request_chat_template(body, trust_chat_template)
         try:
             text = frontend.render_chat(messages, add_generation_prompt, continue_final_message,
-                                        read_tools(body["tools"]) if body.get("tools") is not None else None)
+                                        read_tools(body["tools"]) if body.get("tools") is not None else None,
+                                        chat_template)
         except InvalidRequestError as exc:
             raise APIError(str(exc), param=exc.param) from None
         add_special = get_bool(body, "add_special_tokens", False)

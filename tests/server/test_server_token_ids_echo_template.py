@@ -22,7 +22,7 @@ TOKEN_NAME = re.compile(r"token_id:(\d+)")
 def flagged(launch_server):
     """A node with vLLM's two server flags these fields read."""
     srv = launch_server("--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "64", "--max-num-seqs",
-                        "4", "--return-tokens-as-token-ids")
+                        "4", "--return-tokens-as-token-ids", "--trust-request-chat-template")
     yield srv
     srv.stop()
 
@@ -207,3 +207,73 @@ def test_any_echo_combination_is_answered_or_refused_by_name(server, roles, echo
     else:
         for choice in r.json()["choices"]:
             assert choice["message"]["role"] == role and choice["message"]["content"].startswith(echoed)
+
+
+# ---- a request's chat_template ------------------------------------------------------------------------
+
+TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_a_request_template_is_refused_unless_trusted(server):
+    r = post(server, "chat/completions", {"model": "demo", "messages": CHAT, "chat_template": TEMPLATE})
+    assert_error(r, 400, param="chat_template")
+    assert "--trust-request-chat-template" in r.json()["error"]["message"]
+    r = post(server, "chat/completions", {"model": "demo", "messages": CHAT, "chat_template": ""})
+    assert_error(r, 400, param="chat_template")   # vLLM's rule: any string, "" too
+    r = post(server, "chat/completions", {"model": "demo", "messages": CHAT, "max_tokens": 1, "chat_template": None})
+    assert r.status_code == 200, r.text
+
+
+def test_a_trusted_template_renders_the_prompt(flagged, frontend):
+    client = flagged.client()
+    chat = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=4, temperature=0,
+                                          extra_body={"chat_template": TEMPLATE, "return_token_ids": True})
+    rendered = "<user>Name three colors.</user>\n<assistant>"
+    assert chat.prompt_token_ids == frontend.tokenizer.encode(rendered, add_special_tokens=False)
+    same = client.completions.create(model="demo", prompt=chat.prompt_token_ids, max_tokens=4, temperature=0)
+    assert chat.choices[0].message.content == same.choices[0].text
+    stream = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=4, temperature=0, stream=True,
+                                            extra_body={"chat_template": TEMPLATE})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == chat.choices[0].message.content
+    model_own = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=1, temperature=0,
+                                               extra_body={"chat_template": "", "return_token_ids": True})
+    assert model_own.prompt_token_ids == frontend.tokenizer.encode(
+        frontend.render_chat(CHAT), add_special_tokens=False)   # "": the model's own, as in vLLM
+
+
+def test_a_trusted_template_goes_on_with_the_final_message(flagged):
+    messages = [*CHAT, {"role": "assistant", "content": "Red,"}]
+    body = {"model": "demo", "messages": messages, "max_tokens": 1, "add_generation_prompt": False,
+            "continue_final_message": True, "chat_template": TEMPLATE, "return_token_ids": True, "echo": True}
+    r = post(flagged, "chat/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"].startswith("Red,")
+
+
+@pytest.mark.parametrize("template, words", [
+    ("{% for m in messages %}", "endfor"),                      # a syntax error
+    ("{{ raise_exception('no system prompt') }}", "no system prompt"),
+    ("{{ 1 / 0 }}", "division"),
+    ("{{ messages[0].content.__class__.__mro__ }}", "unsafe"),  # the sandbox's refusal
+    ("{{ messages.__class__ }}", ""),                           # the sandbox: undefined, so an empty prompt
+])
+def test_a_template_error_is_a_400_naming_chat_template(flagged, template, words):
+    r = post(flagged, "chat/completions", {"model": "demo", "messages": CHAT, "chat_template": template})
+    assert_error(r, 400, param="chat_template" if words else "prompt")
+    assert words in r.json()["error"]["message"]
+
+
+JINJA = st.lists(st.sampled_from(list("{}%#-+*/() []|.,'\"\n~x10") + [
+    "{{", "}}", "{%", "%}", "for ", "if ", " in ", "endfor", "endif", "messages", "m.content", "m.role", "loop.",
+    "range", "raise_exception", "add_generation_prompt", "tojson", "set ", "macro ", "endmacro"]),
+    max_size=24).map("".join)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(template=JINJA | st.text(max_size=30), stream=st.booleans())
+def test_any_template_is_answered_or_a_400(flagged, template, stream):
+    r = post(flagged, "chat/completions", {"model": "demo", "messages": CHAT, "max_tokens": 1, "stream": stream,
+                                           "chat_template": template})
+    if r.status_code != 200:
+        assert_error(r, 400, param="chat_template" if r.json()["error"]["param"] == "chat_template" else "prompt")
