@@ -48,6 +48,8 @@ VALUE_KEYS = {"object", "finish_reason", "stop_reason", "prompt_tokens", "comple
 # with the tools' JSON schema and reads the JSON back, whatever the model. "auto" then runs the pythonic parser on
 # free text (a 200 there; pdpool has no model-specific parser and refuses it).
 VLLM_TOOL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
+# Both servers take a request's chat_template (vLLM's default, like pdpool's, refuses one with a 400).
+TRUST_TEMPLATE = ("--trust-request-chat-template",)
 COMMON = 4   # a difference in this many cases or more is reported once, with its count
 MAP_SUFFIXES = (".top_logprobs[]", "prompt_logprobs[]")   # dicts keyed by token text / id: keys are data
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
@@ -80,6 +82,10 @@ HISTORY = [{"role": "user", "content": "Weather in Paris?"},
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
           "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20}}}
 STREAM_USAGE = {"stream": True, "stream_options": {"include_usage": True}}
+PARTIAL = [{"role": "user", "content": "What is the capital of France?"},
+           {"role": "assistant", "content": "The capital of France is"}]
+TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
 STREAM_CONT = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
 
 # (name, method, path, JSON body or raw bytes or None); greedy cases (temperature 0, n 1) compare text too.
@@ -142,6 +148,44 @@ CASES: list[tuple[str, str, str, object]] = [
     ("chat stream logprobs", "POST", "/v1/chat/completions", chat(stream=True, logprobs=True, top_logprobs=1,
                                                                   max_tokens=3)),
     ("chat stream stop", "POST", "/v1/chat/completions", chat(stream=True, stop=["."], max_tokens=32)),
+    # ---- return_tokens_as_token_ids, chat echo, a request's chat_template ----
+    ("cmpl token-id names", "POST", "/v1/completions", cmpl(logprobs=2, max_tokens=4, return_tokens_as_token_ids=True)),
+    ("cmpl echo token-id names", "POST", "/v1/completions",
+     cmpl(echo=True, logprobs=1, max_tokens=3, return_tokens_as_token_ids=True)),
+    ("cmpl stream token-id names", "POST", "/v1/completions",
+     cmpl(stream=True, logprobs=1, max_tokens=3, return_tokens_as_token_ids=True)),
+    ("chat token-id names", "POST", "/v1/chat/completions",
+     chat(logprobs=True, top_logprobs=2, max_tokens=3, return_tokens_as_token_ids=True)),
+    ("chat stream token-id names", "POST", "/v1/chat/completions",
+     chat(stream=True, logprobs=True, top_logprobs=1, max_tokens=3, return_tokens_as_token_ids=True)),
+    ("chat echo", "POST", "/v1/chat/completions", chat(messages=PARTIAL, echo=True, max_tokens=4)),
+    ("chat echo continue", "POST", "/v1/chat/completions",
+     chat(messages=PARTIAL, echo=True, add_generation_prompt=False, continue_final_message=True, max_tokens=4)),
+    ("chat echo user, no generation prompt", "POST", "/v1/chat/completions",
+     chat(messages=[{"role": "user", "content": "Hi there"}], echo=True, add_generation_prompt=False, max_tokens=3)),
+    ("chat echo last user", "POST", "/v1/chat/completions", chat(echo=True, max_tokens=3)),
+    ("chat echo logprobs", "POST", "/v1/chat/completions",
+     chat(messages=PARTIAL, echo=True, logprobs=True, top_logprobs=1, max_tokens=3)),
+    ("chat stream echo", "POST", "/v1/chat/completions", chat(messages=PARTIAL, echo=True, stream=True, max_tokens=3)),
+    ("chat stream echo n=2 usage", "POST", "/v1/chat/completions",
+     chat(messages=PARTIAL, echo=True, **STREAM_CONT, n=2, temperature=1.0, seed=0, max_tokens=3)),
+    ("chat echo tools named", "POST", "/v1/chat/completions",
+     chat(messages=WEATHER_CHAT + [{"role": "assistant", "content": "Checking."}], echo=True, tools=TOOLS,
+          tool_choice=NAMED, max_tokens=60)),
+    ("chat two text parts", "POST", "/v1/chat/completions",
+     chat(messages=[{"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hi."}]}],
+          max_tokens=4)),
+    ("tokenize two text parts", "POST", "/tokenize",
+     {"model": "demo", "messages": [{"role": "user", "content": [{"type": "text", "text": "Say"},
+                                                                 {"type": "text", "text": "hi."}]}]}),
+    ("chat template", "POST", "/v1/chat/completions", chat(chat_template=TEMPLATE, return_token_ids=True)),
+    ("chat template empty", "POST", "/v1/chat/completions", chat(chat_template="", max_tokens=3)),
+    ("chat stream template", "POST", "/v1/chat/completions", chat(chat_template=TEMPLATE, stream=True, max_tokens=4)),
+    ("chat template continue", "POST", "/v1/chat/completions",
+     chat(messages=PARTIAL, chat_template=TEMPLATE, add_generation_prompt=False, continue_final_message=True,
+          max_tokens=4)),
+    ("tokenize template", "POST", "/tokenize", {"model": "demo", "messages": CHAT, "chat_template": TEMPLATE}),
+    ("cmpl chat_template ignored", "POST", "/v1/completions", cmpl(chat_template=TEMPLATE, max_tokens=3)),
     # ---- structured output (greedy: the text must match, which needs the same mask at every step) ----
     ("chat response_format json_object", "POST", "/v1/chat/completions",
      chat(response_format={"type": "json_object"}, max_tokens=40)),
@@ -242,6 +286,13 @@ CASES: list[tuple[str, str, str, object]] = [
      chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
           tool_choice="required")),
     ("ERR chat use_beam_search", "POST", "/v1/chat/completions", chat(use_beam_search=True)),
+    ("ERR chat template syntax", "POST", "/v1/chat/completions", chat(chat_template="{% for m in messages %}")),
+    ("ERR chat template raises", "POST", "/v1/chat/completions", chat(chat_template="{{ raise_exception('no') }}")),
+    ("ERR chat template undefined", "POST", "/v1/chat/completions", chat(chat_template="{{ m.x.y }}")),
+    ("ERR chat template renders nothing", "POST", "/v1/chat/completions", chat(chat_template="{{ '' }}")),
+    ("ERR chat template not a string", "POST", "/v1/chat/completions", chat(chat_template=5)),
+    ("ERR chat echo not a boolean", "POST", "/v1/chat/completions", chat(echo="yes")),
+    ("ERR cmpl token-id names not a boolean", "POST", "/v1/completions", cmpl(return_tokens_as_token_ids="yes")),
     ("ERR cmpl top_logprobs wrong endpoint", "POST", "/v1/chat/completions", chat(top_logprobs=2)),
     ("ERR cmpl stop int", "POST", "/v1/completions", cmpl(stop=5)),
     ("ERR cmpl n=2 greedy best_of 1", "POST", "/v1/completions", cmpl(n=2, best_of=1)),
@@ -453,13 +504,13 @@ def start(engine: str, vllm_venv: str, model: str, log_dir: Path) -> tuple[subpr
     if engine == "pdpool":
         cmd = [sys.executable, "-m", "pdpool.cli", "serve", "--model", "demo", "--host", "127.0.0.1", "--port",
                str(port), "--dtype", "float32", "--num-threads", str(THREADS), "--kv-cache-memory-gb",
-               str(KV_CACHE_GB), "--max-model-len", str(MAX_MODEL_LEN)]
+               str(KV_CACHE_GB), "--max-model-len", str(MAX_MODEL_LEN), *TRUST_TEMPLATE]
         cwd = ROOT
     else:
         env.update(VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GB), VLLM_CPU_OMP_THREADS_BIND=f"0-{THREADS - 1}")
         cmd = [str(Path(vllm_venv) / "bin" / "vllm"), "serve", model, "--served-model-name", "demo", "--host",
                "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
-               "--seed", "0", *VLLM_TOOL_ARGS]
+               "--seed", "0", *VLLM_TOOL_ARGS, *TRUST_TEMPLATE]
         cwd = "/tmp"   # the checkout's operator/ folder would shadow the stdlib module
     log = open(log_dir / f"{engine}.log", "w")
     print(f"--- {engine}: {' '.join(cmd)}", flush=True)
