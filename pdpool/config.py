@@ -246,8 +246,8 @@ class RouterCommandConfig:
 def _check_auto_tool_choice(section) -> None:
     """vLLM's startup check: auto tool choice needs a parser (a parser alone is allowed, and unused)."""
     if section.enable_auto_tool_choice and not section.tool_call_parser:
-        raise ConfigError(f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(TOOL_CALL_PARSERS)}): "
-                          "the model's tool-call format")
+        raise ConfigError(f"--enable-auto-tool-choice needs --tool-call-parser (one of "
+                          f"{', '.join(TOOL_CALL_PARSERS)}): the model's tool-call format")
 
 
 def auto_tool_parser(section) -> str | None:

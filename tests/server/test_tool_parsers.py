@@ -166,4 +166,5 @@ def test_invalid_calls_are_content_and_valid_ones_calls():
     assert parse_whole("pythonic", "[f(a=b)]") == ("[f(a=b)]", [])        # a name is no literal
     assert parse_whole("pythonic", "[f(a=1e999)]") == ("[f(a=1e999)]", [])   # infinity is no JSON
     assert parse_whole("pythonic", "[]") == ("[]", [])
-    assert parse_whole("pythonic", "[f(a=(1, 2), b=null, c=-3)]") == (None, [Call("f", '{"a": [1, 2], "b": null, "c": -3}')])
+    assert parse_whole("pythonic", "[f(a=(1, 2), b=null, c=-3)]") == (None,
+                                                                       [Call("f", '{"a": [1, 2], "b": null, "c": -3}')])
