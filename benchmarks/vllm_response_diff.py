@@ -46,7 +46,8 @@ VALUE_KEYS = {"object", "finish_reason", "stop_reason", "prompt_tokens", "comple
 # --enable-auto-tool-choice besides --tool-call-parser (else a 400, "requires --tool-call-parser to be set"); for
 # those two choices a parser that keeps the base class's request adjustment (pythonic does) constrains the output
 # with the tools' JSON schema and reads the JSON back, whatever the model. "auto" then runs the pythonic parser on
-# free text (a 200 there; pdpool has no model-specific parser and refuses it).
+# free text (a 200 there; pdpool here runs without --enable-auto-tool-choice and refuses it: auto with the flags on
+# both servers is benchmarks/vllm_tool_auto_diff.py's).
 VLLM_TOOL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
 # Both servers take a request's chat_template (vLLM's default, like pdpool's, refuses one with a 400).
 TRUST_TEMPLATE = ("--trust-request-chat-template",)
