@@ -11,13 +11,28 @@ NUM_KV_BLOCKS = 128
 BLOCK_SIZE = 16
 
 
-@pytest.fixture(scope="package")
-def server(launch_server):
+def _node(launch_server, *flags: str):
     srv = launch_server("--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks",
-                        str(NUM_KV_BLOCKS), "--block-size", str(BLOCK_SIZE), "--max-num-seqs", "8",
+                        str(NUM_KV_BLOCKS), "--block-size", str(BLOCK_SIZE), "--max-num-seqs", "8", *flags,
                         api_key=API_KEY)
     srv.max_model_len = MAX_MODEL_LEN
     srv.num_kv_blocks = NUM_KV_BLOCKS
+    return srv
+
+
+@pytest.fixture(scope="package")
+def server(launch_server):
+    srv = _node(launch_server)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="package")
+def permissive_server(launch_server):
+    """A node that takes what ``server`` refuses: clients' chat templates, tool_choice "auto" (hermes parser), and
+    logprobs' tokens as ids by default."""
+    srv = _node(launch_server, "--trust-request-chat-template", "--enable-auto-tool-choice", "--tool-call-parser",
+                "hermes", "--return-tokens-as-token-ids")
     yield srv
     srv.stop()
 

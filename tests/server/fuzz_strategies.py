@@ -125,6 +125,15 @@ CONSTRAINTS = {"json": SCHEMAS, "regex": REGEXES, "json_object": st.one_of(st.bo
                "disable_any_whitespace": st.one_of(st.booleans(), json_values()),
                "structural_tag": json_values()}
 
+# Request chat templates (refused unless the node trusts them): ones that render, that do not parse, that fail
+# while rendering, that render nothing, and one that renders past any context length.
+CHAT_TEMPLATES = st.one_of(
+    st.sampled_from(["{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}",
+                     "{% for m in messages %}{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}A:{% endif %}",
+                     "{% for %}", "{{ undefined_thing.attr }}", "{{ raise_exception('no') }}", "", "{{ 1/0 }}",
+                     "{% for i in range(100000) %}word {% endfor %}", "{{ messages[99] }}"]),
+    TEXTS, json_values())
+
 COMMON_FIELDS = {
     "model": st.one_of(st.sampled_from(["gpt-17", "", "DEMO"]), json_values()),
     "max_tokens": small_ints(1, 4),
@@ -153,6 +162,7 @@ COMMON_FIELDS = {
     "structured_outputs": st.one_of(st.fixed_dictionaries({}, optional=CONSTRAINTS), json_values()),
     "guided_json": st.one_of(SCHEMAS, json_values()), "guided_regex": st.one_of(REGEXES, json_values()),
     "guided_choice": CONSTRAINTS["choice"], "guided_grammar": CONSTRAINTS["grammar"],
+    "return_tokens_as_token_ids": st.one_of(st.booleans(), json_values()),
 }
 COMPLETION_FIELDS = {**COMMON_FIELDS, "prompt": PROMPTS, "echo": st.one_of(st.booleans(), json_values()),
                      "max_tokens": small_ints(0, 4),      # 0 with echo: the prompt alone (the scoring call)
@@ -161,7 +171,13 @@ CHAT_FIELDS = {**COMMON_FIELDS, "messages": MESSAGES, "logprobs": st.one_of(st.b
                "top_logprobs": small_ints(0, 5), "max_completion_tokens": small_ints(1, 4),
                "add_generation_prompt": st.one_of(st.booleans(), json_values()),
                "tools": st.one_of(st.just([{"type": "function", "function": {"name": "f"}}]), json_values()),
-               "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]), json_values())}
+               "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]), json_values()),
+               "parallel_tool_calls": st.one_of(st.booleans(), json_values()),
+               "echo": st.one_of(st.booleans(), json_values()),
+               "continue_final_message": st.one_of(st.booleans(), json_values()),
+               "chat_template": CHAT_TEMPLATES,
+               "chat_template_kwargs": st.one_of(st.fixed_dictionaries({}, optional={
+                   "enable_thinking": st.booleans(), "add_generation_prompt": json_values()}), json_values())}
 
 
 def _optional(fields: dict, keys: list[str]) -> st.SearchStrategy:
