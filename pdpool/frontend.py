@@ -119,13 +119,15 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, tools: list[dict] | None = None,
-                            chat_template: str | None = None) -> str:
+                            chat_template: str | None = None, template_kwargs: dict | None = None) -> str:
         """``continue_final_message``: the text ends inside the last message (an assistant's partial answer, for
         the model to go on with), not after its end-of-turn tokens: transformers' way, which vLLM calls: render
         with a tag after that message's content, then cut the text at the tag. ``tools``: the request's, for
         templates that describe them to the model (vLLM passes them too; the demo model's template ignores them).
         ``chat_template``: a request's own template in place of the model's (the server decides whether to trust
-        it); "" is the model's, as in vLLM."""
+        it); "" is the model's, as in vLLM. ``template_kwargs``: a request's ``chat_template_kwargs``, more
+        variables for the template (``enable_thinking``, say); as in vLLM, only those the template reads are passed,
+        and they never replace the messages, the tools or the two flags given here."""
         template = compile_chat_template(chat_template) if chat_template else self._template
         if template is None:
             raise ValueError("this model's tokenizer has no chat template")
@@ -136,8 +138,13 @@ class Tokenizer:
                 raise ValueError("continue_final_message is set but the conversation is empty")
             final = messages[-1]
             messages = [*messages[:-1], {**final, "content": final.get("content", "") + _CONTINUE_TAG}]
-        text = template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                     documents=None, **{k: v for k, v in self.special_tokens.items() if v})
+        variables = {k: v for k, v in self.special_tokens.items() if v}
+        variables["documents"] = None
+        if template_kwargs:
+            read = template_variables(chat_template or self.chat_template)
+            variables.update((k, v) for k, v in template_kwargs.items() if k in read)
+        text = template.render(variables, messages=messages, add_generation_prompt=add_generation_prompt,
+                               tools=tools)
         if not continue_final_message:
             return text
         tag_at = text.rfind(_CONTINUE_TAG.strip())
@@ -173,6 +180,17 @@ def _chat_template_env():
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
+
+
+_RENDER_ARGUMENTS = frozenset(("messages", "tools", "add_generation_prompt", "continue_final_message"))
+
+
+@lru_cache(maxsize=32)
+def template_variables(source: str) -> frozenset[str]:
+    """The variables a chat template reads and does not set itself, but those ``apply_chat_template`` passes."""
+    from jinja2 import meta
+
+    return frozenset(meta.find_undeclared_variables(_chat_template_env().parse(source))) - _RENDER_ARGUMENTS
 
 
 @lru_cache(maxsize=32)
@@ -637,13 +655,13 @@ class Frontend:
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, tools: list[dict] | None = None,
-                    chat_template: str | None = None) -> str:
+                    chat_template: str | None = None, template_kwargs: dict | None = None) -> str:
         """The chat template (the model's, or the request's ``chat_template``) applied to ``messages``; raises
         ``InvalidRequestError`` when it fails, naming ``chat_template`` when it was the request's, else
         ``messages``."""
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt, continue_final_message, tools,
-                                                      chat_template)
+                                                      chat_template, template_kwargs)
         except Exception as exc:  # noqa: BLE001 - a template error is the client's message list or template
             raise InvalidRequestError(f"cannot apply the chat template: {exc}",
                                       param="chat_template" if chat_template else "messages") from None

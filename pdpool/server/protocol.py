@@ -539,6 +539,22 @@ def request_chat_template(body: dict, trusted: bool) -> str | None:
     return template or None
 
 
+def chat_template_kwargs(body: dict) -> dict | None:
+    """A request's ``chat_template_kwargs``: more variables for the chat template (``enable_thinking``, say). As in
+    vLLM, it may not set ``chat_template`` (that is the trusted field's) or ``tokenize``."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return None
+    if not isinstance(kwargs, dict):
+        raise APIError(f"'chat_template_kwargs' must be an object of template variables, got {short_repr(kwargs)}",
+                       param="chat_template_kwargs")
+    refused = sorted({"chat_template", "tokenize"} & kwargs.keys())
+    if refused:
+        raise APIError(f"'chat_template_kwargs' may not set {', '.join(map(repr, refused))} (a request's template "
+                       f"goes in 'chat_template')", param="chat_template_kwargs")
+    return kwargs or None
+
+
 def _check_continuation(messages: list[dict], add_generation_prompt: bool) -> None:
     """vLLM's refusals for ``continue_final_message``: the model goes on with the last message, so it must be the
     assistant's, and no new assistant turn may be opened after it (``add_generation_prompt`` defaults to true)."""
@@ -552,8 +568,8 @@ def _check_continuation(messages: list[dict], add_generation_prompt: bool) -> No
 
 def parse_chat(body: dict, served_model_names: list[str], render, tool_parser: str | None = None, *,
                trust_chat_template: bool = False) -> GenerationRequest:
-    """``render(messages, add_generation_prompt, continue_final_message, tools, chat_template) -> str`` applies the
-    request's ``chat_template`` (taken only with ``trust_chat_template``, the server's
+    """``render(messages, add_generation_prompt, continue_final_message, tools, chat_template, template_kwargs) ->
+    str`` applies the request's ``chat_template`` (taken only with ``trust_chat_template``, the server's
     ``--trust-request-chat-template``), or the tokenizer's
     chat template. ``tool_parser``: the server's for ``tool_choice`` "auto" (None: auto is refused)."""
     common = _common(body, "chat", served_model_names)
@@ -578,8 +594,9 @@ def parse_chat(body: dict, served_model_names: list[str], render, tool_parser: s
     # continue_final_message, the whole message then: its given start and the continuation)
     chat_echo = messages[-1]["content"] if echo else ""
     chat_template = request_chat_template(body, trust_chat_template)
+    template_kwargs = chat_template_kwargs(body)
     try:
-        prompt = render(messages, add_generation_prompt, continue_final_message, tools, chat_template)
+        prompt = render(messages, add_generation_prompt, continue_final_message, tools, chat_template, template_kwargs)
     except Exception as exc:  # noqa: BLE001 - a template error is the client's message list or template
         raise APIError(f"cannot apply the chat template: {exc}",
                        param="chat_template" if chat_template else "messages") from None

@@ -15,8 +15,8 @@ from __future__ import annotations
 from pdpool.frontend import Frontend, InvalidRequestError, check_token_ids
 from pdpool.server.errors import APIError
 from pdpool.server.tools import read_tools
-from pdpool.server.protocol import (_check_continuation, _messages, _text, get_bool, model_not_found,
-                                    request_chat_template, short_repr)
+from pdpool.server.protocol import (_check_continuation, _messages, _text, chat_template_kwargs, get_bool,
+                                    model_not_found, request_chat_template, short_repr)
 
 
 def _check_model(body: dict, served_model_names: list[str]) -> None:
@@ -52,7 +52,7 @@ def tokenize(body: dict, frontend: Frontend, served_model_names: list[str], max_
         try:
             text = frontend.render_chat(messages, add_generation_prompt, continue_final_message,
                                         read_tools(body["tools"]) if body.get("tools") is not None else None,
-                                        chat_template)
+                                        chat_template, chat_template_kwargs(body))
         except InvalidRequestError as exc:
             raise APIError(str(exc), param=exc.param) from None
         add_special = get_bool(body, "add_special_tokens", False)

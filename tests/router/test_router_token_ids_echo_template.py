@@ -85,3 +85,19 @@ def test_a_router_without_the_flag_refuses_a_request_template(trusting, redis_mo
     untrusting = start_router(redis_flags(redis_module.url), name="router-untrusting")
     r = untrusting.post("/v1/chat/completions", {"model": "demo", "messages": MESSAGES[:2], "chat_template": TEMPLATE})
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+
+
+def test_chat_template_kwargs_render_alike_across_the_handoff(trusting, router):
+    """The router renders a request's chat_template_kwargs as the nodes do, so it hashes the prompt they run."""
+    template = "{% if enable_thinking %}<think>{% endif %}" + TEMPLATE
+    body = {"model": "demo", "messages": MESSAGES[:2], "max_tokens": 4, "temperature": 0, "chat_template": template,
+            "chat_template_kwargs": {"enable_thinking": True}, "return_token_ids": True}
+    tokens = router.post("/tokenize", body).json()["tokens"]
+    assert tokens != router.post("/tokenize", {**body, "chat_template_kwargs": None}).json()["tokens"]
+    before = router.value(DISAGGREGATED)
+    mine = router.post("/v1/chat/completions", body)
+    assert mine.status_code == 200, mine.text
+    assert router.value(DISAGGREGATED) == before + 1
+    theirs = httpx.post(trusting["td0"].base_url + "/chat/completions", json=body, timeout=120).json()
+    assert mine.json()["prompt_token_ids"] == theirs["prompt_token_ids"] == tokens
+    assert mine.json()["choices"][0]["message"] == theirs["choices"][0]["message"]

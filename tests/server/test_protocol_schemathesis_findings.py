@@ -11,7 +11,8 @@ from pdpool.server.errors import APIError
 NAMES = ["demo"]
 
 
-def render(messages, add_generation_prompt, continue_final_message, tools=None, chat_template=None):
+def render(messages, add_generation_prompt, continue_final_message, tools=None, chat_template=None,
+           template_kwargs=None):
     return "".join(m["content"] for m in messages) or "x"
 
 

@@ -23,7 +23,8 @@ def _ids(choice) -> list[int]:
     return (choice.model_extra or {}).get("token_ids") or []
 
 
-def _render(messages, add_generation_prompt, continue_final_message, tools=None, chat_template=None) -> str:
+def _render(messages, add_generation_prompt, continue_final_message, tools=None, chat_template=None,
+            template_kwargs=None) -> str:
     return "".join(m["content"] for m in messages)
 
 
