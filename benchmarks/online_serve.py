@@ -72,6 +72,37 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"the server was not ready within {timeout:.0f} s")
 
 
+def start_demo_server(engine: str, vllm_venv: str, model: str, log_path: Path, *, threads: int, max_model_len: int,
+                      kv_cache_gb: int = 2, pdpool_args: list[str] = (), vllm_args: list[str] = ()
+                      ) -> tuple[subprocess.Popen, str]:
+    """``pdpool serve --model demo`` or ``vllm serve MODEL`` (served as "demo") in float32 on a free port, in its own
+    process group, once ready: the pair the response-shape comparisons (vllm_response_diff.py,
+    vllm_tool_auto_diff.py) send the same requests to. Returns the process and its base URL."""
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    if engine == "pdpool":
+        cmd = [sys.executable, "-m", "pdpool.cli", "serve", "--model", "demo", "--host", "127.0.0.1", "--port",
+               str(port), "--dtype", "float32", "--num-threads", str(threads), "--kv-cache-memory-gb",
+               str(kv_cache_gb), "--max-model-len", str(max_model_len), *pdpool_args]
+        cwd = ROOT
+    else:
+        env.update(VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gb), VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
+        cmd = [str(Path(vllm_venv) / "bin" / "vllm"), "serve", model, "--served-model-name", "demo", "--host",
+               "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", str(max_model_len),
+               "--seed", "0", *vllm_args]
+        cwd = "/tmp"   # the checkout's operator/ folder would shadow the stdlib module
+    log = open(log_path, "w")
+    print(f"--- {engine}: {' '.join(cmd)}", flush=True)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc, 600)
+    except BaseException:
+        stop(proc)
+        raise
+    return proc, url
+
+
 def server_command(engine: str, args, model: str, port: int) -> tuple[list[str], dict]:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     if engine == "pdpool":

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from online_serve import DEFAULT_VLLM_VENV, free_port, stop, wait_ready  # noqa: E402
+from online_serve import DEFAULT_VLLM_VENV, start_demo_server, stop  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 1024
@@ -500,29 +499,9 @@ def run_matrix(url: str) -> dict:
 # ---- servers ---------------------------------------------------------------------------------------------------
 
 def start(engine: str, vllm_venv: str, model: str, log_dir: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    if engine == "pdpool":
-        cmd = [sys.executable, "-m", "pdpool.cli", "serve", "--model", "demo", "--host", "127.0.0.1", "--port",
-               str(port), "--dtype", "float32", "--num-threads", str(THREADS), "--kv-cache-memory-gb",
-               str(KV_CACHE_GB), "--max-model-len", str(MAX_MODEL_LEN), *TRUST_TEMPLATE]
-        cwd = ROOT
-    else:
-        env.update(VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GB), VLLM_CPU_OMP_THREADS_BIND=f"0-{THREADS - 1}")
-        cmd = [str(Path(vllm_venv) / "bin" / "vllm"), "serve", model, "--served-model-name", "demo", "--host",
-               "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
-               "--seed", "0", *VLLM_TOOL_ARGS, *TRUST_TEMPLATE]
-        cwd = "/tmp"   # the checkout's operator/ folder would shadow the stdlib module
-    log = open(log_dir / f"{engine}.log", "w")
-    print(f"--- {engine}: {' '.join(cmd)}", flush=True)
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, proc, 600)
-    except BaseException:
-        stop(proc)
-        raise
-    return proc, url
+    return start_demo_server(engine, vllm_venv, model, log_dir / f"{engine}.log", threads=THREADS,
+                             max_model_len=MAX_MODEL_LEN, kv_cache_gb=KV_CACHE_GB, pdpool_args=TRUST_TEMPLATE,
+                             vllm_args=[*VLLM_TOOL_ARGS, *TRUST_TEMPLATE])
 
 
 # ---- comparison ------------------------------------------------------------------------------------------------

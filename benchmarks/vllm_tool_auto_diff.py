@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -27,7 +25,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from online_serve import DEFAULT_VLLM_VENV, free_port, stop, wait_ready  # noqa: E402
+from online_serve import DEFAULT_VLLM_VENV, start_demo_server, stop  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 THREADS = 2
@@ -129,29 +127,9 @@ def run(url: str, parser: str) -> dict:
 
 
 def start(engine: str, parser: str, vllm_venv: str, model: str, log_dir: Path):
-    port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     auto = ["--enable-auto-tool-choice", "--tool-call-parser", parser]
-    if engine == "pdpool":
-        cmd = [sys.executable, "-m", "pdpool.cli", "serve", "--model", "demo", "--host", "127.0.0.1", "--port",
-               str(port), "--dtype", "float32", "--num-threads", str(THREADS), "--max-model-len", "1024", *auto]
-        cwd = ROOT
-    else:
-        env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=f"0-{THREADS - 1}")
-        cmd = [str(Path(vllm_venv) / "bin" / "vllm"), "serve", model, "--served-model-name", "demo", "--host",
-               "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024", "--seed", "0",
-               *auto]
-        cwd = "/tmp"   # the checkout's operator/ folder would shadow the stdlib module
-    log = open(log_dir / f"{engine}-{parser}.log", "w")
-    print(f"--- {engine}: {' '.join(cmd)}", flush=True)
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, proc, 600)
-    except BaseException:
-        stop(proc)
-        raise
-    return proc, url
+    return start_demo_server(engine, vllm_venv, model, log_dir / f"{engine}-{parser}.log", threads=THREADS,
+                             max_model_len=1024, pdpool_args=auto, vllm_args=auto)
 
 
 def main() -> None:
