@@ -145,6 +145,12 @@ class Tokenizer:
             variables.update((k, v) for k, v in template_kwargs.items() if k in read)
         text = template.render(variables, messages=messages, add_generation_prompt=add_generation_prompt,
                                tools=tools)
+        try:   # the messages' text is checked before; a template variable's (a tool's, a kwarg's) is not
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequestError("the rendered chat holds an unpaired UTF-16 surrogate escape (from a template "
+                                      "variable)", param="chat_template_kwargs" if template_kwargs else
+                                      "tools" if tools else "chat_template" if chat_template else "messages") from None
         if not continue_final_message:
             return text
         tag_at = text.rfind(_CONTINUE_TAG.strip())
@@ -662,6 +668,8 @@ class Frontend:
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt, continue_final_message, tools,
                                                       chat_template, template_kwargs)
+        except InvalidRequestError:
+            raise
         except Exception as exc:  # noqa: BLE001 - a template error is the client's message list or template
             raise InvalidRequestError(f"cannot apply the chat template: {exc}",
                                       param="chat_template" if chat_template else "messages") from None

@@ -20,6 +20,7 @@ from typing import Any
 
 from pdpool.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, SamplingParamsError, short_repr
 from pdpool.engine.structured import StructuredOutputs
+from pdpool.frontend import InvalidRequestError
 from pdpool.server.errors import APIError
 from pdpool.server.tools import ToolChoice, parse_tools
 
@@ -402,6 +403,9 @@ def _bad_words(body: dict) -> list[str] | str | None:
     value = body.get("bad_words")
     if value is not None and not isinstance(value, (list, str)):
         raise APIError(f"'bad_words' must be a list of strings, got {short_repr(value)}", param="bad_words")
+    for word in [value] if isinstance(value, str) else value or ():
+        if isinstance(word, str):   # the rest SamplingParams refuses by type
+            _text(word, "bad_words")
     return value or None
 
 
@@ -597,6 +601,8 @@ def parse_chat(body: dict, served_model_names: list[str], render, tool_parser: s
     template_kwargs = chat_template_kwargs(body)
     try:
         prompt = render(messages, add_generation_prompt, continue_final_message, tools, chat_template, template_kwargs)
+    except InvalidRequestError as exc:
+        raise APIError(str(exc), param=exc.param) from None
     except Exception as exc:  # noqa: BLE001 - a template error is the client's message list or template
         raise APIError(f"cannot apply the chat template: {exc}",
                        param="chat_template" if chat_template else "messages") from None

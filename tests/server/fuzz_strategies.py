@@ -131,7 +131,8 @@ CHAT_TEMPLATES = st.one_of(
     st.sampled_from(["{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}",
                      "{% for m in messages %}{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}A:{% endif %}",
                      "{% for %}", "{{ undefined_thing.attr }}", "{{ raise_exception('no') }}", "", "{{ 1/0 }}",
-                     "{% for i in range(100000) %}word {% endfor %}", "{{ messages[99] }}"]),
+                     "{% for i in range(100000) %}word {% endfor %}", "{{ messages[99] }}",
+                     "{{ enable_thinking }}|{{ tools }}|{% for m in messages %}{{ m.content }}{% endfor %}"]),
     TEXTS, json_values())
 
 COMMON_FIELDS = {
@@ -170,14 +171,17 @@ COMPLETION_FIELDS = {**COMMON_FIELDS, "prompt": PROMPTS, "echo": st.one_of(st.bo
 CHAT_FIELDS = {**COMMON_FIELDS, "messages": MESSAGES, "logprobs": st.one_of(st.booleans(), json_values()),
                "top_logprobs": small_ints(0, 5), "max_completion_tokens": small_ints(1, 4),
                "add_generation_prompt": st.one_of(st.booleans(), json_values()),
-               "tools": st.one_of(st.just([{"type": "function", "function": {"name": "f"}}]), json_values()),
+               "tools": st.one_of(st.just([{"type": "function", "function": {"name": "f"}}]), json_values(),
+                                  TEXTS.map(lambda d: [{"type": "function",
+                                                        "function": {"name": "f", "description": d}}])),
                "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]), json_values()),
                "parallel_tool_calls": st.one_of(st.booleans(), json_values()),
                "echo": st.one_of(st.booleans(), json_values()),
                "continue_final_message": st.one_of(st.booleans(), json_values()),
                "chat_template": CHAT_TEMPLATES,
                "chat_template_kwargs": st.one_of(st.fixed_dictionaries({}, optional={
-                   "enable_thinking": st.booleans(), "add_generation_prompt": json_values()}), json_values())}
+                   "enable_thinking": st.one_of(st.booleans(), TEXTS, json_values()),
+                   "add_generation_prompt": json_values()}), json_values())}
 
 
 def _optional(fields: dict, keys: list[str]) -> st.SearchStrategy:

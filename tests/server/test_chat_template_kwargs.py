@@ -5,6 +5,8 @@ a variable) and on the default node (the model's template, which reads none of t
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -79,3 +81,15 @@ def test_any_kwargs_are_rendered_or_refused_by_name(permissive_server, kwargs):
     assert r.status_code in (200, 400), r.text
     if r.status_code == 400:
         assert r.json()["error"]["param"] in ("chat_template_kwargs", "chat_template", "messages"), r.text
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_a_surrogate_from_a_template_variable_is_a_400(permissive_server, path):
+    """JSON's \\ud800 escape passes the messages' checks inside a template variable: the rendered prompt is
+    checked too (it was a 500, found by the fuzzer)."""
+    body = {"model": "demo", "messages": CHAT, "max_tokens": 1, "chat_template": "{{ x }}{{ messages[0].content }}",
+            "chat_template_kwargs": {"x": "\ud800"}}
+    r = httpx.post(permissive_server.url + path, content=json.dumps(body).encode(), timeout=60,
+                   headers={**permissive_server.headers(), "Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "chat_template_kwargs"

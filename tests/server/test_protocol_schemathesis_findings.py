@@ -49,3 +49,11 @@ def test_bad_words_of_another_type_is_a_400(value):
 def test_bad_words_null_empty_a_word_or_a_list(value):
     req = protocol.parse_completion({"prompt": "hi", "bad_words": value}, NAMES)
     assert req.params.bad_words == (None if not value else [value] if isinstance(value, str) else value)
+
+
+@pytest.mark.parametrize("value", [["\ud800"], "a\udfffb", ["ok", "\ud800"]])
+def test_bad_words_with_an_unpaired_surrogate_is_a_400(value):
+    """Found by the node fuzzer (a 500: the tokenizer cannot take the word), not by schemathesis."""
+    with pytest.raises(APIError) as err:
+        protocol.parse_completion({"model": "demo", "prompt": "x", "bad_words": value}, NAMES)
+    assert err.value.param == "bad_words"
