@@ -609,6 +609,10 @@ def parse_chat(body: dict, served_model_names: list[str], render, tool_parser: s
     # Without max_tokens (None) the engine fills the rest of the context.
     params = _sampling(body, max_tokens, logprobs)
     params.prompt_logprobs = common["prompt_logprobs"]
+    if tool_choice is not None and tool_choice.parser == "hermes":
+        # vLLM's hermes parser: some models' <tool_call> and </tool_call> are special tokens (Hermes 2 Pro's, say);
+        # skipped in the text, no call could be read from it
+        params.skip_special_tokens = False
     if tool_choice is not None and tool_choice.schema is not None:   # "auto" leaves the output free
         if params.structured_outputs is not None:
             raise APIError(f"'{params.structured_outputs.param}' and 'tool_choice' {short_repr(body['tool_choice'])} "

@@ -139,3 +139,26 @@ def test_openapi_lists_auto_only_where_it_is_served(auto_server, server):
         schema = body["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
         return schema["properties"]["tool_choice"]["anyOf"][0]["anyOf"][0]["enum"]
     assert "auto" in choices(auto_server) and "auto" not in choices(server)
+
+
+@pytest.mark.parametrize("parser, skip", [("hermes", False), ("llama3_json", True), ("pythonic", True), (None, True)])
+def test_hermes_reads_the_text_with_special_tokens_as_vllm(parser, skip):
+    """vLLM's hermes parser turns skip_special_tokens off (some models' <tool_call> is a special token); the other
+    parsers, and a request without tools, keep the request's own setting."""
+    from pdpool.server import protocol
+
+    body = {"model": "demo", "messages": PLAIN, **({"tools": TOOLS} if parser else {})}
+    req = protocol.parse_chat(body, ["demo"], lambda messages, *flags: "x", parser)
+    assert req.params.skip_special_tokens is skip
+
+
+def test_special_tokens_kept_leave_the_stop_token_out_of_the_text(server):
+    """With skip_special_tokens false (hermes' setting) an answer that ends on the end-of-turn token does not
+    carry that token's text, as vLLM's does not: the stop token is no part of the content."""
+    body = {"model": "demo", "messages": [{"role": "user", "content": "Say OK."}], "max_tokens": 40,
+            "temperature": 0, "return_token_ids": True}
+    kept = post(server, "/v1/chat/completions", {**body, "skip_special_tokens": False}).json()["choices"][0]
+    skipped = post(server, "/v1/chat/completions", body).json()["choices"][0]
+    assert kept["finish_reason"] == skipped["finish_reason"] == "stop", (kept, skipped)
+    assert kept["message"]["content"] == skipped["message"]["content"]
+    assert "<|im_end|>" not in kept["message"]["content"] and "<|endoftext|>" not in kept["message"]["content"]
