@@ -83,6 +83,14 @@ def requests(draw) -> tuple[str, dict]:
         if draw(st.booleans()):
             messages.insert(0, {"role": "system", "content": "You answer briefly."})
         body["messages"] = messages
+        if draw(st.integers(0, 3)) == 0:   # the answer goes on from an assistant's start, echoed or not
+            messages.append({"role": "assistant", "content": draw(st.sampled_from(["The answer is", "Sure,"]))})
+            body["add_generation_prompt"] = False
+            if draw(st.booleans()):
+                body["continue_final_message"] = True
+            body["echo"] = draw(st.booleans())
+        if draw(st.integers(0, 4)) == 0:   # read by templates that know them; the router renders as the node
+            body["chat_template_kwargs"] = {"enable_thinking": draw(st.booleans())}
         max_tokens = draw(st.integers(1, 6))
         body[draw(st.sampled_from(["max_tokens", "max_completion_tokens"]))] = max_tokens
         if draw(st.booleans()):
@@ -130,6 +138,8 @@ def requests(draw) -> tuple[str, dict]:
         body["n"] = 2
     if draw(st.booleans()):
         body["return_token_ids"] = True
+    if draw(st.integers(0, 3)) == 0:
+        body["return_tokens_as_token_ids"] = True
     if draw(st.booleans()):
         body["stream"] = True
         if draw(st.booleans()):
