@@ -86,6 +86,7 @@ PARTIAL = [{"role": "user", "content": "What is the capital of France?"},
            {"role": "assistant", "content": "The capital of France is"}]
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
+KWARGS_TEMPLATE = "{% if enable_thinking %}<think>{% endif %}{% if style %}[{{ style }}]{% endif %}" + TEMPLATE
 STREAM_CONT = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
 
 # (name, method, path, JSON body or raw bytes or None); greedy cases (temperature 0, n 1) compare text too.
@@ -186,6 +187,16 @@ CASES: list[tuple[str, str, str, object]] = [
           max_tokens=4)),
     ("tokenize template", "POST", "/tokenize", {"model": "demo", "messages": CHAT, "chat_template": TEMPLATE}),
     ("cmpl chat_template ignored", "POST", "/v1/completions", cmpl(chat_template=TEMPLATE, max_tokens=3)),
+    # ---- chat_template_kwargs: the variables a template reads are passed, the others dropped ----
+    ("chat template kwargs read", "POST", "/v1/chat/completions",
+     chat(chat_template=KWARGS_TEMPLATE, chat_template_kwargs={"enable_thinking": True, "style": "terse"},
+          return_token_ids=True)),
+    ("chat template kwargs unread", "POST", "/v1/chat/completions",
+     chat(chat_template_kwargs={"enable_thinking": False, "unread": [1, 2]}, return_token_ids=True)),
+    ("chat template inside kwargs", "POST", "/v1/chat/completions",
+     chat(chat_template_kwargs={"chat_template": TEMPLATE}, return_token_ids=True)),
+    ("tokenize template kwargs", "POST", "/tokenize",
+     {"model": "demo", "messages": CHAT, "chat_template": KWARGS_TEMPLATE, "chat_template_kwargs": {"style": "x"}}),
     # ---- structured output (greedy: the text must match, which needs the same mask at every step) ----
     ("chat response_format json_object", "POST", "/v1/chat/completions",
      chat(response_format={"type": "json_object"}, max_tokens=40)),
@@ -291,6 +302,7 @@ CASES: list[tuple[str, str, str, object]] = [
     ("ERR chat template undefined", "POST", "/v1/chat/completions", chat(chat_template="{{ m.x.y }}")),
     ("ERR chat template renders nothing", "POST", "/v1/chat/completions", chat(chat_template="{{ '' }}")),
     ("ERR chat template not a string", "POST", "/v1/chat/completions", chat(chat_template=5)),
+    ("ERR chat template kwargs not an object", "POST", "/v1/chat/completions", chat(chat_template_kwargs=[1])),
     ("ERR chat echo not a boolean", "POST", "/v1/chat/completions", chat(echo="yes")),
     ("ERR cmpl token-id names not a boolean", "POST", "/v1/completions", cmpl(return_tokens_as_token_ids="yes")),
     ("ERR cmpl top_logprobs wrong endpoint", "POST", "/v1/chat/completions", chat(top_logprobs=2)),

@@ -251,7 +251,7 @@ def _chat_body(model: dict, vocab_size: int | None, max_model_len: int | None, a
             "echo": _nullable({"type": "boolean", "description": (
                 "the last message's content starts the answer when its role is the answer's (the assistant's, or "
                 "with add_generation_prompt false the last message's own)")}),
-            "chat_template": _chat_template(chat_template), "chat_template_kwargs": _TEMPLATE_KWARGS,
+            "chat_template": _chat_template(chat_template), "chat_template_kwargs": _template_kwargs(chat_template),
             **_tools(auto_tool_choice),
         },
         "allOf": [_STREAM_RULE, _CONTINUE_RULE, _needs("top_logprobs", _SET, "logprobs", True),
@@ -298,10 +298,19 @@ def _chat_template(trusted: bool) -> dict:
     return {"type": "null", "description": "a request's template needs --trust-request-chat-template"}
 
 
-_TEMPLATE_KWARGS = _nullable({"type": "object", "not": {"anyOf": [{"required": ["chat_template"]},
-                                                                  {"required": ["tokenize"]}]},
-                              "description": "more variables for the chat template (enable_thinking, say): those "
-                                             "it reads are passed; chat_template and tokenize are refused"})
+def _template_kwargs(trusted: bool) -> dict:
+    """``chat_template_kwargs``: ``tokenize`` refused; ``chat_template`` a request template (trusted only)."""
+    if trusted:
+        return _nullable({"type": "object", "not": {"required": ["tokenize"]},
+                          "properties": {"chat_template": _nullable({"type": "string"})},
+                          "description": "more variables for the chat template (enable_thinking, say): those it "
+                                         "reads are passed; chat_template is the request's template (vLLM's older "
+                                         "way), tokenize is refused"})
+    return _nullable({"type": "object", "not": {"anyOf": [{"required": ["tokenize"]}, {
+                      "required": ["chat_template"], "properties": {"chat_template": {"type": "string"}}}]},
+                      "description": "more variables for the chat template (enable_thinking, say): those it reads "
+                                     "are passed; tokenize, and a chat_template (it needs "
+                                     "--trust-request-chat-template), are refused"})
 
 
 def _tokenize_body(model: dict, chat_template: bool = False) -> dict:
@@ -309,7 +318,8 @@ def _tokenize_body(model: dict, chat_template: bool = False) -> dict:
         "add_special_tokens", "add_generation_prompt", "continue_final_message", "return_token_strs")}
     return {"type": "object", "additionalProperties": True,
             "properties": {"model": _nullable(model), "prompt": {"type": "string"}, "messages": _messages(),
-                           "chat_template": _chat_template(chat_template), "chat_template_kwargs": _TEMPLATE_KWARGS,
+                           "chat_template": _chat_template(chat_template),
+                           "chat_template_kwargs": _template_kwargs(chat_template),
                            **flags},
             # continue_final_message is read with messages only (a prompt is tokenized as it is)
             "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}],

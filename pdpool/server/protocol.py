@@ -536,27 +536,34 @@ def request_chat_template(body: dict, trusted: bool) -> str | None:
     """vLLM's rule: a request's ``chat_template`` (any string, "" too) is a 400 unless the server trusts them (a
     template is code the server runs); trusted, "" is the model's own."""
     template = get_str(body, "chat_template")
+    param = "chat_template"
+    kwargs = body.get("chat_template_kwargs")
+    if template is None and isinstance(kwargs, dict) and kwargs.get("chat_template") is not None:
+        # vLLM's older way, still taken: the template in chat_template_kwargs, under the same trust rule
+        template, param = kwargs["chat_template"], "chat_template_kwargs"
+        if not isinstance(template, str):
+            raise APIError(f"'chat_template_kwargs.chat_template' must be a string, got {short_repr(template)}",
+                           param=param)
+        _text(template, param)
     if template is not None and not trusted:
-        raise APIError("'chat_template' is given but this server does not take a request's chat template: start "
-                       "it with --trust-request-chat-template (a pool: its router and its nodes)",
-                       param="chat_template")
+        raise APIError(f"'{param}' gives a chat template but this server does not take a request's chat template: "
+                       "start it with --trust-request-chat-template (a pool: its router and its nodes)", param=param)
     return template or None
 
 
 def chat_template_kwargs(body: dict) -> dict | None:
     """A request's ``chat_template_kwargs``: more variables for the chat template (``enable_thinking``, say). As in
-    vLLM, it may not set ``chat_template`` (that is the trusted field's) or ``tokenize``."""
+    vLLM, ``tokenize`` is refused, and ``chat_template`` is the request's template (``request_chat_template``), no
+    variable."""
     kwargs = body.get("chat_template_kwargs")
     if kwargs is None:
         return None
     if not isinstance(kwargs, dict):
         raise APIError(f"'chat_template_kwargs' must be an object of template variables, got {short_repr(kwargs)}",
                        param="chat_template_kwargs")
-    refused = sorted({"chat_template", "tokenize"} & kwargs.keys())
-    if refused:
-        raise APIError(f"'chat_template_kwargs' may not set {', '.join(map(repr, refused))} (a request's template "
-                       f"goes in 'chat_template')", param="chat_template_kwargs")
-    return kwargs or None
+    if "tokenize" in kwargs:
+        raise APIError("'chat_template_kwargs' may not set 'tokenize'", param="chat_template_kwargs")
+    return {k: v for k, v in kwargs.items() if k != "chat_template"} or None
 
 
 def _check_continuation(messages: list[dict], add_generation_prompt: bool) -> None:

@@ -58,13 +58,27 @@ def test_the_models_template_ignores_what_it_does_not_read(server):
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("kwargs", [{"chat_template": "{{ 1 }}"}, {"tokenize": True}, [], "x", 5])
+@pytest.mark.parametrize("kwargs", [{"chat_template": "{{ 1 }}"}, {"tokenize": True}, [], "x", 5,
+                                    {"chat_template": 5}])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
 def test_refused_by_name(server, path, kwargs):
     r = httpx.post(server.url + path, headers=server.headers(), timeout=60,
                    json={"model": "demo", "messages": CHAT, "max_tokens": 1, "chat_template_kwargs": kwargs})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "chat_template_kwargs", r.text
+
+
+def test_a_template_in_the_kwargs_is_the_requests_template_where_trusted(permissive_server):
+    """vLLM's older way, still taken (on a trusting server): chat_template inside chat_template_kwargs renders as
+    the request's chat_template, which wins when both are given."""
+    other = "{% for m in messages %}{{ m.content }}!{% endfor %}"
+    assert rendered(permissive_server, {"chat_template_kwargs": {"chat_template": THINKING, "style": "s"}}) \
+        == rendered(permissive_server, {"chat_template": THINKING, "chat_template_kwargs": {"style": "s"}}) \
+        == "[s]<user>Name three colors.<a>"
+    assert rendered(permissive_server, {"chat_template": other, "chat_template_kwargs": {"chat_template": THINKING}}) \
+        == "Name three colors.!"
+    r = tokenize(permissive_server, {"chat_template_kwargs": {"chat_template": ["x"]}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
