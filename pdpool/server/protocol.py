@@ -577,6 +577,27 @@ def _check_continuation(messages: list[dict], add_generation_prompt: bool) -> No
                        f"{short_repr(messages[-1]['role'])}", param="messages")
 
 
+def render_chat_prompt(body: dict, messages: list[dict], tools: list[dict] | None, render,
+                       trust_chat_template: bool) -> tuple[str, bool]:
+    """A chat body's prompt, as chat completions and ``/tokenize`` render it (``render`` as ``parse_chat`` takes
+    it), and its ``add_generation_prompt``: the two flags, the request's template and kwargs, every failure a 400
+    naming its field."""
+    add_generation_prompt = get_bool(body, "add_generation_prompt", True)
+    continue_final_message = get_bool(body, "continue_final_message")
+    if continue_final_message:
+        _check_continuation(messages, add_generation_prompt)
+    chat_template = request_chat_template(body, trust_chat_template)
+    template_kwargs = chat_template_kwargs(body)
+    try:
+        prompt = render(messages, add_generation_prompt, continue_final_message, tools, chat_template, template_kwargs)
+    except InvalidRequestError as exc:
+        raise APIError(str(exc), param=exc.param) from None
+    except Exception as exc:  # noqa: BLE001 - a template error is the client's message list or template
+        raise APIError(f"cannot apply the chat template: {exc}",
+                       param="chat_template" if chat_template else "messages") from None
+    return prompt, add_generation_prompt
+
+
 def parse_chat(body: dict, served_model_names: list[str], render, tool_parser: str | None = None, *,
                trust_chat_template: bool = False) -> GenerationRequest:
     """``render(messages, add_generation_prompt, continue_final_message, tools, chat_template, template_kwargs) ->
@@ -595,24 +616,12 @@ def parse_chat(body: dict, served_model_names: list[str], render, tool_parser: s
     max_tokens = get_int(body, "max_completion_tokens", None, ge=1)
     if max_tokens is None:
         max_tokens = legacy_max_tokens
-    add_generation_prompt = get_bool(body, "add_generation_prompt", True)
-    continue_final_message = get_bool(body, "continue_final_message")
-    if continue_final_message:
-        _check_continuation(messages, add_generation_prompt)
+    prompt, add_generation_prompt = render_chat_prompt(body, messages, tools, render, trust_chat_template)
     response_role = "assistant" if add_generation_prompt else messages[-1]["role"]
     echo = get_bool(body, "echo") and messages[-1]["role"] == response_role
     # vLLM's chat echo: the last message, when its role is the answer's, starts the answer (with
     # continue_final_message, the whole message then: its given start and the continuation)
     chat_echo = messages[-1]["content"] if echo else ""
-    chat_template = request_chat_template(body, trust_chat_template)
-    template_kwargs = chat_template_kwargs(body)
-    try:
-        prompt = render(messages, add_generation_prompt, continue_final_message, tools, chat_template, template_kwargs)
-    except InvalidRequestError as exc:
-        raise APIError(str(exc), param=exc.param) from None
-    except Exception as exc:  # noqa: BLE001 - a template error is the client's message list or template
-        raise APIError(f"cannot apply the chat template: {exc}",
-                       param="chat_template" if chat_template else "messages") from None
     # Without max_tokens (None) the engine fills the rest of the context.
     params = _sampling(body, max_tokens, logprobs)
     params.prompt_logprobs = common["prompt_logprobs"]

@@ -138,7 +138,7 @@ def _token_str(tokenizer, token_id: int) -> str:
 def _token_name(tokenizer, token_id: int, as_ids: bool) -> str:
     """A token as logprobs name it: its text, or with vLLM's ``return_tokens_as_token_ids`` ``token_id:<id>`` (a
     token that is part of a UTF-8 character has no text of its own)."""
-    return f"token_id:{token_id}" if as_ids else tokenizer.decode([token_id])
+    return f"token_id:{token_id}" if as_ids else _token_str(tokenizer, token_id)
 
 
 def completion_logprobs(tokenizer, entries: list[TokenLogprobs], choice: _Choice, as_ids: bool = False) -> dict:

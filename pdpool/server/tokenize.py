@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from pdpool.frontend import Frontend, InvalidRequestError, check_token_ids
 from pdpool.server.errors import APIError
+from pdpool.server.protocol import _messages, _text, get_bool, model_not_found, render_chat_prompt, short_repr
 from pdpool.server.tools import read_tools
-from pdpool.server.protocol import (_check_continuation, _messages, _text, chat_template_kwargs, get_bool,
-                                    model_not_found, request_chat_template, short_repr)
 
 
 def _check_model(body: dict, served_model_names: list[str]) -> None:
@@ -44,17 +43,8 @@ def tokenize(body: dict, frontend: Frontend, served_model_names: list[str], max_
         add_special = get_bool(body, "add_special_tokens", True)
     else:
         messages = _messages(body)
-        add_generation_prompt = get_bool(body, "add_generation_prompt", True)
-        continue_final_message = get_bool(body, "continue_final_message")
-        if continue_final_message:
-            _check_continuation(messages, add_generation_prompt)
-        chat_template = request_chat_template(body, trust_chat_template)
-        try:
-            text = frontend.render_chat(messages, add_generation_prompt, continue_final_message,
-                                        read_tools(body["tools"]) if body.get("tools") is not None else None,
-                                        chat_template, chat_template_kwargs(body))
-        except InvalidRequestError as exc:
-            raise APIError(str(exc), param=exc.param) from None
+        tools = read_tools(body["tools"]) if body.get("tools") is not None else None
+        text, _ = render_chat_prompt(body, messages, tools, frontend.render_chat, trust_chat_template)
         add_special = get_bool(body, "add_special_tokens", False)
     ids = frontend.tokenizer.encode(text, add_special_tokens=add_special)
     strs = frontend.tokenizer.convert_ids_to_tokens(ids) if get_bool(body, "return_token_strs") else None
