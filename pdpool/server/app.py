@@ -1,4 +1,4 @@
-"""The OpenAI HTTP surface of one node (aiohttp): completions, chat, models, health, metrics.
+"""The OpenAI HTTP surface of one node (aiohttp): completions, chat, responses, models, health, metrics.
 
 Pure HTTP: ``create_app(config, node, routes)`` receives what it serves. ``node`` (``ServedNode``, built by
 ``pdpool.node.Node``) gives the engine once loaded, the node's status and its metrics; ``routes`` are the node's
@@ -20,10 +20,11 @@ from aiohttp import web
 from pdpool import __version__
 from pdpool.config import auto_tool_parser
 from pdpool.logs import HEADER as REQUEST_ID_HEADER, request_id_from, request_id_var
-from pdpool.server import openapi, protocol, tokenize
+from pdpool.server import openapi, protocol, responses, tokenize
 from pdpool.server.auth import check_api_key
 from pdpool.server.errors import APIError, error_middleware
 from pdpool.server.metrics import CONTENT_TYPE, ServerMetrics
+from pdpool.server.response_events import ResponseEvents
 from pdpool.server.serving import Generation, full_response, stream_response
 
 logger = logging.getLogger("pdpool.server")
@@ -99,17 +100,32 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, llm, req)
 
 
+def _parse_chat(request: web.Request, llm, body: dict) -> protocol.GenerationRequest:
+    server = request.app[CONFIG_KEY].server
+    return protocol.parse_chat(body, _served_names(request), llm.tokenizer.apply_chat_template,
+                               auto_tool_parser(server), trust_chat_template=server.trust_request_chat_template)
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await protocol.read_json(request)
     llm = request.app[NODE_KEY].require_llm()
-    req = protocol.parse_chat(body, _served_names(request), llm.tokenizer.apply_chat_template,
-                              auto_tool_parser(request.app[CONFIG_KEY].server),
-                              trust_chat_template=request.app[CONFIG_KEY].server.trust_request_chat_template)
+    req = _parse_chat(request, llm, body)
     req.prompt_token_ids = forwarded_token_ids(body, len(req.prompts))
     return await _generate(request, llm, req)
 
 
-async def _generate(request: web.Request, llm, req: protocol.GenerationRequest) -> web.StreamResponse:
+async def responses_route(request: web.Request) -> web.StreamResponse:
+    """OpenAI's Responses API on the chat path (``pdpool.server.responses``)."""
+    body = await protocol.read_json(request)
+    llm = request.app[NODE_KEY].require_llm()
+    turn, req = responses.parse(body, lambda chat: _parse_chat(request, llm, chat))
+    req.prompt_token_ids = forwarded_token_ids(body, len(req.prompts))
+    return await _generate(request, llm, req, turn)
+
+
+async def _generate(request: web.Request, llm, req: protocol.GenerationRequest,
+                    turn: responses.ResponsesTurn | None = None) -> web.StreamResponse:
+    """``turn``: a Responses request's, whose answer is a Response (its events, streamed) made of the chat's."""
     rid = request["request_id"]
     server_config = request.app[CONFIG_KEY].server
     if req.return_tokens_as_token_ids is None:   # the request's choice wins, either way, as in vLLM
@@ -120,14 +136,21 @@ async def _generate(request: web.Request, llm, req: protocol.GenerationRequest) 
     gen = Generation(llm, req, rid)
     await gen.start()
     if req.stream:
-        return await stream_response(gen, request)
+        events = None if turn is None else ResponseEvents(
+            turn, req, rid, len(gen.choices[0].stream.prompt_token_ids), llm.max_model_len)
+        return await stream_response(gen, request, events)
+
+    async def answer() -> dict:
+        chat = await full_response(gen)
+        return chat if turn is None else responses.response_body(turn, req, chat, rid, llm.max_model_len)
+
     if not req.kv_transfer_params:
-        return web.json_response(await full_response(gen), headers={REQUEST_ID_HEADER: rid})
+        return web.json_response(await answer(), headers={REQUEST_ID_HEADER: rid})
     # A prefill request: its response carries a KV handle (a lease on blocks). If the client never gets it (it
     # left, the write failed), nobody will ever claim the lease: release it now rather than at its expiry.
     body = None
     try:
-        body = await full_response(gen)
+        body = await answer()
         response = web.json_response(body, headers={REQUEST_ID_HEADER: rid})
         await response.prepare(request)
         await response.write_eof()
@@ -234,6 +257,7 @@ def create_app(node_config, node: ServedNode, routes: list[web.RouteDef] = ()) -
     app[CONFIG_KEY] = node_config
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses_route)
     app.router.add_post("/tokenize", tokenize_route)
     app.router.add_post("/detokenize", detokenize_route)
     app.router.add_get("/v1/models", models)

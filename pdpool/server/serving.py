@@ -295,7 +295,9 @@ def _sse(data: dict | str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
-async def stream_response(gen: Generation, http_request: web.Request) -> web.StreamResponse:
+async def stream_response(gen: Generation, http_request: web.Request, events=None) -> web.StreamResponse:
+    """The chat or completion chunks as SSE; ``events`` (``response_events.ResponseEvents``) turns a chat's chunks
+    into another API's events instead."""
     req = gen.req
     tokenizer = gen.llm.tokenizer
     as_ids = bool(req.return_tokens_as_token_ids)
@@ -303,6 +305,13 @@ async def stream_response(gen: Generation, http_request: web.Request) -> web.Str
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        REQUEST_ID_HEADER: gen.request_id})
     await resp.prepare(http_request)
+    encode = _sse if events is None else events.sse
+
+    async def emit(item: dict | str) -> None:
+        data = encode(item)
+        if data:
+            await resp.write(data)
+
     merged: asyncio.Queue = asyncio.Queue()
 
     async def pump(c: _Choice) -> None:
@@ -346,13 +355,13 @@ async def stream_response(gen: Generation, http_request: web.Request) -> web.Str
                               choice_usage(None, len(c.stream.prompt_token_ids)))
                 if req.return_token_ids:
                     first["prompt_token_ids"] = c.stream.prompt_token_ids
-                await resp.write(_sse(first))
+                await emit(first)
             if req.chat_echo:   # vLLM's chat echo: each choice's next chunk is the echoed message
                 for c in gen.choices:
-                    await resp.write(_sse(chunk([{"index": c.index, "delta": {"content": req.chat_echo},
-                                                  "logprobs": None, "finish_reason": None}],
-                                                choice_usage(None, len(c.stream.prompt_token_ids)))))
-        def echo_chunk(c: _Choice, prompt_logprobs: list | None) -> bytes:
+                    await emit(chunk([{"index": c.index, "delta": {"content": req.chat_echo},
+                                       "logprobs": None, "finish_reason": None}],
+                                     choice_usage(None, len(c.stream.prompt_token_ids))))
+        def echo_chunk(c: _Choice, prompt_logprobs: list | None) -> dict:
             prompt = req.prompts[c.index // req.n]
             if c.stream.prompt_cut:   # truncate_prompt_tokens cut it: what the engine kept, as a whole answer gives
                 prompt = c.stream.prompt_token_ids
@@ -363,13 +372,13 @@ async def stream_response(gen: Generation, http_request: web.Request) -> web.Str
             if req.return_token_ids:
                 choice["prompt_token_ids"] = c.stream.prompt_token_ids
                 ids_sent.add(c.index)
-            return _sse(chunk([choice], choice_usage(None, len(c.stream.prompt_token_ids))))
+            return chunk([choice], choice_usage(None, len(c.stream.prompt_token_ids)))
 
         # echo: the prompt first; with logprobs, once the engine has them (with the first token), as vLLM does
         echo_late = req.echo and req.logprobs is not None
         if req.echo and not echo_late:
             for c in gen.choices:
-                await resp.write(echo_chunk(c, None))
+                await emit(echo_chunk(c, None))
         pending = len(tasks)
         while pending:
             c, out = await merged.get()
@@ -377,11 +386,11 @@ async def stream_response(gen: Generation, http_request: web.Request) -> web.Str
                 pending -= 1
                 continue
             if isinstance(out, BaseException):
-                await resp.write(_sse(api_error(out).body()))
+                await emit(api_error(out).body())
                 continue
             latest[c.index] = out
             if echo_late and out.prompt_logprobs is not None:
-                await resp.write(echo_chunk(c, out.prompt_logprobs))
+                await emit(echo_chunk(c, out.prompt_logprobs))
             if req.echo_only:         # nothing generated goes out: the final chunk, empty, says why it ended
                 if not out.finished:
                     continue
@@ -441,12 +450,12 @@ async def stream_response(gen: Generation, http_request: web.Request) -> web.Str
                     data["prompt_logprobs"] = plp
                 else:
                     choice["prompt_logprobs"] = plp
-            await resp.write(_sse(data))
+            await emit(data)
         if req.include_usage:
             final = chunk([], gen.usage([latest.get(x.index) for x in gen.choices]))
             final["system_fingerprint"] = gen.system_fingerprint
-            await resp.write(_sse(final))
-        await resp.write(_sse("[DONE]"))
+            await emit(final)
+        await emit("[DONE]")
         await resp.write_eof()
     finally:
         for t in tasks:
