@@ -4,14 +4,15 @@ the node has run so far.
 
     .venv/bin/python benchmarks/node_rss_soak.py [--requests 500] [--every 100] [--concurrency 4]
         [--prompt-lens random|fixed] [--max-prompt 600] [--max-tokens 64] [--num-threads 1] [--trim]
-        [--env ONEDNN_PRIMITIVE_CACHE_CAPACITY=16] [--serve-args '--max-num-seqs 8'] [--seed 0]
+        [--env ONEDNN_PRIMITIVE_CACHE_CAPACITY=16] [--serve-args '--max-num-seqs 8'] [--seed 0] [--idle-wait 3]
 
 The node runs as `python -c <shim> serve --model demo ...` (the shim is below): the usual CLI, plus a daemon
 thread that writes, twice a second, the counts of distinct step token counts T (`ModelRunner.run`'s input rows) and
 of distinct row counts per GEMM path (cpu_linear's native <= 32 rows, oneDNN-packed <= 128, F.linear above), and
 that calls glibc's `malloc_trim(0)` when asked (`--trim`: the table then also shows RSS after a trim at each
-sample, so freed-but-kept heap and memory that is really held can be told apart). RSS is read from the outside:
-/proc/<pid>/status VmRSS and /proc/<pid>/smaps_rollup Anonymous.
+sample, so freed-but-kept heap and memory that is really held can be told apart). `--idle-wait S` reads RSS once
+more after S seconds with no request: the node trims its heap by itself once idle (`HEAP_TRIM_IDLE_SECONDS`). RSS is
+read from the outside: /proc/<pid>/status VmRSS and /proc/<pid>/smaps_rollup Anonymous.
 
 Prompts are random token ids (no prefix-cache hits, no tokenizer caches): `random` draws each prompt length from
 1..--max-prompt and max_tokens from 1..--max-tokens; `fixed` draws the prompt length from {64, 128, 256} and uses
@@ -153,6 +154,8 @@ def main() -> None:
     ap.add_argument("--num-threads", type=int, default=1, help="the node's torch threads (pdpool up: 1 on CPU)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trim", action="store_true", help="also show RSS after malloc_trim(0) at each sample")
+    ap.add_argument("--idle-wait", type=float, default=0.0,
+                    help="also read RSS after this many idle seconds at each sample (the node's own idle trim)")
     ap.add_argument("--env", action="append", default=[], help="K=V for the node's environment (repeatable)")
     ap.add_argument("--serve-args", default="", help="more flags for pdpool serve")
     ap.add_argument("--out", default=None, help="folder for the node's log (default: a temp one)")
@@ -198,10 +201,14 @@ def main() -> None:
             rss, anon = memory(pid)
             s = stats()
             row = {"requests": done, "s": elapsed, "rss": rss, "anon": anon, "threads": threads(pid), **s}
+            if args.idle_wait:
+                time.sleep(args.idle_wait)
+                row["rss_idle"] = memory(pid)[0]
             if args.trim:
                 row["rss_trim"] = trimmed_rss()
             rows.append(row)
             print(f"  {done:>6} req {elapsed:>6.0f} s  RSS {rss:7.1f}  anon {anon:7.1f} MiB"
+                  + (f"  idle {row['rss_idle']:7.1f}" if args.idle_wait else "")
                   + (f"  trimmed {row['rss_trim']:7.1f}" if args.trim else "")
                   + f"  step shapes {s['steps']:>4}  rows native/packed/F.linear "
                   f"{s['native']}/{s['packed']}/{s['f_linear']}  threads {row['threads']}", flush=True)
@@ -222,12 +229,14 @@ def main() -> None:
               f"ok {client.ok}, dropped streams {client.dropped}, refused {client.refused}, errors {client.errors}; "
               f"env {' '.join(args.env) or '(default)'}; serve args '{args.serve_args}'; "
               f"{args.num_threads} torch threads")
-        head = (f"{'requests':>9}{'RSS MiB':>9}{'anon MiB':>9}" + (f"{'trimmed':>9}" if args.trim else "")
+        head = (f"{'requests':>9}{'RSS MiB':>9}{'anon MiB':>9}" + (f"{'idle':>9}" if args.idle_wait else "")
+                + (f"{'trimmed':>9}" if args.trim else "")
                 + f"{'dRSS':>7}{'steps T':>8}{'native':>7}{'packed':>7}{'F.lin':>7}")
         print(head)
         base = rows[0]["rss"]
         for r in rows:
             print(f"{r['requests']:>9}{r['rss']:>9.1f}{r['anon']:>9.1f}"
+                  + (f"{r['rss_idle']:>9.1f}" if args.idle_wait else "")
                   + (f"{r['rss_trim']:>9.1f}" if args.trim else "")
                   + f"{r['rss'] - base:>+7.0f}{r['steps']:>8}{r['native']:>7}{r['packed']:>7}{r['f_linear']:>7}")
         if len(rows) > 2:

@@ -9,6 +9,8 @@
     with no request running, the next step waits until requests stop arriving (``--arrival-wait-ms`` of quiet, at
     most ARRIVAL_MAX_WAIT_SECONDS; on CPU by default): a burst of requests is prefilled in one step, not the first
     one alone while the others wait out its prefill and then hold it back with theirs
+    with no request for HEAP_TRIM_IDLE_SECONDS after some steps, the engine thread gives the C heap's free pages
+    back to the OS (``utils.release_free_heap``), so an idle node's RSS falls back from its busy high-water mark
 
 Every call into the engine runs on that one worker thread, so the engine needs no locks: an ``add_request``
 lands between two steps. Text never touches the engine thread.
@@ -33,12 +35,14 @@ from pdpool.engine.sampler import RequestFault
 from pdpool.engine.sampling_params import SamplingParams
 from pdpool.engine.structured import Grammars
 from pdpool.frontend import Frontend, ModelFiles, Tokenizer
+from pdpool.utils import release_free_heap
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_SECONDS = 0.01
 ARRIVAL_QUIET_MS_CPU = 4.0  # a burst's requests reach the engine within a few ms of each other here
 ARRIVAL_MAX_WAIT_SECONDS = 0.03
+HEAP_TRIM_IDLE_SECONDS = 2.0  # this long with no request after some work: the freed C heap goes back to the OS
 
 
 class LatencyObserver(Protocol):
@@ -117,6 +121,7 @@ class AsyncLLM:
         self._work: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._closed = False
+        self._heap_dirty = False  # steps ran since the last heap trim
         self.num_step_errors = 0
         wait_ms = node_config.scheduler.arrival_wait_ms
         if wait_ms is None:  # on CPU a prefill step takes seconds, so a few ms to gather a burst pay; not on CUDA
@@ -228,7 +233,14 @@ class AsyncLLM:
             if pending is None:
                 if not self.engine.has_unfinished_requests():
                     self._work.clear()
-                    await self._work.wait()
+                    if not self._heap_dirty:
+                        await self._work.wait()
+                        continue
+                    try:
+                        await asyncio.wait_for(self._work.wait(), HEAP_TRIM_IDLE_SECONDS)
+                    except asyncio.TimeoutError:  # idle: trim on the engine thread, between two steps
+                        self._heap_dirty = False
+                        await self._call(release_free_heap)
                     continue
                 if self._arrival_quiet and not idle and not self.engine.scheduler.num_running:  # new requests only: a burst's first step
                     await self._gather_arrivals()
@@ -241,6 +253,7 @@ class AsyncLLM:
                 await asyncio.sleep(0.01)
                 continue
             pending = None
+            self._heap_dirty = True
             idle = not outputs and not self.engine.last_step_num_scheduled  # e.g. all waiting for remote KV
             if not idle and self.engine.has_unfinished_requests():
                 pending = self._submit_step()  # the engine computes the next step while we process this one
