@@ -85,6 +85,7 @@ STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_re
 # Constraints that compile and leave room for any min_tokens: what a schema-valid schema, regex or grammar becomes
 COMPILING = {"json": {"type": "object"}, "regex": "[a-z ]{0,64}", "grammar": 'start: /[a-z ]{0,64}/'}
 CHOICES = ["yes", "no"]
+TAG = {"structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}], "triggers": ["<f"]}
 
 
 def with_cross_field_rules(operation, body):
@@ -127,6 +128,11 @@ def _one_compiling_constraint(body: dict) -> None:
                 value[key] = good
         if _words(value.get("choice")):
             value["choice"] = CHOICES
+        if isinstance(value.get("structural_tag"), (dict, str)) and value["structural_tag"] != "":
+            value["structural_tag"] = TAG   # a begin no trigger starts, or a schema that does not compile: a 400
+    elif field == "response_format" and isinstance(value, dict) and value.get("type") == "structural_tag" \
+            and isinstance(value.get("structures"), list) and value["structures"]:
+        value.update(TAG)
     elif field == "response_format" and isinstance(value, dict) and isinstance(value.get("json_schema"), dict) \
             and isinstance(value["json_schema"].get("schema"), (dict, bool)):
         value["json_schema"]["schema"] = COMPILING["json"]

@@ -1,4 +1,5 @@
-"""Structured output: JSON schemas, JSON mode, regular expressions, choices and grammars, enforced token by token.
+"""Structured output: JSON schemas, JSON mode, regular expressions, choices, grammars and structural tags, enforced
+token by token.
 
 A request's constraint (vLLM's ``structured_outputs``, or OpenAI's ``response_format``) is compiled by the front
 end, once per distinct constraint, into an llguidance grammar (``Grammars.compile``; a bad schema or regex is an
@@ -25,10 +26,10 @@ from dataclasses import dataclass
 from pdpool.engine.sampling_params import SamplingParamsError, short_repr
 
 # One constraint per request; vLLM's ``StructuredOutputsParams`` names. ``json_object``: any JSON object.
-KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# ``structural_tag``: free text in which each trigger starts a tagged segment (begin, JSON of a schema, end).
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 # vLLM's options beside the constraint: taken (the one that changes the grammar is ``disable_any_whitespace``).
 OPTIONS = ("disable_any_whitespace", "disable_fallback", "disable_additional_properties", "whitespace_pattern")
-_REFUSED = ("structural_tag",)
 _ANY_OBJECT = {"type": "object"}
 
 
@@ -52,10 +53,7 @@ class StructuredOutputs:
         if not isinstance(raw, dict):
             raise SamplingParamsError(param, f"{param} must be an object with one of {', '.join(KINDS)}, got "
                                       f"{short_repr(raw)}")
-        for name in _REFUSED:
-            if raw.get(name) is not None:
-                raise SamplingParamsError(param, f"{param}.{name} is not supported")
-        unknown = sorted(set(raw) - set(KINDS) - set(OPTIONS) - set(_REFUSED))
+        unknown = sorted(set(raw) - set(KINDS) - set(OPTIONS))
         if unknown:
             raise SamplingParamsError(param, f"{param} has unknown fields {unknown}: it takes one of "
                                       f"{', '.join(KINDS)}")
@@ -81,11 +79,13 @@ class StructuredOutputs:
 
 
 def _checked(kind: str, value, where: str):
+    if kind == "structural_tag":
+        return _structural_tag(value, where)
     if kind == "json":
         if isinstance(value, str):
             try:
                 value = json.loads(value)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:
                 raise SamplingParamsError(where, f"{where} is not valid JSON: {exc}") from None
         if not isinstance(value, (dict, bool)):
             raise SamplingParamsError(where, f"{where} must be a JSON schema (an object), got {short_repr(value)}")
@@ -101,6 +101,50 @@ def _checked(kind: str, value, where: str):
     elif value is not True:   # json_object
         raise SamplingParamsError(where, f"{where} must be true, got {short_repr(value)}")
     return value
+
+
+def _structural_tag(value, where: str) -> dict:
+    """vLLM's structural tag (its guidance backend's shape), as JSON text or an object: ``{"structures": [{"begin",
+    "schema", "end"}, ...], "triggers": [...]}``, each ``begin`` starting with one of the triggers. Returned with
+    only those keys, each schema an object. xgrammar's newer ``{"format": ...}`` shape is refused, as vLLM's guidance
+    backend refuses it (llguidance has no compiler for it). Errors name the request's field, as vLLM's do."""
+    param = where.split(".", 1)[0]
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as exc:
+            raise SamplingParamsError(param, f"{where} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise SamplingParamsError(param, f"{where} must be an object with 'structures' and 'triggers', got "
+                                  f"{short_repr(value)}")
+    if "structures" not in value and "format" in value:
+        raise SamplingParamsError(param, f"{where}: the 'format' shape of structural tags (xgrammar's) is not "
+                                  "supported; send {\"structures\": [{\"begin\", \"schema\", \"end\"}], \"triggers\": "
+                                  "[...]}")
+    structures, triggers = value.get("structures"), value.get("triggers")
+    if not isinstance(triggers, list) or not all(isinstance(t, str) and t for t in triggers):
+        raise SamplingParamsError(param, f"{where}.triggers must be a list of non-empty strings, got "
+                                  f"{short_repr(triggers)}")
+    if not isinstance(structures, list) or not structures:
+        raise SamplingParamsError(param, f"{where}.structures must be a non-empty list of {{\"begin\", \"schema\", "
+                                  f"\"end\"}} objects, got {short_repr(structures)}")
+    kept = []
+    for i, tag in enumerate(structures):
+        at = f"{where}.structures[{i}]"
+        if not isinstance(tag, dict) or not isinstance(tag.get("begin"), str) or not isinstance(tag.get("end"), str):
+            raise SamplingParamsError(param, f"{at} must be an object with string 'begin' and 'end' and a 'schema', "
+                                      f"got {short_repr(tag)}")
+        if not any(tag["begin"].startswith(t) for t in triggers):
+            raise SamplingParamsError(param, f"{at}.begin {short_repr(tag['begin'])} starts with none of the "
+                                      f"triggers {short_repr(triggers)}")
+        if tag.get("schema") is None:
+            raise SamplingParamsError(param, f"{at}.schema is required (a JSON schema)")
+        try:
+            schema = _checked("json", tag["schema"], f"{at}.schema")
+        except SamplingParamsError as exc:
+            raise SamplingParamsError(param, str(exc)) from None
+        kept.append({"begin": tag["begin"], "schema": {} if schema is True else schema, "end": tag["end"]})
+    return {"structures": kept, "triggers": list(triggers)}
 
 
 @dataclass(frozen=True)
@@ -173,17 +217,36 @@ def _grammar_text(spec: StructuredOutputs) -> str:
 
     if spec.kind in ("json", "json_object"):
         schema = _ANY_OBJECT if spec.kind == "json_object" else spec.value
-        if isinstance(schema, bool):   # JSON Schema's true (any value) and false (none)
-            if not schema:
-                raise ValueError("the schema false matches nothing")
-            schema = {}
-        return llguidance.LLMatcher.grammar_from_json_schema(
-            schema, defaults={"whitespace_flexible": not spec.compact_json})
+        return _json_grammar(schema, spec.compact_json)
     if spec.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec.value)
+    if spec.kind == "structural_tag":   # each begin's trigger: the first that starts it, as vLLM picks
+        triggers = spec.value["triggers"]
+        return llguidance.StructTag.to_grammar([llguidance.StructTag(
+            trigger=next(t for t in triggers if tag["begin"].startswith(t)), begin=tag["begin"], end=tag["end"],
+            grammar=_tag_schema(tag["schema"], spec.compact_json)) for tag in spec.value["structures"]])
     if spec.kind == "choice":
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.value))
     return llguidance.grammar_from("grammar", spec.value)   # Lark, or GBNF (converted)
+
+
+def _json_grammar(schema, compact: bool) -> str:
+    import llguidance
+
+    if isinstance(schema, bool):   # JSON Schema's true (any value) and false (none)
+        if not schema:
+            raise ValueError("the schema false matches nothing")
+        schema = {}
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": not compact})
+
+
+def _tag_schema(schema, compact: bool) -> dict:
+    """A structural tag's schema as ``StructTag`` takes it: the schema itself, its whitespace rule inside. (vLLM's
+    guidance backend hands it a compiled top-level grammar, which ``%json`` reads as a schema of unknown keywords:
+    any JSON value. Its default backend, xgrammar, holds the schema, as this does.)"""
+    if schema is False:
+        raise ValueError("the schema false matches nothing")
+    return {**(schema if isinstance(schema, dict) else {}), "x-guidance": {"whitespace_flexible": not compact}}
 
 
 class RowMatcher:

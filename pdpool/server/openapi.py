@@ -146,9 +146,17 @@ def _structured() -> dict:
     text = {"type": "string", "minLength": 1}
     schema = {"anyOf": [{"type": "object"}, {"type": "boolean"}], "description": "a JSON schema"}
     choices = {"type": "array", "items": text, "minItems": 1}
+    tag = {"type": "object", "required": ["structures", "triggers"], "properties": {
+        "structures": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["begin", "schema", "end"],
+            "properties": {"begin": {"type": "string"}, "schema": schema, "end": {"type": "string"}}}},
+        "triggers": {"type": "array", "items": text}},
+        "description": "vLLM's structural tag: each begin starts with one of the triggers (xgrammar's 'format' shape "
+                       "is refused)"}
     kinds = {"json": {"anyOf": [schema, {"type": "string", "description": "a JSON schema as text"}]},
              "regex": text, "choice": choices, "grammar": {**text, "description": "Lark or GBNF"},
-             "json_object": {"type": "boolean"}}
+             "json_object": {"type": "boolean"},
+             "structural_tag": {"anyOf": [tag, {"type": "string", "description": "the structural tag as JSON text"}]}}
     return {
         "response_format": _nullable({"anyOf": [
             {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
@@ -156,7 +164,9 @@ def _structured() -> dict:
                 "type": {"const": "json_schema"},
                 "json_schema": {"type": "object", "required": ["schema"], "properties": {
                     "name": _nullable({"type": "string"}), "description": _nullable({"type": "string"}),
-                    "schema": schema, "strict": _nullable({"type": "boolean"})}}}}]}),
+                    "schema": schema, "strict": _nullable({"type": "boolean"})}}}},
+            {**tag, "required": ["type", *tag["required"]],
+             "properties": {"type": {"const": "structural_tag"}, **tag["properties"]}}]}),
         "structured_outputs": _nullable({
             "type": "object", "additionalProperties": False,
             "properties": {**{k: _nullable(v) for k, v in kinds.items()},
@@ -165,7 +175,8 @@ def _structured() -> dict:
                            "whitespace_pattern": _nullable({"type": "string"})},
             "oneOf": [{"required": [k], "properties": {k: {"const": True} if k == "json_object" else _SET}}
                       for k in kinds],
-            "description": "vLLM's: exactly one of json, regex, choice, grammar (not null) and json_object (true)"}),
+            "description": "vLLM's: exactly one of json, regex, choice, grammar, structural_tag (not null) and "
+                           "json_object (true)"}),
         "guided_json": _nullable(kinds["json"]), "guided_regex": _nullable(text),
         "guided_choice": _nullable(choices), "guided_grammar": _nullable(kinds["grammar"]),
     }

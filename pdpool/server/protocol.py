@@ -279,8 +279,9 @@ _STRUCTURED_FIELDS = ("response_format", "structured_outputs", *_GUIDED)
 
 
 def _structured(body: dict) -> StructuredOutputs | None:
-    """The output's constraint, from OpenAI's ``response_format`` (``json_object``, ``json_schema``; ``text`` is
-    none), vLLM's ``structured_outputs`` or its older ``guided_*`` fields: at most one of them may constrain."""
+    """The output's constraint, from OpenAI's ``response_format`` (``json_object``, ``json_schema``, vLLM's
+    ``structural_tag``; ``text`` is none), vLLM's ``structured_outputs`` or its older ``guided_*`` fields: at most
+    one of them may constrain."""
     found = []
     try:
         fmt = body.get("response_format")
@@ -299,9 +300,13 @@ def _structured(body: dict) -> StructuredOutputs | None:
                                        f"{'string' if kind is str else 'boolean'}, got {short_repr(spec[key])}",
                                        param="response_format")
                 found.append(StructuredOutputs.parse({"json": spec["schema"]}, "response_format"))
+            elif kind == "structural_tag":   # vLLM's: {"type", "structures", "triggers"} (or xgrammar's "format")
+                found.append(StructuredOutputs.parse({"structural_tag": {k: v for k, v in fmt.items() if k != "type"}},
+                                                     "response_format"))
             elif kind != "text":
-                raise APIError(f"'response_format' must be {{\"type\": \"text\"}}, {{\"type\": \"json_object\"}} or "
-                               f"{{\"type\": \"json_schema\", \"json_schema\": {{...}}}}, got {short_repr(fmt)}",
+                raise APIError(f"'response_format' must be {{\"type\": \"text\"}}, {{\"type\": \"json_object\"}}, "
+                               f"{{\"type\": \"json_schema\", \"json_schema\": {{...}}}} or {{\"type\": "
+                               f"\"structural_tag\", \"structures\": [...], \"triggers\": [...]}}, got {short_repr(fmt)}",
                                param="response_format")
         if body.get("structured_outputs") is not None:
             found.append(StructuredOutputs.parse(body["structured_outputs"], "structured_outputs"))

@@ -188,6 +188,21 @@ def test_structured_output_holds_across_the_handoff(cluster, router):
     assert json.loads(got["text"])["colour"] in ("red", "green", "blue")
 
 
+def test_structural_tag_holds_across_the_handoff(cluster, router):
+    """vLLM's structural tag through the router (parsed there by the shared front end): free text, then after the
+    trigger the tagged JSON; the same answer a colocated node gives, the segment valid."""
+    flag = {"type": "object", "required": ["ok"], "additionalProperties": False,
+            "properties": {"ok": {"type": "boolean"}}}
+    body = {"model": "demo", "prompt": "Write a JSON object with a boolean field ok. The object", "max_tokens": 40,
+            "temperature": 0, "response_format": {"type": "structural_tag", "triggers": ["JSON"],
+                                                  "structures": [{"begin": "JSON=", "schema": flag, "end": ";"}]}}
+    mine, theirs = disaggregated_and_colocated(cluster, router, "/v1/completions", body)
+    text = mine["choices"][0]["text"]
+    assert text == theirs["choices"][0]["text"]
+    segment = text[text.index("JSON=") + 5:text.index(";", text.index("JSON="))]
+    assert isinstance(json.loads(segment)["ok"], bool), text
+
+
 def test_tool_calls_hold_across_the_handoff(cluster, router):
     """tool_choice "required" and a named function through the router: the prefill node samples the first token
     under the tools' schema, the decode node goes on and reads the calls back; the same calls a colocated node

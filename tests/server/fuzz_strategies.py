@@ -118,12 +118,22 @@ SCHEMAS = st.one_of(st.sampled_from([{"type": "object"}, {"type": "integer", "mi
                                     json_values(), max_size=2))
 REGEXES = st.one_of(st.sampled_from(["[0-9]{2}", "(a|b)+!", "[0-9", "(?!x)", "x{1000000}", "", "\\d{3}x{99999}",
                                      "[^\\s\\S]"]), TEXTS)
+# vLLM's structural tags: valid ones, a begin no trigger starts, empty lists, an empty trigger, bad schemas, and
+# xgrammar's "format" shape (refused)
+_TAG_STRUCTURES = st.lists(st.fixed_dictionaries({"begin": st.sampled_from(["<f>", "JSON=", "", "<g"]),
+                                                  "end": st.sampled_from(["</f>", ";", ""])},
+                                                 optional={"schema": SCHEMAS}), max_size=2)
+STRUCTURAL_TAGS = st.one_of(
+    st.fixed_dictionaries({"structures": _TAG_STRUCTURES,
+                           "triggers": st.lists(st.sampled_from(["<f", "JSON", "", "<"]), max_size=2)}),
+    st.fixed_dictionaries({"format": json_values()}),
+    st.dictionaries(st.sampled_from(["structures", "triggers", "format"]), json_values(), max_size=2))
 CONSTRAINTS = {"json": SCHEMAS, "regex": REGEXES, "json_object": st.one_of(st.booleans(), json_values()),
                "choice": st.one_of(st.lists(TEXTS, max_size=3), json_values()),
                "grammar": st.one_of(st.sampled_from(['start: "a" | "b"', 'root ::= [0-9]+', "start: undefined",
                                                      ""]), TEXTS),
                "disable_any_whitespace": st.one_of(st.booleans(), json_values()),
-               "structural_tag": json_values()}
+               "structural_tag": st.one_of(STRUCTURAL_TAGS, STRUCTURAL_TAGS.map(json.dumps), json_values())}
 
 # Request chat templates (refused unless the node trusts them): ones that render, that do not parse, that fail
 # while rendering, that render nothing, and one that renders past any context length.
@@ -156,6 +166,7 @@ COMMON_FIELDS = {
     "return_token_ids": st.one_of(st.booleans(), json_values()),
     "include_stop_str_in_output": st.booleans(), "skip_special_tokens": st.one_of(st.booleans(), json_values()),
     "response_format": st.one_of(st.sampled_from([{"type": "text"}, {"type": "json_object"}, None]),
+                                 STRUCTURAL_TAGS.map(lambda tag: {"type": "structural_tag", **tag}),
                                  st.fixed_dictionaries({"type": st.just("json_schema"),
                                                         "json_schema": st.fixed_dictionaries(
                                                             {"name": st.just("x")}, optional={"schema": SCHEMAS})}),

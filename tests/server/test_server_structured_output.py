@@ -83,7 +83,6 @@ def test_constrained_and_plain_requests_side_by_side(client):
                                                   "json_schema": {"name": "x", "schema": {"type": 7}}}},
      "response_format"),
     ("/v1/completions", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
-    ("/v1/completions", {"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs"),
     ("/v1/completions", {"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
     ("/v1/completions", {"response_format": "json"}, "response_format"),
 ])
@@ -118,4 +117,72 @@ def test_a_constraint_that_breaks_while_generating_is_400(server, extra):
 def test_options_beside_a_constraint_are_type_checked(server, extra, param):
     """Found by schemathesis: these were taken whatever their type (answered 200)."""
     body = {"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], **extra}
+    assert_error(post(server, "/v1/chat/completions", body), 400, param=param)
+
+
+FLAG = {"type": "object", "additionalProperties": False, "required": ["ok"], "properties": {"ok": {"type": "boolean"}}}
+# "JSON" is in the demo model's greedy answer below: there the segment starts, its JSON forced, then the end
+TAGS = {"structures": [{"begin": "JSON=", "schema": FLAG, "end": ";"}], "triggers": ["JSON"]}
+TAGGED = re.compile(r"JSON=(\{.*?\});", re.S)
+PROMPT = "Write a JSON object with a boolean field ok. The object"
+
+
+def tagged_segments(text: str) -> list:
+    """Each tagged segment's JSON, checked against its schema; every trigger in ``text`` starts one."""
+    found = [json.loads(m) for m in TAGGED.findall(text)]
+    for value in found:
+        jsonschema.validate(value, FLAG)
+    assert text.count("JSON") == text.count("JSON=") == len(found) + (not text.endswith(";") and text.count("JSON=")
+                                                                      > len(found))
+    return found
+
+
+@pytest.mark.parametrize("extra", [
+    {"structured_outputs": {"structural_tag": json.dumps(TAGS)}},   # vLLM's field takes JSON text
+    {"structured_outputs": {"structural_tag": TAGS}},
+    {"response_format": {"type": "structural_tag", **TAGS}},
+])
+def test_structural_tag_constrains_what_follows_a_trigger(client, extra):
+    """Free text until the trigger, then the begin string, JSON of the schema and the end string (greedy: the
+    model's answer has the trigger; then sampled with a seed, where every trigger must start a valid segment)."""
+    plain = client.completions.create(model="demo", prompt=PROMPT, max_tokens=40, temperature=0).choices[0].text
+    assert "JSON" in plain and "JSON=" not in plain, plain
+    r = client.completions.create(model="demo", prompt=PROMPT, max_tokens=40, temperature=0, extra_body=extra)
+    text = r.choices[0].text
+    assert text.startswith(plain[:plain.index("JSON")] + "JSON="), (plain, text)   # free text before the trigger
+    assert tagged_segments(text), text
+    sampled = client.completions.create(model="demo", prompt=PROMPT, max_tokens=60, temperature=1.0, seed=3, n=2,
+                                        extra_body=extra)
+    for c in sampled.choices:
+        tagged_segments(c.text)
+
+
+def test_structural_tag_on_chat_streamed(client):
+    chunks = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "Write a JSON object with a boolean field ok."}],
+        max_tokens=60, temperature=0, stream=True, response_format={"type": "structural_tag", **TAGS})
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    tagged_segments(text)
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"structured_outputs": {"structural_tag": ""}}, "structured_outputs"),
+    ({"structured_outputs": {"structural_tag": "{not json"}}, "structured_outputs"),
+    ({"structured_outputs": {"structural_tag": {"structures": [], "triggers": ["<a"]}}}, "structured_outputs"),
+    ({"structured_outputs": {"structural_tag": {**TAGS, "triggers": ["<other"]}}}, "structured_outputs"),
+    ({"structured_outputs": {"structural_tag": {**TAGS, "triggers": [""]}}}, "structured_outputs"),
+    ({"structured_outputs": {"structural_tag": {"structures": [{"begin": "<a>", "end": "</a>"}],
+                                                "triggers": ["<a"]}}}, "structured_outputs"),
+    ({"structured_outputs": {"structural_tag": {"structures": [{"begin": "<a>", "schema": {"type": 7},
+                                                                "end": "</a>"}], "triggers": ["<a"]}}},
+     "structured_outputs"),
+    ({"structured_outputs": {"structural_tag": {"structures": [{"begin": 1, "schema": {}, "end": "</a>"}],
+                                                "triggers": ["<a"]}}}, "structured_outputs"),
+    ({"response_format": {"type": "structural_tag", "structures": TAGS["structures"]}}, "response_format"),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "const_string", "value": "x"}}},
+     "response_format"),   # xgrammar's newer shape: vLLM's guidance backend refuses it too
+    ({"response_format": {"type": "structural_tag", **TAGS}, "guided_regex": "a"}, "guided_regex"),
+])
+def test_bad_structural_tags_are_400_naming_the_field(server, extra, param):
+    body = {"model": "demo", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], **extra}
     assert_error(post(server, "/v1/chat/completions", body), 400, param=param)
