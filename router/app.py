@@ -1,8 +1,9 @@
 """The router's composition root and HTTP surface.
 
 ``Router`` builds every piece from the config (discovery, prefix index, scheduler, request path, metrics), owns
-their lifecycle, and answers ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health/live``,
-``/health/ready``, ``/metrics`` and ``/openapi.json`` through the raw HTTP/1.1 server (``router/server.py``).
+their lifecycle, and answers ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` (routed as its chat
+request), ``/v1/models``, ``/health/live``, ``/health/ready``, ``/metrics`` and ``/openapi.json`` through the raw
+HTTP/1.1 server (``router/server.py``).
 ``handle`` does what a middleware would: the request id, authentication, OpenAI errors, the response counter. A
 client that disconnects cancels its request's task, which closes the upstream legs.
 """
@@ -42,11 +43,12 @@ from pdpool.server.errors import APIError
 logger = logging.getLogger("pdpool.router")
 
 PUBLIC = ("/health", "/metrics", "/openapi.json", "/version")
-GENERATE = ("/v1/completions", "/v1/chat/completions")
+GENERATE = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 # (method, path) -> handler name; GET routes answer HEAD too. /openapi.json lists what is here. MODEL_PATH stands
 # for every path under /v1/models/ (OpenAI's retrieve: the rest of the path is the model's name, slashes and all).
 MODEL_PATH = "/v1/models/{model}"
 ROUTES = {("POST", "/v1/completions"): "generate", ("POST", "/v1/chat/completions"): "generate",
+          ("POST", "/v1/responses"): "generate",
           ("GET", "/v1/models"): "models", ("GET", MODEL_PATH): "model", ("GET", "/health/live"): "health_live",
           ("GET", "/health/ready"): "health_ready", ("GET", "/health"): "health_ready",
           ("GET", "/metrics"): "metrics_page", ("GET", "/openapi.json"): "openapi_page",

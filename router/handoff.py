@@ -31,8 +31,11 @@ logger = logging.getLogger("pdpool.router")
 
 
 def _cached_tokens(payload: dict | None) -> int | None:
+    """A node's realized prefix hits: its usage's, a chat or completion's or a Response's."""
     usage = (payload or {}).get("usage") if isinstance(payload, dict) else None
-    details = (usage or {}).get("prompt_tokens_details") if isinstance(usage, dict) else None
+    details = None
+    if isinstance(usage, dict):
+        details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
     value = details.get("cached_tokens") if isinstance(details, dict) else None
     return value if isinstance(value, int) else None
 
@@ -110,7 +113,7 @@ class RequestPath:
         """The KV handle, or None when the request should go decode-only (also when the prefill node refused it:
         a 4xx for the client's own request comes from the decode node)."""
         p = plan.prefill
-        body = rr.upstream_body(p.pdpool, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+        body = rr.prefill_body(p.pdpool, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
         body.pop("stream_options", None)
         if "max_completion_tokens" in body:
             body["max_completion_tokens"] = 1
@@ -121,7 +124,7 @@ class RequestPath:
         ticket = self.inflight.add(p.node_id, rr.num_prompt_tokens - plan.matched_blocks.get(p.node_id, 0)
                                    * self.scheduler.block_size)
         self.index.record(plan.block_hashes, p)
-        leg = asyncio.ensure_future(self.upstream.post_json(p.url + rr.path, body, rr.request_id,
+        leg = asyncio.ensure_future(self.upstream.post_json(p.url + rr.prefill_path, body, rr.request_id,
                                                             timeout=self.prefill_timeout))
         try:
             payload = await asyncio.shield(leg)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from pdpool import frontend as _frontend
 from pdpool.frontend import Frontend
-from pdpool.server import protocol
+from pdpool.server import protocol, responses
 from pdpool.server.errors import APIError
 
 TOKEN_IDS_FIELD = "pdpool_prompt_token_ids"
@@ -22,7 +22,7 @@ _REFUSED = getattr(_frontend, "InvalidRequestError", None) or getattr(_frontend,
 
 @dataclass
 class RoutedRequest:
-    path: str                         # /v1/completions | /v1/chat/completions
+    path: str                         # /v1/completions | /v1/chat/completions | /v1/responses
     body: dict                        # the client's body, untouched
     parsed: protocol.GenerationRequest
     prompt_token_ids: list[list[int]]
@@ -34,6 +34,8 @@ class RoutedRequest:
     # The ids the nodes get, where they differ from ``prompt_token_ids``: with truncate_prompt_tokens, the whole
     # prompt's (the node cuts them as it cuts a client's, so echo's text is the kept ids', not the body's prompt)
     forwarded_token_ids: list[list[int]] | None = None
+    # a /v1/responses request's chat body (``pdpool.server.responses``): its prefill leg is that chat request
+    chat_body: dict | None = None
     _hashes: dict = field(default_factory=dict)
 
     @property
@@ -78,8 +80,17 @@ class RoutedRequest:
             ids = json.dumps(self.sent_token_ids, separators=(",", ":")).encode()
         return b"".join((raw[:-1], b',"', TOKEN_IDS_FIELD.encode(), b'":', ids, b"}"))
 
-    def upstream_body(self, pdpool_node: bool | None, **changes) -> dict:
-        body = dict(self.body)
+    @property
+    def prefill_path(self) -> str:
+        return self.path if self.chat_body is None else "/v1/chat/completions"
+
+    def prefill_body(self, pdpool_node: bool | None, **changes) -> dict:
+        """The prefill leg's body: ``upstream_body``'s, or for a Responses request its chat body's (the prefill
+        node's answer is a KV handle either way; the decode node answers with a Response)."""
+        return self.upstream_body(pdpool_node, _of=self.chat_body, **changes)
+
+    def upstream_body(self, pdpool_node: bool | None, _of: dict | None = None, **changes) -> dict:
+        body = dict(self.body if _of is None else _of)
         body.pop("kv_transfer_params", None)  # the router owns the handoff
         body.pop(TOKEN_IDS_FIELD, None)
         if pdpool_node:
@@ -95,10 +106,15 @@ def parse(path: str, body: dict, frontend: Frontend, served_names: list[str], re
     (None: refused, as the nodes refuse it without one)."""
     if TOKEN_IDS_FIELD in body:
         raise APIError(f"'{TOKEN_IDS_FIELD}' is set by the router, not by clients", param=TOKEN_IDS_FIELD)
+    chat_body = None
     if path.endswith("/chat/completions"):
         # a request's chat_template: rendered here as the node renders it, so both hash the same prompt
         req = protocol.parse_chat(body, served_names, frontend.render_chat, tool_parser,
                                   trust_chat_template=trust_chat_template)
+    elif path.endswith("/responses"):   # its chat body, parsed and rendered as a chat request
+        turn, req = responses.parse(body, lambda chat: protocol.parse_chat(
+            chat, served_names, frontend.render_chat, tool_parser, trust_chat_template=trust_chat_template))
+        chat_body = turn.chat
     else:
         req = protocol.parse_completion(body, served_names)
     add_special = req.kind != "chat"
@@ -125,4 +141,4 @@ def parse(path: str, body: dict, frontend: Frontend, served_names: list[str], re
     except _REFUSED as exc:
         raise APIError(str(exc), param=exc.param) from None
     return RoutedRequest(path, body, req, [e[0] for e in encoded], request_id, raw, [e[1] for e in encoded],
-                         frontend, encoded[0][2], forwarded)
+                         frontend, encoded[0][2], forwarded, chat_body)

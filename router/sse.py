@@ -3,6 +3,9 @@
 The router may ask a node for ``stream_options.include_usage`` to learn the realized prefix hits; then the
 final usage chunk, and the ``"usage": null`` field of the other chunks, are kept from a client that did not
 ask for them. ``usage`` is whatever usage the stream carried; ``done`` whether ``[DONE]`` arrived.
+
+A Responses stream (``event: <type>`` lines before the data) ends with its ``response.completed`` event, whose
+response carries the usage, or an ``error`` event, without ``[DONE]``; its events pass unchanged.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import json
 
 _NULL_USAGE = (b', "usage": null', b',"usage":null')
+_RESPONSE_ENDS = (b"response.completed", b"response.incomplete", b"response.failed", b"error")
 
 
 class SSERelay:
@@ -28,7 +32,7 @@ class SSERelay:
             self._pending = data
             return b""
         complete, self._pending = data[:end + 2], data[end + 2:]
-        if b'"usage"' not in complete and b"[DONE]" not in complete:
+        if b'"usage"' not in complete and b"[DONE]" not in complete and not complete.startswith(b"event: "):
             return complete
         out = []
         for event in complete.split(b"\n\n")[:-1]:
@@ -36,6 +40,9 @@ class SSERelay:
         return b"".join(e for e in out if e)
 
     def _event(self, event: bytes) -> bytes:
+        if event.startswith(b"event: "):
+            self._response_event(event)
+            return event + b"\n\n"
         payload = event[6:] if event.startswith(b"data: ") else None
         if payload == b"[DONE]":
             self.done = True
@@ -55,6 +62,19 @@ class SSERelay:
             for null in _NULL_USAGE:
                 event = event.replace(null, b"")
         return event + b"\n\n"
+
+    def _response_event(self, event: bytes) -> None:
+        kind, _, data = event[7:].partition(b"\n")
+        if kind not in _RESPONSE_ENDS:
+            return
+        self.done = True
+        try:
+            obj = json.loads(data[6:]) if data.startswith(b"data: ") else None
+        except ValueError:
+            obj = None
+        response = obj.get("response") if isinstance(obj, dict) else None
+        if isinstance(response, dict) and isinstance(response.get("usage"), dict):
+            self.usage = response["usage"]
 
     def tail(self) -> bytes:
         """What is left at the end (an incomplete event: passed on as is)."""
