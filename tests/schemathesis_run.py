@@ -43,9 +43,12 @@ def bounded(operation, body):
     if not (isinstance(body, dict) and operation.path.startswith("/v1/") and operation.method.upper() == "POST"):
         return body
     for name, most in (("max_tokens", MAX_TOKENS), ("max_completion_tokens", MAX_TOKENS), ("min_tokens", MAX_TOKENS),
-                       ("n", 2), ("best_of", 2)):
+                       ("max_output_tokens", MAX_TOKENS), ("n", 2), ("best_of", 2)):
         if _number(body.get(name)) and body[name] > most:   # 3e9 and 3.0e9 alike: JSON Schema integers
             body[name] = most
+    if operation.path == "/v1/responses":
+        _bounded_response(body)
+        return body
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = MAX_TOKENS     # absent or null: the rest of the context
     # The prompt within the context (512 tokens): a character may be 4 byte-level tokens
@@ -68,6 +71,28 @@ def bounded(operation, body):
                     if isinstance(part, dict) and isinstance(part.get("text"), str):
                         part["text"] = part["text"][:TEXT // 8]
     return body
+
+
+def _bounded_response(body: dict) -> None:
+    """A Responses body's part of ``bounded``: max_output_tokens, and its input and instructions cut."""
+    if body.get("max_output_tokens") is None:
+        body["max_output_tokens"] = MAX_TOKENS
+    if isinstance(body.get("instructions"), str):
+        body["instructions"] = body["instructions"][:TEXT // 4]
+    items = body.get("input")
+    if isinstance(items, str):
+        body["input"] = items[:TEXT]
+    elif isinstance(items, list):
+        body["input"] = items = items[:4]
+        for item in items:
+            for key in ("content", "output", "arguments"):
+                if isinstance(item, dict) and isinstance(item.get(key), str):
+                    item[key] = item[key][:TEXT // 4]
+                elif isinstance(item, dict) and isinstance(item.get(key), list):
+                    item[key] = item[key][:2]
+                    for part in item[key]:
+                        if isinstance(part, dict) and isinstance(part.get("text"), str):
+                            part["text"] = part["text"][:TEXT // 8]
 
 
 def _tokenizable(text: str) -> str:
@@ -94,6 +119,9 @@ def with_cross_field_rules(operation, body):
     field at most, whose schema, regex or grammar compiles (schema-valid ones are replaced by one that does), and
     without min_tokens, allowed_token_ids or bad_words beside it (together they may leave no token to sample)."""
     if not isinstance(body, dict):
+        return body
+    if operation.path == "/v1/responses":
+        _response_rules(body)
         return body
     _tools_that_compile(body)
     _one_compiling_constraint(body)
@@ -156,6 +184,25 @@ def _tools_that_compile(body: dict) -> None:
             body.pop(field, None)
         for masks in ("min_tokens", "allowed_token_ids", "bad_words"):
             body.pop(masks, None)
+
+
+def _response_rules(body: dict) -> None:
+    """A Responses body's: text.format's schema and each tool's parameters compile, a named tool_choice names the
+    first tool, a call's own grammar is the only constraint."""
+    text = body.get("text")
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), (dict, bool)):
+        fmt["schema"] = COMPILING["json"]
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if not (isinstance(tools, list) and tools and all(isinstance(t, dict) for t in tools)):
+        return
+    for tool in tools:
+        if isinstance(tool.get("parameters"), dict):
+            tool["parameters"] = COMPILING["json"]
+    if isinstance(choice, dict) and isinstance(tools[0].get("name"), str):
+        choice["name"] = tools[0]["name"]
+    if choice not in (None, "none", "auto"):
+        body.pop("text", None)
 
 
 def _words(value) -> bool:

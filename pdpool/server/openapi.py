@@ -13,6 +13,7 @@ is set, and so is its 401.
 from __future__ import annotations
 
 from pdpool.engine.sampling_params import _FLOAT32_MAX, LOGIT_BIAS_MAX, MAX_LOGIT_BIAS_ENTRIES, SEED_MAX, SEED_MIN
+from pdpool.server import responses
 from pdpool.server.protocol import MAX_LOGPROBS, MAX_N
 
 _JSON = "application/json"
@@ -34,6 +35,7 @@ _GEN_ERRORS = {
 _DOCS = {
     ("POST", "/v1/completions"): "Text completion (OpenAI).",
     ("POST", "/v1/chat/completions"): "Chat completion (OpenAI).",
+    ("POST", "/v1/responses"): "A response (OpenAI's Responses API, as vLLM serves it: no stored state).",
     ("GET", "/v1/models"): "The served model.",
     ("GET", "/v1/models/{model}"): "The served model's card by its name (OpenAI's retrieve), else 404.",
     ("GET", "/health/live"): "200 while the process runs.",
@@ -317,11 +319,79 @@ def _template_kwargs(trusted: bool) -> dict:
                           "description": "more variables for the chat template (enable_thinking, say): those it "
                                          "reads are passed; chat_template is the request's template (vLLM's older "
                                          "way), tokenize is refused"})
-    return _nullable({"type": "object", "not": {"anyOf": [{"required": ["tokenize"]}, {
-                      "required": ["chat_template"], "properties": {"chat_template": {"type": "string"}}}]},
+    return _nullable({"type": "object", "not": {"required": ["tokenize"]},
+                      "properties": {"chat_template": {"type": "null"}},
                       "description": "more variables for the chat template (enable_thinking, say): those it reads "
                                      "are passed; tokenize, and a chat_template (it needs "
                                      "--trust-request-chat-template), are refused"})
+
+
+def _responses_body(model: dict, vocab_size: int | None, max_model_len: int | None, auto_tool_choice: bool = False,
+                    chat_template: bool = False) -> dict:
+    """``pdpool.server.responses.translate``'s fields: what it passes on to chat, and its own."""
+    text = {"type": "string"}
+    part = {"type": "object", "required": ["type", "text"],
+            "properties": {"type": {"enum": list(responses._TEXT_PARTS)}, "text": text}}
+    content = {"anyOf": [text, {"type": "array", "items": part}]}
+    items = {"anyOf": [
+        {"type": "object", "required": ["role", "content"], "properties": {
+            "type": {"const": "message"}, "role": {"enum": list(responses._ROLES)}, "content": content}},
+        {"type": "object", "required": ["type", "call_id", "name", "arguments"], "properties": {
+            "type": {"const": "function_call"}, "call_id": text, "name": text, "arguments": text}},
+        {"type": "object", "required": ["type", "call_id", "output"], "properties": {
+            "type": {"const": "function_call_output"}, "call_id": text, "output": content}}]}
+    formats = {"anyOf": [
+        {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+        {"type": "object", "required": ["type", "schema"], "properties": {
+            "type": {"const": "json_schema"}, "name": _nullable(text), "description": _nullable(text),
+            "schema": {"anyOf": [{"type": "object"}, {"type": "boolean"}], "description": "a JSON schema"},
+            "strict": _nullable({"type": "boolean"})}}]}
+    tool = {"type": "object", "required": ["type", "name"], "properties": {
+        "type": {"const": "function"}, "name": {"type": "string", "minLength": 1}, "description": _nullable(text),
+        "parameters": _nullable({"type": "object", "description": "a JSON schema (it must compile)"})}}
+    named = {"type": "object", "required": ["type", "name"], "properties": {"type": {"const": "function"},
+                                                                             "name": text}}
+    sampling = _sampling(vocab_size, max_model_len)
+    passed = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+              "seed", "stop", "stop_token_ids", "ignore_eos", "logit_bias", "skip_special_tokens",
+              "include_stop_str_in_output")
+    common = _common(model)
+    refused = {"type": "null", "description": "refused: no stored state, no reasoning, no prompt templates"}
+    return {
+        "type": "object", "required": ["input"], "additionalProperties": True,
+        "description": "The rendered input's tokens and max_output_tokens must fit the context (max_model_len). "
+                       "tool_choice is ignored without tools.",
+        "properties": {
+            **{name: common[name] for name in ("model", "stream", "priority", "cache_salt", "user")},
+            **{name: sampling[name] for name in passed},
+            "input": {"anyOf": [text, {"type": "array", "items": items, "minItems": 1}]},
+            "instructions": _nullable({**text, "description": "a system message first"}),
+            "max_output_tokens": _nullable(_int(1)),
+            "text": _nullable({"type": "object", "properties": {"format": _nullable(formats)}}),
+            "tools": _nullable({"type": "array", "items": tool}),
+            "tool_choice": _nullable({"anyOf": [{"enum": ["none", "auto", "required"]}, named], "description": (
+                "with tools: \"required\" or a function of tools (by name), a call constrained to their schemas; "
+                "\"none\": text; \"auto\" (the default): " + (
+                    "the model's own calls, read by the server's --tool-call-parser" if auto_tool_choice else
+                    "refused (the server runs without --enable-auto-tool-choice)"))}),
+            "parallel_tool_calls": _nullable({"type": "boolean"}),
+            "include": _nullable({"type": "array", "items": {"enum": list(responses._INCLUDE)},
+                                  "description": "message.output_text.logprobs: the output text's logprobs"}),
+            "top_logprobs": _nullable(_int(0, MAX_LOGPROBS)),
+            "metadata": _nullable({"type": "object", "maxProperties": 16, "propertyNames": {"maxLength": 64},
+                                   "additionalProperties": {"type": "string", "maxLength": 512}}),
+            "store": _nullable({"type": "boolean", "description": "taken and ignored: nothing is stored"}),
+            "background": _nullable({"const": False, "description": "true is refused (no stored state)"}),
+            "truncation": _nullable({"enum": list(responses._TRUNCATION)}),
+            "service_tier": _nullable({"enum": list(responses._SERVICE_TIERS)}),
+            "max_tool_calls": _nullable(_int(0)),
+            "previous_response_id": refused, "reasoning": refused, "prompt": refused, "conversation": refused,
+            "chat_template_kwargs": _template_kwargs(chat_template),
+        },
+        "allOf": [] if auto_tool_choice else [   # tools without tool_choice are "auto": refused without a parser
+            {"if": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}},
+             "then": {"required": ["tool_choice"], "properties": {"tool_choice": {"not": {"enum": [None, "auto"]}}}}}],
+    }
 
 
 def _tokenize_body(model: dict, chat_template: bool = False) -> dict:
@@ -353,6 +423,7 @@ def spec(routes, *, title: str, served_model_names: list[str], api_key: bool, vo
     model = {"type": "string", "enum": list(served_model_names)}
     bodies = {"/v1/completions": _completion_body(model, vocab_size, max_model_len),
               "/v1/chat/completions": _chat_body(model, vocab_size, max_model_len, auto_tool_choice, chat_template),
+              "/v1/responses": _responses_body(model, vocab_size, max_model_len, auto_tool_choice, chat_template),
               "/tokenize": _tokenize_body(model, chat_template), "/detokenize": _detokenize_body(model, vocab_size)}
     paths: dict = {}
     for method, path in sorted(set(routes)):

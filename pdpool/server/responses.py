@@ -84,10 +84,11 @@ def translate(body: dict) -> ResponsesTurn:
         chat["logprobs"] = True
         chat["top_logprobs"] = top_logprobs or 0
     tools = _tools(body.get("tools"))
-    if tools:
+    tool_choice = _tool_choice(body.get("tool_choice"))
+    if tools:   # without tools, vLLM ignores tool_choice
         chat["tools"] = tools
-        if body.get("tool_choice") is not None:
-            chat["tool_choice"] = _tool_choice(body["tool_choice"])
+        if tool_choice is not None:
+            chat["tool_choice"] = tool_choice
     if get_str(body, "truncation", "disabled") not in _TRUNCATION:
         raise APIError(f"'truncation' must be one of {', '.join(_TRUNCATION)}", param="truncation")
     if body.get("truncation") == "auto":   # the prompt's end kept within the context, as vLLM's
@@ -119,7 +120,7 @@ def parse(body: dict, parse_chat) -> tuple[ResponsesTurn, GenerationRequest]:
 
 def _refuse_unsupported(body: dict) -> None:
     """vLLM's refusals, and what a plain (non-harmony) model cannot do: a 400 naming the field."""
-    if body.get("background"):
+    if get_bool(body, "background"):
         raise APIError("'background' is not supported: this server stores no responses (as vLLM without "
                        "VLLM_ENABLE_RESPONSES_API_STORE)", param="background")
     if body.get("previous_response_id") is not None:
@@ -130,10 +131,9 @@ def _refuse_unsupported(body: dict) -> None:
                       ("conversation", "conversations need a stored state, which this server does not keep"),
                       ("previous_input_messages", "previous_input_messages is for harmony models only"),
                       ("reasoning", "reasoning is not supported: the served model is a plain chat model")):
-        if body.get(name) not in (None, {}) and not (isinstance(body[name], dict)
-                                                     and all(v is None for v in body[name].values())):
+        if body.get(name) is not None:
             raise APIError(f"'{name}': {why}", param=name)
-    if body.get("enable_response_messages"):
+    if get_bool(body, "enable_response_messages"):
         raise APIError("'enable_response_messages' is for harmony models only", param="enable_response_messages")
 
 
@@ -142,8 +142,9 @@ def _refuse_unsupported(body: dict) -> None:
 def _input_messages(items) -> list[dict]:
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
-    if not isinstance(items, list):
-        raise APIError(f"'input' must be a string or a list of input items, got {short_repr(items)}", param="input")
+    if not isinstance(items, list) or not items:
+        raise APIError(f"'input' must be a string or a non-empty list of input items, got {short_repr(items)}",
+                       param="input")
     messages: list[dict] = []
     for i, item in enumerate(items):
         if not isinstance(item, dict):
@@ -254,7 +255,7 @@ def _tools(tools) -> list[dict]:
 
 
 def _tool_choice(choice):
-    if isinstance(choice, str):
+    if choice is None or choice in ("none", "auto", "required"):
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}

@@ -104,7 +104,8 @@ def test_models_health_openapi_metrics(router):
     assert httpx.get(router.url + "/health/live").status_code == 200
     assert httpx.get(router.url + "/health/ready").status_code == 200
     spec = httpx.get(router.url + "/openapi.json").json()
-    assert set(spec["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}",
+    assert set(spec["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models",
+                                  "/v1/models/{model}",
                                   "/health/live", "/health/ready", "/metrics", "/openapi.json", "/tokenize",
                                   "/detokenize", "/version"}
     assert httpx.get(router.url + "/version").json() == {"version": pdpool.__version__}   # vLLM's route, no key
