@@ -240,9 +240,14 @@ def _completion_body(model: dict, vocab_size: int | None, max_model_len: int | N
 def _messages() -> dict:
     part = {"type": "object", "required": ["type", "text"],
             "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+    call = {"type": "object", "required": ["function"], "properties": {   # protocol._history_tool_calls
+        "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}
     message = {"type": "object", "required": ["role"], "properties": {
         "role": {"type": "string"},
-        "content": _nullable({"anyOf": [{"type": "string"}, {"type": "array", "items": part}]})}}
+        "content": _nullable({"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}),
+        "tool_calls": _nullable({"type": "array", "items": call}),
+        "tool_call_id": _nullable({"type": "string"}), "name": _nullable({"type": "string"})}}
     return {"type": "array", "items": message, "minItems": 1}
 
 
