@@ -74,6 +74,9 @@ class ResponseEvents:
         out: list[dict] = []
         delta = choice.get("delta") or {}
         text = delta.get("content")
+        if not text and self.item is not None and self.item["type"] == "message":
+            # a stop string's token: no text, its logprob kept, as in the whole answer
+            self.logprobs += responses.output_logprobs(choice.get("logprobs")) or []
         if text and "role" not in delta:
             if self.item is None or self.item["type"] != "message":
                 out += self._close() + self._open_message()

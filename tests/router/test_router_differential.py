@@ -1,7 +1,7 @@
 """Differential property: the router's answer to a request equals a colocated node's, whatever its options.
 
-Hypothesis draws a valid ``/v1/completions`` or ``/v1/chat/completions`` body from the options that take special
-paths (prompt forms, echo, ``max_tokens`` 0 with echo, logprobs, ``prompt_logprobs``, ``truncate_prompt_tokens``,
+Hypothesis draws a valid ``/v1/completions``, ``/v1/chat/completions`` or ``/v1/responses`` body from the options
+that take special paths (prompt forms, echo, ``max_tokens`` 0 with echo, logprobs, ``prompt_logprobs``, ``truncate_prompt_tokens``,
 stop strings and ids, ``ignore_eos``, ``min_tokens``, ``logit_bias``, ``n``, streaming with usage,
 ``return_token_ids``, seeded sampling, structured output) and sends it first to the router (1 prefill + 2 decode real nodes, real
 Redis and NIXL, the demo model on CPU) and then, as it is, to the decode node ``d0``, which serves a request
@@ -39,7 +39,7 @@ DISAGGREGATED = 'pdpool_router_requests_total{decision="disaggregated"}'
 DECODE_ONLY = 'pdpool_router_requests_total{decision="decode_only"}'
 FALLBACK = 'pdpool_router_requests_total{decision="fallback"}'
 TOLERANCE = 1e-3
-IGNORED = {"id", "created", "cached_tokens"}
+IGNORED = {"id", "created", "created_at", "cached_tokens"}
 
 # Each base is >= 2 blocks of 16 tokens; the drawn tail makes most prompts new to the decode nodes.
 BASES = (
@@ -68,6 +68,8 @@ def _text(draw) -> str:
 @st.composite
 def requests(draw) -> tuple[str, dict]:
     """(path, body): a valid request; ``{"ids": text}`` stands for the ids of ``text`` (made by the test)."""
+    if draw(st.integers(0, 3)) == 0:
+        return draw(responses_requests())
     chat = draw(st.booleans())
     body: dict = {"model": "demo"}
     if draw(st.integers(0, 3)) == 0:   # seeded sampling: the router's answer is still the node's
@@ -147,6 +149,39 @@ def requests(draw) -> tuple[str, dict]:
     return path, body
 
 
+@st.composite
+def responses_requests(draw) -> tuple[str, dict]:
+    """A /v1/responses body: the input as a string or items (with instructions, an earlier turn), and the options
+    it passes on to chat."""
+    body: dict = {"model": "demo", "temperature": 0, "max_output_tokens": draw(st.integers(1, 6))}
+    if draw(st.booleans()):
+        body["input"] = _text(draw)
+    else:
+        body["input"] = [{"role": "user", "content": [{"type": "input_text", "text": _text(draw)}]}]
+        if draw(st.booleans()):
+            body["input"][:0] = [{"role": "user", "content": "Hi"},
+                                 {"type": "message", "role": "assistant",
+                                  "content": [{"type": "output_text", "text": "Hello."}]}]
+    if draw(st.booleans()):
+        body["instructions"] = "You answer briefly."
+    if draw(st.integers(0, 3)) == 0:
+        body.update(temperature=draw(st.sampled_from([0.7, 1.0])), seed=draw(st.integers(0, 2**31)))
+    if draw(st.booleans()):
+        body["include"] = ["message.output_text.logprobs"]
+        body["top_logprobs"] = draw(st.integers(0, 3))
+    if draw(st.booleans()):
+        body["stop"] = draw(st.sampled_from(STOPS))
+    if draw(st.integers(0, 3)) == 0:
+        body["logit_bias"] = {str(draw(st.sampled_from(COMMON_IDS))): draw(st.sampled_from([-100, 8]))}
+    if draw(st.integers(0, 3)) == 0:
+        body["text"] = {"format": draw(st.sampled_from([
+            {"type": "json_object"},
+            {"type": "json_schema", "name": "w", "schema": CONSTRAINTS[3]["json"]}]))}
+    if draw(st.booleans()):
+        body["stream"] = True
+    return "/v1/responses", body
+
+
 # ---- sending and reassembling ---------------------------------------------------------------------------------
 
 def _resolve(body: dict, node_url: str) -> dict:
@@ -193,13 +228,25 @@ def _reassemble(lines: list[str]) -> dict:
     return out
 
 
+def _reassemble_response(lines: list[str]) -> dict:
+    """A Responses stream: its completed response, and its deltas joined (checked against it by the caller)."""
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+    assert events[-1]["type"] == "response.completed", lines[-3:]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    response = events[-1]["response"]
+    assert deltas == "".join(c["text"] for o in response["output"] if o["type"] == "message" for c in o["content"])
+    return {**events[-1]["response"], "deltas": deltas}
+
+
 def send(url: str, body: dict) -> tuple[int, dict]:
     if body.get("stream"):
         with httpx.stream("POST", url, json=body, timeout=120) as r:
             if r.status_code != 200:
                 r.read()
                 return r.status_code, r.json()
-            return 200, _reassemble(list(r.iter_lines()))
+            lines = list(r.iter_lines())
+            return 200, _reassemble_response(lines) if url.endswith("/responses") else _reassemble(lines)
     r = httpx.post(url, json=body, timeout=120)
     return r.status_code, r.json()
 
@@ -275,7 +322,7 @@ def test_router_answers_as_a_colocated_node(cluster, router):
         if decision == "fallback":
             fallbacks.append(body)
         theirs_status, theirs = send(node.url + path, body)
-        kind = "chat" if "chat" in path else "completions"
+        kind = "chat" if "chat" in path else "responses" if "responses" in path else "completions"
         seen[f"{kind} {'stream' if body.get('stream') else 'whole'} {theirs_status}"] += 1
         assert mine_status == theirs_status, (body, mine, theirs)
         diff = differences(_normalize(mine), _normalize(theirs))

@@ -1,11 +1,12 @@
 """Hypothesis strategies for fuzzing an OpenAI-compatible server (a node, or the router in front of nodes).
 
-``fuzz_cases(model, api_key)`` draws one HTTP exchange: a body of the completions or chat endpoint with fields
-of wrong types, missing or extra, extreme and non-finite numbers; raw bodies that are broken JSON, too deeply
+``fuzz_cases(model, api_key)`` draws one HTTP exchange: a body of the completions, chat or responses endpoint with
+fields of wrong types, missing or extra, extreme and non-finite numbers; raw bodies that are broken JSON, too deeply
 nested, not UTF-8, empty or large; wrong content types, methods and paths; and clients that vanish (a stream
 closed after its first bytes, a request closed before its answer). ``send(base_url, case)`` performs it and
 ``check_answer`` asserts what any answer must satisfy: no 5xx, every 4xx an OpenAI error object, a 200 a whole
-JSON body or an SSE stream that ends in ``[DONE]`` without an error event. ``valid_completion`` is a request that
+JSON body or an SSE stream that ends in ``[DONE]`` (a Responses stream: in ``response.completed``) without an
+error event. ``valid_completion`` is a request that
 must succeed: run it beside the fuzz cases to see that a bad request never fails its batch-mates.
 
 Generated values keep valid requests cheap (``max_tokens`` at most 4, ``n`` at most 3) so that hundreds of
@@ -23,6 +24,7 @@ import httpx
 from hypothesis import strategies as st
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+RESPONSES = "/v1/responses"
 
 
 @dataclass
@@ -195,14 +197,64 @@ CHAT_FIELDS = {**COMMON_FIELDS, "messages": MESSAGES, "logprobs": st.one_of(st.b
                    "add_generation_prompt": json_values()}), json_values())}
 
 
+# /v1/responses: input strings and items of every kind (messages with text and other parts, function calls and
+# their outputs, unknown types), text formats, function and built-in tools, and the fields a stateless server refuses
+_PARTS = st.lists(st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "input_image", "x"]),
+                                         "text": TEXTS}), max_size=2)
+INPUT_ITEMS = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "developer", "tool", "x"]),
+                           "content": st.one_of(TEXTS, _PARTS, json_values())},
+                          optional={"type": st.sampled_from(["message", "reasoning", "item_reference"]),
+                                    "status": st.sampled_from(["in_progress", "incomplete", "completed"])}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": TEXTS, "name": TEXTS,
+                           "arguments": st.one_of(st.just('{"city": "Paris"}'), TEXTS, json_values())}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": TEXTS,
+                           "output": st.one_of(TEXTS, _PARTS, json_values())}),
+    json_values())
+INPUTS = st.one_of(st.sampled_from(["Hi", "", "hi " * 700, []]), TEXTS, st.lists(INPUT_ITEMS, max_size=3),
+                   json_values())
+RESPONSE_TOOLS = st.one_of(st.just([{"type": "function", "name": "f"}]), st.just([{"type": "web_search"}]),
+                           SCHEMAS.map(lambda s: [{"type": "function", "name": "f", "parameters": s}]),
+                           TEXTS.map(lambda d: [{"type": "function", "name": "f", "description": d}]), json_values())
+RESPONSES_FIELDS = {
+    **{k: COMMON_FIELDS[k] for k in ("model", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                                     "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids",
+                                     "ignore_eos", "stream", "priority", "cache_salt", "user", "kv_transfer_params",
+                                     "logit_bias", "include_stop_str_in_output", "skip_special_tokens",
+                                     "structured_outputs")},
+    "input": INPUTS, "instructions": st.one_of(TEXTS, json_values()), "max_output_tokens": small_ints(1, 4),
+    "text": st.one_of(st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}}, {},
+                                       {"format": None}]),
+                      st.fixed_dictionaries({"format": st.fixed_dictionaries(
+                          {"type": st.just("json_schema"), "name": st.just("x")},
+                          optional={"schema": SCHEMAS, "strict": json_values()})}), json_values()),
+    "tools": RESPONSE_TOOLS,
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required", {"type": "function", "name": "f"},
+                                              {"type": "function", "name": "g"}, {"type": "web_search"}]),
+                             json_values()),
+    "include": st.one_of(st.just(["message.output_text.logprobs"]), st.lists(TEXTS, max_size=2), json_values()),
+    "top_logprobs": small_ints(0, 21), "metadata": st.one_of(st.dictionaries(TEXTS, TEXTS, max_size=3),
+                                                             json_values()),
+    "store": st.one_of(st.booleans(), json_values()), "background": st.one_of(st.booleans(), json_values()),
+    "previous_response_id": st.one_of(TEXTS, json_values()),
+    "reasoning": st.one_of(st.just({"effort": "low"}), json_values()),
+    "truncation": st.one_of(st.sampled_from(["auto", "disabled", "x"]), json_values()),
+    "service_tier": st.one_of(st.sampled_from(["auto", "flex", "x"]), json_values()),
+    "max_tool_calls": small_ints(0, 3), "parallel_tool_calls": st.one_of(st.booleans(), json_values()),
+    "chat_template_kwargs": CHAT_FIELDS["chat_template_kwargs"],
+}
+
+
 def _optional(fields: dict, keys: list[str]) -> st.SearchStrategy:
     return st.fixed_dictionaries({}, optional={k: fields[k] for k in keys})
 
 
 @st.composite
 def bodies(draw, kind: str, model: str) -> dict:
-    """A body of ``/v1/completions`` (kind "completion") or ``/v1/chat/completions`` ("chat"): a cheap valid one
-    with a few fields replaced, removed or added."""
+    """A body of ``/v1/completions`` (kind "completion"), ``/v1/chat/completions`` ("chat") or ``/v1/responses``
+    ("responses"): a cheap valid one with a few fields replaced, removed or added."""
+    if kind == "responses":
+        return draw(_responses_body(model))
     fields = COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS
     body = {"model": model, "max_tokens": 2}
     body.update({"prompt": "Hello"} if kind == "completion" else {"messages": [{"role": "user", "content": "Hi"}]})
@@ -214,6 +266,18 @@ def bodies(draw, kind: str, model: str) -> dict:
     for key in draw(st.lists(st.sampled_from(removable), max_size=2, unique=True)):
         body.pop(key, None)
     body.update(draw(st.dictionaries(st.text(min_size=1, max_size=10).filter(lambda k: k not in fields),
+                                     json_values(), max_size=2)))
+    return body
+
+
+@st.composite
+def _responses_body(draw, model: str) -> dict:
+    body = {"model": model, "max_output_tokens": 2, "input": "Hi"}
+    keys = draw(st.lists(st.sampled_from(sorted(RESPONSES_FIELDS)), max_size=4, unique=True))
+    body.update(draw(_optional(RESPONSES_FIELDS, keys)))
+    for key in draw(st.lists(st.sampled_from(["model", "input"]), max_size=2, unique=True)):
+        body.pop(key, None)   # never max_output_tokens: the rest of the context is hundreds of tokens on a CPU
+    body.update(draw(st.dictionaries(st.text(min_size=1, max_size=10).filter(lambda k: k not in RESPONSES_FIELDS),
                                      json_values(), max_size=2)))
     return body
 
@@ -279,10 +343,11 @@ def fuzz_cases(draw, model: str, api_key: str | None = None) -> FuzzCase:
             headers["Authorization"] = "Bearer nope"
         elif auth == "x-api-key":
             headers["x-api-key"] = api_key
-    kind = draw(st.sampled_from(["completion"] * 4 + ["chat"] * 4 + ["raw"] * 3 + ["method", "path", "vanish"]))
+    kind = draw(st.sampled_from(["completion"] * 4 + ["chat"] * 4 + ["responses"] * 3 + ["raw"] * 3
+                                + ["method", "path", "vanish"]))
     path = draw(st.sampled_from(ENDPOINTS))
-    if kind in ("completion", "chat"):
-        path = ENDPOINTS[kind == "chat"]
+    if kind in ("completion", "chat", "responses"):
+        path = RESPONSES if kind == "responses" else ENDPOINTS[kind == "chat"]
         content, label = _dumps(draw(bodies(kind, model))), kind
     elif kind == "raw":
         content, label = draw(raw_bodies(model))
@@ -297,10 +362,14 @@ def fuzz_cases(draw, model: str, api_key: str | None = None) -> FuzzCase:
                         {**headers, "Content-Type": "application/json"}, label="path")
     else:
         stream = draw(st.booleans())
+        path = draw(st.sampled_from((*ENDPOINTS, RESPONSES)))
         body = {"model": model, "max_tokens": 32, "ignore_eos": True, "stream": stream}
+        if path == RESPONSES:
+            body = {"model": model, "max_output_tokens": 32, "ignore_eos": True, "stream": stream,
+                    "input": "Tell a story"}
         body.update({"prompt": "Once upon a time"} if path == ENDPOINTS[0] else
-                    {"messages": [{"role": "user", "content": "Tell a story"}]})
-        if draw(st.booleans()):
+                    {"messages": [{"role": "user", "content": "Tell a story"}]} if path == ENDPOINTS[1] else {})
+        if draw(st.booleans()) and path != RESPONSES:
             body["n"] = 2
         return FuzzCase("POST", path, _dumps(body), {**headers, "Content-Type": "application/json"},
                         vanish="after_first_bytes" if stream else "before_answer", label="vanish")
@@ -367,10 +436,25 @@ def check_answer(case: FuzzCase, answer: Answer | None) -> None:
         assert isinstance(error["message"], str) and error["message"], (case, error)
         return
     assert answer.status == 200, (case, answer.status)
-    if answer.headers.get("content-type", "").startswith("text/event-stream"):
+    if case.path == RESPONSES:
+        _check_response(case, answer)
+    elif answer.headers.get("content-type", "").startswith("text/event-stream"):
         events = [line[6:] for line in answer.body.decode().split("\n") if line.startswith("data: ")]
         assert events and events[-1] == "[DONE]", (case, answer.body[-300:])
         for event in events[:-1]:
             assert "error" not in json.loads(event), (case, event)
     else:
         assert "choices" in json.loads(answer.body), (case, answer.body[:300])
+
+
+def _check_response(case: FuzzCase, answer: Answer) -> None:
+    """A 200 of /v1/responses: a Response, or its events in order, numbered, ending with response.completed."""
+    if not answer.headers.get("content-type", "").startswith("text/event-stream"):
+        assert json.loads(answer.body)["object"] == "response", (case, answer.body[:300])
+        return
+    events = [json.loads(line[6:]) for line in answer.body.decode().split("\n") if line.startswith("data: ")]
+    assert events and [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"], \
+        (case, answer.body[:300])
+    assert events[-1]["type"] == "response.completed", (case, answer.body[-300:])
+    assert [e["sequence_number"] for e in events] == list(range(len(events))), (case, answer.body[:300])
+    assert not any(e["type"] == "error" for e in events), (case, answer.body[-300:])

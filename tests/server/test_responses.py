@@ -193,3 +193,15 @@ def test_store_is_taken_and_ignored_and_unknown_model_is_404(server, client):
     assert_error(post(server, "/v1/responses", {"model": "other", "input": "Hi"}), 404, "model")
     assert_error(post(server, "/v1/responses", {"input": "Hi", "max_output_tokens": 2},
                       headers={"Authorization": "Bearer wrong"}), 401)
+
+
+def test_streamed_logprobs_are_the_whole_answers_with_a_stop_string(client):
+    """A stop string's token has no text but its logprob: the streamed response keeps it as the whole one does
+    (found by the router's differential property: a handed-off stream carried it, a node's did not)."""
+    kwargs = dict(model="demo", input="Hi", max_output_tokens=8, temperature=0, top_logprobs=1,
+                  include=["message.output_text.logprobs"], extra_body={"stop": ["!"]})
+    whole = client.responses.create(**kwargs)
+    streamed = list(client.responses.create(stream=True, **kwargs))[-1].response
+    assert streamed.output_text == whole.output_text == "Hello"
+    assert [lp.token for lp in streamed.output[0].content[0].logprobs] == \
+        [lp.token for lp in whole.output[0].content[0].logprobs] == ["Hello", "!"]
