@@ -1,7 +1,8 @@
 """Response shapes: `pdpool serve --model demo` against `vllm serve` on the same model folder, field by field.
 
-The same matrix of requests (completions and chat, stream and not, n > 1, echo, logprobs, stop strings and ids,
-length, stream_options, usage, /v1/models, /tokenize, /detokenize, and error cases) goes to each server twice: as
+The same matrix of requests (completions, chat and the Responses API, stream and not, n > 1, echo, logprobs, stop
+strings and ids, length, stream_options, usage, /v1/models, /tokenize, /detokenize, and error cases; a Responses
+stream is compared by its event types in order and each type's shape) goes to each server twice: as
 raw HTTP (httpx), whose answer is reduced to its STRUCTURE (every JSON path with its value type; null is not
 absent), a few values that clients branch on (status, content-type, object, finish_reason, stop_reason, usage
 counts, error type/code/param, the SSE framing), and the greedy text; and through the official `openai` client,
@@ -40,7 +41,8 @@ THREADS = 2
 # Leaf values compared besides their types: the ones clients branch on (object kinds, why a choice ended, counts,
 # error classification, roles). Texts are compared only for greedy cases (see GREEDY_TEXT).
 VALUE_KEYS = {"object", "finish_reason", "stop_reason", "prompt_tokens", "completion_tokens", "total_tokens",
-              "cached_tokens", "type", "code", "param", "role", "count", "max_model_len", "owned_by", "index"}
+              "cached_tokens", "type", "code", "param", "role", "count", "max_model_len", "owned_by", "index",
+              "status", "reason", "input_tokens", "output_tokens", "reasoning_tokens", "max_output_tokens"}
 # vllm serve 0.32 answers tool_choice "required" or a named function only with a tool parser loaded, which takes
 # --enable-auto-tool-choice besides --tool-call-parser (else a 400, "requires --tool-call-parser to be set"); for
 # those two choices a parser that keeps the base class's request adjustment (pythonic does) constrains the output
@@ -89,6 +91,52 @@ TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>
 KWARGS_TEMPLATE = "{% if enable_thinking %}<think>{% endif %}{% if style %}[{{ style }}]{% endif %}" + TEMPLATE
 STREAM_CONT = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
 
+def resp(**kw) -> dict:
+    return {"model": "demo", "input": CHAT[0]["content"], "max_output_tokens": 8, "temperature": 0, **kw}
+
+
+RESP_TOOLS = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+              for t in TOOLS]
+RESP_HISTORY = [{"role": "user", "content": "What is the weather in Paris?"},
+                {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                 "arguments": '{"city": "Paris", "unit": "c"}'},
+                {"type": "function_call_output", "call_id": "call_1", "output": "21 degrees, sunny"}]
+# OpenAI's Responses API (vLLM's store off, its default): answers and events, function tools, refusals
+RESPONSES_CASES: list[tuple[str, str, str, object]] = [
+    ("resp basic", "POST", "/v1/responses", resp()),
+    ("resp stream", "POST", "/v1/responses", resp(stream=True)),
+    ("resp max_output_tokens incomplete", "POST", "/v1/responses", resp(max_output_tokens=3)),
+    ("resp instructions and items", "POST", "/v1/responses", resp(instructions="Answer in one word.", input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "Hi!"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]},
+        {"role": "user", "content": CHAT[0]["content"]}])),
+    ("resp settings echoed", "POST", "/v1/responses",
+     resp(metadata={"k": "v"}, user="u1", top_p=0.5, store=False, truncation="auto")),
+    ("resp default max_output_tokens", "POST", "/v1/responses", resp(max_output_tokens=None, stop=["."])),
+    ("resp json_object", "POST", "/v1/responses",
+     resp(text={"format": {"type": "json_object"}}, max_output_tokens=20)),
+    ("resp json_schema stream", "POST", "/v1/responses", resp(stream=True, max_output_tokens=40, text={"format": {
+        "type": "json_schema", "name": "city", "schema": {"type": "object", "additionalProperties": False,
+                                                          "required": ["city"],
+                                                          "properties": {"city": {"type": "string"}}}}})),
+    ("resp logprobs", "POST", "/v1/responses", resp(include=["message.output_text.logprobs"], top_logprobs=2,
+                                                    max_output_tokens=3)),
+    ("resp named function", "POST", "/v1/responses",
+     resp(tools=RESP_TOOLS, tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=40)),
+    ("resp required stream", "POST", "/v1/responses",
+     resp(tools=RESP_TOOLS, tool_choice="required", max_output_tokens=60, stream=True)),
+    ("resp function call history", "POST", "/v1/responses",
+     resp(input=RESP_HISTORY, tools=RESP_TOOLS, tool_choice="none", max_output_tokens=16)),
+    ("ERR resp previous_response_id", "POST", "/v1/responses", resp(previous_response_id="resp_123")),
+    ("ERR resp background", "POST", "/v1/responses", resp(background=True)),
+    ("ERR resp web_search", "POST", "/v1/responses", resp(tools=[{"type": "web_search"}])),
+    ("ERR resp image input", "POST", "/v1/responses",
+     resp(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}])),
+    ("ERR resp missing input", "POST", "/v1/responses", {"model": "demo", "max_output_tokens": 4}),
+    ("ERR resp max_output_tokens 0", "POST", "/v1/responses", resp(max_output_tokens=0)),
+    ("ERR resp unknown model", "POST", "/v1/responses", resp(model="nope")),
+    ("ERR resp prompt template", "POST", "/v1/responses", resp(prompt={"id": "pmpt_1"})),
+]
 # (name, method, path, JSON body or raw bytes or None); greedy cases (temperature 0, n 1) compare text too.
 CASES: list[tuple[str, str, str, object]] = [
     ("cmpl basic", "POST", "/v1/completions", cmpl()),
@@ -312,6 +360,7 @@ CASES: list[tuple[str, str, str, object]] = [
     ("ERR tokenize nothing", "POST", "/tokenize", {"model": "demo"}),
     ("ERR unknown path", "GET", "/v1/nope", None),
     ("ERR wrong method", "GET", "/v1/completions", None),
+    *RESPONSES_CASES,
 ]
 GREEDY_TEXT = {name for name, _, path, body in CASES if isinstance(body, dict) and body.get("temperature") == 0
                and body.get("n", 1) == 1 and not name.startswith("ERR")}
@@ -372,8 +421,27 @@ def sse_events(raw: str) -> tuple[list, list[str]]:
     return events, notes
 
 
+def responses_summary(events: list) -> dict:
+    """A Responses stream: the sequence of event types (runs collapsed), the numbering, and each type's shape."""
+    types = [e.get("type") for e in events if isinstance(e, dict)]
+    summary: dict = {"ends with [DONE]": bool(events) and events[-1] == "[DONE]",
+                     "event types": [t for i, t in enumerate(types) if i == 0 or types[i - 1] != t],
+                     "sequence numbers 0..": [e.get("sequence_number") for e in events if isinstance(e, dict)]
+                     == list(range(len(types)))}
+    for t in dict.fromkeys(types):
+        merged: dict[str, set] = {}
+        for e in events:
+            if isinstance(e, dict) and e.get("type") == t:
+                for p, ts in shape(e).items():
+                    merged.setdefault(p, set()).update(ts)
+        summary[f"{t} chunk"] = merged
+    return summary
+
+
 def stream_summary(events: list) -> dict:
     """What a stream looks like to a client: the framing, per-role chunk shapes, and the sequence of chunk kinds."""
+    if any(isinstance(e, dict) and str(e.get("type", "")).startswith("response.") for e in events):
+        return responses_summary(events)
     summary: dict = {"ends with [DONE]": bool(events) and events[-1] == "[DONE]"}
     chunks = [e for e in events if isinstance(e, dict)]
     kinds = []
@@ -435,9 +503,22 @@ def raw_case(http: httpx.Client, method: str, path: str, body) -> dict:
         rec["body"] = text[:200]
         return rec
     rec["shape"] = shape(data)
-    if isinstance(data, dict):
+    if isinstance(data, dict) and data.get("object") == "response":
+        rec["text"] = _response_text(data)
+    elif isinstance(data, dict):
         rec["text"] = "|".join(_choice_text(c) for c in data.get("choices") or [])
     return rec
+
+
+def _response_text(data: dict) -> str:
+    """A Response's output as text: its messages' text, and each function call's name and arguments."""
+    out = []
+    for item in data.get("output") or ():
+        if item.get("type") == "message":
+            out += [c.get("text") or "" for c in item.get("content") or ()]
+        elif item.get("type") == "function_call":
+            out.append(f"{item.get('name')}{item.get('arguments')}")
+    return "".join(out)
 
 
 def _choice_text(c: dict) -> str:
@@ -448,6 +529,10 @@ def _choice_text(c: dict) -> str:
 
 
 def _chunk_text(e: dict) -> str:
+    if e.get("type") in ("response.output_text.delta", "response.function_call_arguments.delta"):
+        return e.get("delta") or ""
+    if e.get("type") == "response.output_item.added" and (e.get("item") or {}).get("type") == "function_call":
+        return e["item"].get("name") or ""
     return "".join(c.get("text") or (c.get("delta") or {}).get("content")
                    or _calls_text((c.get("delta") or {}).get("tool_calls")) for c in e.get("choices") or [])
 
@@ -462,10 +547,23 @@ def client_case(client, path: str, body) -> dict:
     """The official client's view: which exception, or the parsed object's shape (its model_dump)."""
     import openai
 
-    if not isinstance(body, dict) or path not in ("/v1/completions", "/v1/chat/completions", "/v1/models") \
-            and not path.startswith("/v1/models/"):
+    if not isinstance(body, dict) or path not in ("/v1/completions", "/v1/chat/completions", "/v1/models",
+                                                  "/v1/responses") and not path.startswith("/v1/models/"):
         return {}
     try:
+        if path == "/v1/responses":
+            known = {"model", "input", "stream", "instructions", "max_output_tokens", "temperature", "top_p", "text",
+                     "tools", "tool_choice", "include", "top_logprobs", "metadata", "user", "store", "truncation",
+                     "previous_response_id", "background", "prompt"}
+            obj = client.responses.create(**{k: v for k, v in body.items() if k in known},
+                                          extra_body={k: v for k, v in body.items() if k not in known})
+            if body.get("stream"):
+                events = list(obj)
+                dumped = [e.model_dump() for e in events]
+                obj = events[-1].response
+            else:
+                dumped = obj.model_dump()
+            return {"client": "ok", "client shape": shape(dumped), "client output_text": obj.output_text}
         if path == "/v1/models":
             obj = client.models.list()
             dumped = [m.model_dump() for m in obj.data]
@@ -557,6 +655,9 @@ def compare(p: dict, v: dict) -> dict[str, list[str]]:
                 lines.append(f"stream {key}: pdpool {sa.get(key)} | vllm {sb.get(key)}")
         if name in GREEDY_TEXT and a.get("status") == 200 and a.get("text") != b.get("text"):
             lines.append(f"greedy text: pdpool {a.get('text')!r} | vllm {b.get('text')!r}")
+        if name in GREEDY_TEXT and a.get("client output_text") != b.get("client output_text"):
+            lines.append(f"client output_text: pdpool {a.get('client output_text')!r} | vllm "
+                         f"{b.get('client output_text')!r}")
         if lines:
             diffs[name] = lines
     return diffs
