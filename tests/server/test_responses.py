@@ -205,3 +205,25 @@ def test_streamed_logprobs_are_the_whole_answers_with_a_stop_string(client):
     assert streamed.output_text == whole.output_text == "Hello"
     assert [lp.token for lp in streamed.output[0].content[0].logprobs] == \
         [lp.token for lp in whole.output[0].content[0].logprobs] == ["Hello", "!"]
+
+
+def test_auto_tool_choice_with_a_parser(permissive_server):
+    """tool_choice "auto" (the default with tools) on a node with --enable-auto-tool-choice --tool-call-parser
+    hermes: a few-shot input makes the greedy model call the tool; whole and streamed give the same call."""
+    def call(city: str) -> str:
+        return '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>' % city
+
+    items = []
+    for city in ("Paris", "Rome"):
+        items += [{"role": "user", "content": f"Weather in {city}?"}, {"role": "assistant", "content": call(city)}]
+    kwargs = dict(model="demo", instructions="You answer only with a tool call.", tools=TOOLS, max_output_tokens=60,
+                  temperature=0, input=items + [{"role": "user", "content": "Weather in Berlin?"}])
+    client = permissive_server.client()
+    whole = client.responses.create(**kwargs)
+    calls = [o for o in whole.output if o.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Berlin"})]
+    assert whole.tool_choice == "auto"
+    events = list(client.responses.create(stream=True, **kwargs))
+    streamed = [o for o in events[-1].response.output if o.type == "function_call"]
+    assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]
+    assert "response.function_call_arguments.done" in [e.type for e in events]
