@@ -49,9 +49,10 @@ class RoutedRequest:
     @property
     def disaggregable(self) -> bool:
         """The handoff moves one prompt's KV to one decode request; a request for the prompt's own logprobs
-        (echo with logprobs) computes its whole prompt on one node."""
+        (echo with logprobs) computes its whole prompt on one node, and a beam search runs one-token requests
+        there, step after step."""
         return (len(self.prompt_token_ids) == 1 and self.parsed.n == 1
-                and self.parsed.params.prompt_logprobs is None)
+                and self.parsed.params.prompt_logprobs is None and not self.parsed.use_beam_search)
 
     @property
     def sent_token_ids(self) -> list[list[int]]:

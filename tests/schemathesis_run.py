@@ -125,6 +125,7 @@ def with_cross_field_rules(operation, body):
         return body
     _tools_that_compile(body)
     _one_compiling_constraint(body)
+    _beam_search_alone(operation, body)
     n = body.get("n")
     if _number(body.get("best_of")) and 1 <= body["best_of"] <= 16:
         body["best_of"] = n if _number(n) and 1 <= n <= 16 else 1
@@ -164,6 +165,22 @@ def _one_compiling_constraint(body: dict) -> None:
     elif field == "response_format" and isinstance(value, dict) and isinstance(value.get("json_schema"), dict) \
             and isinstance(value["json_schema"].get("schema"), (dict, bool)):
         value["json_schema"]["schema"] = COMPILING["json"]
+
+
+# What a beam search refuses beside it (protocol._check_beam_search; the document's description lists them)
+BEAM_REFUSES = ("logprobs", "top_logprobs", "echo", "prompt_logprobs", "kv_transfer_params", "stop", "stop_token_ids",
+                "min_tokens", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                "logit_bias", "allowed_token_ids", "bad_words", "tool_choice", *STRUCTURED)
+
+
+def _beam_search_alone(operation, body: dict) -> None:
+    if body.get("use_beam_search") is not True:
+        return
+    for name in BEAM_REFUSES:
+        body.pop(name, None)
+    if operation.path == "/v1/completions":
+        body.pop("stream", None)
+        body.pop("stream_options", None)
 
 
 def _tools_that_compile(body: dict) -> None:

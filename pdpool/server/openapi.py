@@ -200,6 +200,12 @@ def _common(model: dict) -> dict:
         "return_token_ids": _nullable({"type": "boolean"}),
         "return_tokens_as_token_ids": _nullable({"type": "boolean", "description": (
             "logprobs name tokens 'token_id:<id>' (null: the server's --return-tokens-as-token-ids)")}),
+        "use_beam_search": _nullable({"type": "boolean", "description": (
+            "vLLM's beam search, n beams wide (n at most 10): the choices are the n best beams. Not with a "
+            "streamed completion, logprobs, echo, prompt_logprobs, a constraint, stop, min_tokens, penalties, "
+            "top_p/top_k/min_p, logit_bias, allowed_token_ids or bad_words")}),
+        "length_penalty": _nullable({"type": "number", "description": (
+            "beam search: a beam's score is its log probability over its length to this power")}),
     }
 
 

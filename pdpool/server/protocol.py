@@ -64,6 +64,10 @@ class GenerationRequest:
     # chat's echo (vLLM's): the text each choice's content starts with, the last message's when its role is the
     # answer's; "" is none
     chat_echo: str = ""
+    # vLLM's beam search (``pdpool.server.beam_search``): the n choices are the n best beams; length_penalty
+    # divides a beam's log probability by its length to that power
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 async def read_json(request) -> dict:
@@ -270,7 +274,9 @@ def _common(body: dict, kind: str, served_model_names: list[str]) -> dict:
                 cache_salt=get_str(body, "cache_salt"),
                 kv_transfer_params=kv, user=get_str(body, "user"),
                 return_token_ids=get_bool(body, "return_token_ids"),
-                return_tokens_as_token_ids=get_bool(body, "return_tokens_as_token_ids", None))
+                return_tokens_as_token_ids=get_bool(body, "return_tokens_as_token_ids", None),
+                use_beam_search=get_bool(body, "use_beam_search"),
+                length_penalty=get_float(body, "length_penalty", 1.0))
 
 
 # vLLM's older structured-output fields, each one constraint of ``structured_outputs``.
@@ -338,9 +344,9 @@ def _refuse_constrained(body: dict, kind: str) -> None:
 
 
 # vLLM's request fields that pdpool does not implement. Unknown fields are ignored, as in vLLM, but these vLLM
-# knows: dropped, each would answer another request than the one sent (every prompt token kept, no token banned,
-# no beam search), so any value but absent (null) or a no-op one is a 400.
-_UNIMPLEMENTED = ("logits_processors", "use_beam_search")
+# knows: dropped, each would answer another request than the one sent, so any value but absent (null) or a no-op
+# one is a 400.
+_UNIMPLEMENTED = ("logits_processors",)
 
 
 def _refuse_unimplemented(body: dict, kind: str) -> None:
@@ -644,8 +650,44 @@ def parse_chat(body: dict, served_model_names: list[str], render, tool_parser: s
                                       chat_echo=chat_echo, **common))
 
 
+# What vLLM's beam search reads of a request: n (the width), max_tokens, ignore_eos, length_penalty,
+# include_stop_str_in_output, skip_special_tokens (and temperature, which cannot change its answer). Each of these
+# SamplingParams fields it drops without a word; here one that is set is a 400 (body field, its default).
+_BEAM_IGNORES = (("stop", []), ("stop_token_ids", []), ("min_tokens", 0), ("top_p", 1.0), ("top_k", 0),
+                 ("min_p", 0.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+                 ("logit_bias", None), ("allowed_token_ids", None), ("bad_words", None))
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2   # each step asks for 2 * n logprobs
+
+
+def _check_beam_search(req: GenerationRequest) -> None:
+    """What beam search cannot take: a 400 naming the field. vLLM refuses a streamed completion and a width whose
+    2n logprobs pass 20; it ignores the rest, which would answer another request than the one sent."""
+    def refuse(param: str, why: str):
+        raise APIError(f"'{param}' {why} with 'use_beam_search'", param=param)
+
+    if req.n > MAX_BEAM_WIDTH:
+        refuse("n", f"(the beam width) must be at most {MAX_BEAM_WIDTH}")
+    if req.stream and req.kind != "chat":
+        refuse("stream", "is not supported (vLLM's rule: a completion's beams come whole)")
+    if req.kv_transfer_params:
+        refuse("kv_transfer_params", "is not supported (a search runs one token a step, on one node)")
+    for param, given in (("logprobs", req.logprobs is not None), ("echo", req.echo),
+                         ("prompt_logprobs", req.params.prompt_logprobs is not None),
+                         ("tool_choice", req.tool_choice is not None and req.tool_choice.schema is not None)):
+        if given:
+            refuse(param, "is not supported")
+    if req.params.structured_outputs is not None:
+        refuse(req.params.structured_outputs.param, "(a constraint) is not supported")
+    for name, default in _BEAM_IGNORES:
+        value = getattr(req.params, name)
+        if (value or None) != (default or None) and not (name == "top_k" and value == -1):   # [], {}, 0: unset
+            refuse(name, "has no effect (vLLM's beam search ignores it)")
+
+
 def _checked(req: GenerationRequest) -> GenerationRequest:
     """Checks across fields, once the request is parsed."""
+    if req.use_beam_search:
+        _check_beam_search(req)
     seed = req.params.seed
     if seed is not None and req.n > 1 and seed + req.n - 1 > SEED_MAX:  # choice j is seeded seed + j
         raise APIError(f"'seed' must be <= {SEED_MAX - req.n + 1} with n={req.n} (choice j uses seed + j)",

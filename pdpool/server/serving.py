@@ -25,6 +25,7 @@ from pdpool.engine.llm_engine import InvalidRequestError, QueueFullError, TokenL
 from pdpool.engine.output_processor import RequestOutput
 from pdpool.engine.sampling_params import SamplingParamsError
 from pdpool.logs import HEADER as REQUEST_ID_HEADER
+from pdpool.server.beam_search import BeamSearch, BeamStream
 from pdpool.server.errors import APIError
 from pdpool.server.protocol import GenerationRequest
 from pdpool.server.tools import AutoToolStream, ToolCallStream, finish_reason, tool_message
@@ -33,7 +34,7 @@ from pdpool.server.tools import AutoToolStream, ToolCallStream, finish_reason, t
 @dataclass
 class _Choice:
     index: int
-    stream: RequestStream
+    stream: RequestStream | BeamStream
     prompt_text: str | None = None      # for echo
     text_offset: int = 0                # completions logprobs: offset of the next token's text
     started: bool = False               # chat streaming: role delta sent
@@ -77,6 +78,9 @@ class Generation:
         try:
             for p_index, prompt in enumerate(req.prompts):
                 token_ids = req.prompt_token_ids[p_index] if req.prompt_token_ids is not None else None
+                if req.use_beam_search:   # the n choices are one search's n best beams
+                    await self._start_beam_search(p_index, prompt, token_ids)
+                    continue
                 for j in range(req.n):
                     index = p_index * req.n + j
                     params = req.params if req.n == 1 else _copy_params(req.params, j)
@@ -91,6 +95,14 @@ class Generation:
         except BaseException:
             self.abort()
             raise
+
+    async def _start_beam_search(self, p_index: int, prompt, token_ids: list[int] | None) -> None:
+        req = self.req
+        search = BeamSearch(self.llm, f"{self._engine_prefix}-{p_index}", prompt, req.params, width=req.n,
+                            length_penalty=req.length_penalty, priority=req.priority, cache_salt=req.cache_salt,
+                            add_special_tokens=req.kind != "chat", prompt_token_ids=token_ids)
+        for j, stream in enumerate(await search.start()):
+            self.choices.append(_Choice(p_index * req.n + j, stream))
 
     def abort(self) -> None:
         for choice in self.choices:

@@ -304,6 +304,24 @@ def test_several_prompts_and_n_go_decode_only(router):
     assert router.value('pdpool_router_requests_total{decision="decode_only"}') == before + 1
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": PROMPT, "n": 1}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Name a colour."}], "n": 2}),
+])
+def test_beam_search_goes_decode_only_and_is_the_nodes_answer(cluster, router, path, body):
+    """A beam search runs a one-token request per beam and step: never handed off, even at width 1; the router's
+    answer is a node's."""
+    body = {"model": "demo", "max_tokens": 6, "temperature": 0, "use_beam_search": True, **body}
+    before = router.value('pdpool_router_requests_total{decision="decode_only"}')
+    mine = router.post(path, body)
+    assert mine.status_code == 200, mine.text
+    assert router.value('pdpool_router_requests_total{decision="decode_only"}') == before + 1
+    theirs = httpx.post(cluster["d0"].base_url + path.removeprefix("/v1"), json=body, timeout=60).json()
+    key = "text" if "prompt" in body else "message"
+    assert [c[key] for c in mine.json()["choices"]] == [c[key] for c in theirs["choices"]]
+    assert len(mine.json()["choices"]) == body["n"]
+
+
 def test_api_key_and_max_inflight(cluster, redis_module, start_router):
     guarded = start_router(redis_flags(redis_module.url) + ["--max-inflight", "1"], name="router-guarded",
                            api_key="s3cret")

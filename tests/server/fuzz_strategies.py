@@ -177,6 +177,7 @@ COMMON_FIELDS = {
     "guided_json": st.one_of(SCHEMAS, json_values()), "guided_regex": st.one_of(REGEXES, json_values()),
     "guided_choice": CONSTRAINTS["choice"], "guided_grammar": CONSTRAINTS["grammar"],
     "return_tokens_as_token_ids": st.one_of(st.booleans(), json_values()),
+    "use_beam_search": st.one_of(st.booleans(), json_values()), "length_penalty": numbers(-2, 2),
 }
 COMPLETION_FIELDS = {**COMMON_FIELDS, "prompt": PROMPTS, "echo": st.one_of(st.booleans(), json_values()),
                      "max_tokens": small_ints(0, 4),      # 0 with echo: the prompt alone (the scoring call)

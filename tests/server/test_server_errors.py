@@ -101,7 +101,7 @@ TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type"
     ("/v1/completions", {"bad_words": [5]}, "bad_words"),   # strings only
     ("/v1/completions", {"prompt_logprobs": -1}, "prompt_logprobs"),   # vLLM: the whole vocabulary; here at most 20
     ("/v1/completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),   # -1 or >= 1
-    ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
+    ("/v1/completions", {"use_beam_search": True, "stop": ["."]}, "stop"),   # vLLM's beam search drops stop
     ("/v1/completions", {"logits_processors": ["x"]}, "logits_processors"),
     ("/v1/chat/completions", {"chat_template": "{{ 'x' }}"}, "chat_template"),
     ("/v1/completions", {"guided_choice": []}, "guided_choice"),
