@@ -40,8 +40,7 @@ class ResponseEvents:
         self.usage: dict | None = None
 
     def sse(self, chunk: dict | str) -> bytes:
-        return b"".join(f"event: {e['type']}\ndata: {json.dumps(e, ensure_ascii=False)}\n\n".encode()
-                        for e in self.events(chunk))
+        return b"".join(map(_sse, self.events(chunk)))
 
     def events(self, chunk: dict | str) -> list[dict]:
         if self.failed:
@@ -148,3 +147,11 @@ class ResponseEvents:
         event = {"type": type, "sequence_number": self.seq, **fields}
         self.seq += 1
         return event
+
+
+def _sse(event: dict) -> bytes:
+    """UTF-8 text as is; escaped where a request's echoed field (metadata, tools) holds an unpaired surrogate."""
+    try:
+        return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
+    except UnicodeEncodeError:
+        return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()

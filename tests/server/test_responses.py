@@ -227,3 +227,14 @@ def test_auto_tool_choice_with_a_parser(permissive_server):
     streamed = [o for o in events[-1].response.output if o.type == "function_call"]
     assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]
     assert "response.function_call_arguments.done" in [e.type for e in events]
+
+
+def test_an_echoed_unpaired_surrogate_streams_escaped(server):
+    """metadata is echoed in every response object of a stream: a value with JSON's \\ud800 escape (no UTF-8 for
+    it) goes out escaped, not as a broken stream."""
+    body = b'{"model": "demo", "input": "Hi", "max_output_tokens": 2, "stream": true, "metadata": {"k": "\\ud800"}}'
+    with httpx.stream("POST", server.url + "/v1/responses", content=body, timeout=60,
+                      headers={**server.headers(), "Content-Type": "application/json"}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert r.status_code == 200 and events[-1]["type"] == "response.completed"
+    assert events[-1]["response"]["metadata"] == {"k": "\ud800"}
