@@ -1,4 +1,5 @@
-"""The OpenAI HTTP surface of one node (aiohttp): completions, chat, responses, models, health, metrics.
+"""The OpenAI HTTP surface of one node (aiohttp): completions, chat, responses, Anthropic's messages, models,
+health, metrics.
 
 Pure HTTP: ``create_app(config, node, routes)`` receives what it serves. ``node`` (``ServedNode``, built by
 ``pdpool.node.Node``) gives the engine once loaded, the node's status and its metrics; ``routes`` are the node's
@@ -20,7 +21,8 @@ from aiohttp import web
 from pdpool import __version__
 from pdpool.config import auto_tool_parser
 from pdpool.logs import HEADER as REQUEST_ID_HEADER, request_id_from, request_id_var
-from pdpool.server import openapi, protocol, responses, tokenize
+from pdpool.server import anthropic_messages, openapi, protocol, responses, tokenize
+from pdpool.server.anthropic_events import MessageEvents
 from pdpool.server.auth import check_api_key
 from pdpool.server.errors import APIError, error_middleware
 from pdpool.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -123,9 +125,31 @@ async def responses_route(request: web.Request) -> web.StreamResponse:
     return await _generate(request, llm, req, turn)
 
 
+async def messages_route(request: web.Request) -> web.StreamResponse:
+    """Anthropic's Messages API on the chat path (``pdpool.server.anthropic_messages``)."""
+    body = await protocol.read_json(request)
+    llm = request.app[NODE_KEY].require_llm()
+    turn, req = anthropic_messages.parse(body, lambda chat: _parse_chat(request, llm, chat))
+    req.prompt_token_ids = forwarded_token_ids(body, len(req.prompts))
+    return await _generate(request, llm, req, turn)
+
+
+async def count_tokens_route(request: web.Request) -> web.Response:
+    """Anthropic's ``POST /v1/messages/count_tokens``: the rendered prompt's tokens (``/tokenize``'s count)."""
+    body = await protocol.read_json(request)
+    turn = anthropic_messages.translate(body, count_tokens=True)
+    llm = request.app[NODE_KEY].require_llm()
+    trusted = request.app[CONFIG_KEY].server.trust_request_chat_template
+    return web.json_response(anthropic_messages.counted(tokenize.tokenize(
+        anthropic_messages.count_tokens_body(turn), llm.frontend, _served_names(request), llm.max_model_len,
+        trust_chat_template=trusted)))
+
+
 async def _generate(request: web.Request, llm, req: protocol.GenerationRequest,
-                    turn: responses.ResponsesTurn | None = None) -> web.StreamResponse:
-    """``turn``: a Responses request's, whose answer is a Response (its events, streamed) made of the chat's."""
+                    turn: responses.ResponsesTurn | anthropic_messages.MessagesTurn | None = None
+                    ) -> web.StreamResponse:
+    """``turn``: a Responses request's, whose answer is a Response (its events, streamed) made of the chat's; or
+    a Messages request's, whose answer is a Message (its events)."""
     rid = request["request_id"]
     server_config = request.app[CONFIG_KEY].server
     if req.return_tokens_as_token_ids is None:   # the request's choice wins, either way, as in vLLM
@@ -136,13 +160,19 @@ async def _generate(request: web.Request, llm, req: protocol.GenerationRequest,
     gen = Generation(llm, req, rid)
     await gen.start()
     if req.stream:
-        events = None if turn is None else ResponseEvents(
-            turn, req, rid, len(gen.choices[0].stream.prompt_token_ids), llm.max_model_len)
+        prompt_tokens = len(gen.choices[0].stream.prompt_token_ids)
+        events = None
+        if isinstance(turn, responses.ResponsesTurn):
+            events = ResponseEvents(turn, req, rid, prompt_tokens, llm.max_model_len)
+        elif turn is not None:
+            events = MessageEvents(req, rid, prompt_tokens)
         return await stream_response(gen, request, events)
 
     async def answer() -> dict:
         chat = await full_response(gen)
-        return chat if turn is None else responses.response_body(turn, req, chat, rid, llm.max_model_len)
+        if isinstance(turn, responses.ResponsesTurn):
+            return responses.response_body(turn, req, chat, rid, llm.max_model_len)
+        return chat if turn is None else anthropic_messages.message_body(req, chat, rid)
 
     if not req.kv_transfer_params:
         return web.json_response(await answer(), headers={REQUEST_ID_HEADER: rid})
@@ -258,6 +288,8 @@ def create_app(node_config, node: ServedNode, routes: list[web.RouteDef] = ()) -
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/responses", responses_route)
+    app.router.add_post(anthropic_messages.PATH, messages_route)
+    app.router.add_post(anthropic_messages.COUNT_TOKENS_PATH, count_tokens_route)
     app.router.add_post("/tokenize", tokenize_route)
     app.router.add_post("/detokenize", detokenize_route)
     app.router.add_get("/v1/models", models)

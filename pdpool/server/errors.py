@@ -12,6 +12,10 @@ logger = logging.getLogger("pdpool.server")
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
           500: "internal_server_error", 503: "service_unavailable"}
+# Anthropic's error types (its Messages API), by status
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+ANTHROPIC_PATHS = "/v1/messages"
 
 
 class APIError(Exception):
@@ -30,9 +34,18 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def anthropic_body(self) -> dict:
+        """Anthropic's shape, as its Messages API answers (vLLM's ``/v1/messages`` too)."""
+        kind = _ANTHROPIC_TYPES.get(self.status) or ("api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
 
-def error_response(err: APIError, headers: dict | None = None) -> web.Response:
-    return web.json_response(err.body(), status=err.status, headers=headers)
+    def body_for(self, path: str) -> dict:
+        """The error's body on ``path``: Anthropic's shape on its Messages API, else OpenAI's."""
+        return self.anthropic_body() if path.startswith(ANTHROPIC_PATHS) else self.body()
+
+
+def error_response(err: APIError, headers: dict | None = None, path: str = "") -> web.Response:
+    return web.json_response(err.body_for(path), status=err.status, headers=headers)
 
 
 @web.middleware
@@ -44,15 +57,15 @@ async def error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except APIError as err:
-        return error_response(err)
+        return error_response(err, path=request.path)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         allow = exc.headers.get("Allow")
         return error_response(APIError(exc.reason or "HTTP error", status=exc.status),
-                              headers={"Allow": allow} if allow is not None else None)
+                              headers={"Allow": allow} if allow is not None else None, path=request.path)
     except Exception:  # noqa: BLE001 - the server must stay up
         error_id = uuid.uuid4().hex[:16]
         logger.exception("internal error %s on %s %s", error_id, request.method, request.path)
         return error_response(APIError(f"internal server error (error id {error_id}; the server log has the "
-                                       "details)", status=500))
+                                       "details)", status=500), path=request.path)
