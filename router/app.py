@@ -1,8 +1,8 @@
 """The router's composition root and HTTP surface.
 
 ``Router`` builds every piece from the config (discovery, prefix index, scheduler, request path, metrics), owns
-their lifecycle, and answers ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` (routed as its chat
-request), ``/v1/models``, ``/health/live``, ``/health/ready``, ``/metrics`` and ``/openapi.json`` through the raw
+their lifecycle, and answers ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` and Anthropic's ``/v1/messages`` (each
+routed as its chat request), ``/v1/messages/count_tokens``, ``/v1/models``, ``/health/live``, ``/health/ready``, ``/metrics`` and ``/openapi.json`` through the raw
 HTTP/1.1 server (``router/server.py``).
 ``handle`` does what a middleware would: the request id, authentication, OpenAI errors, the response counter. A
 client that disconnects cancels its request's task, which closes the upstream legs.
@@ -36,19 +36,20 @@ from pdpool.router.scheduler import Scheduler
 from pdpool.router.server import Exchange, Request
 from pdpool.router.settings import SchedulerProfile
 from pdpool.router.upstream import Upstream
-from pdpool.server import protocol, tokenize
+from pdpool.server import anthropic_messages, protocol, tokenize
 from pdpool.server.auth import check_api_key
 from pdpool.server.errors import APIError
 
 logger = logging.getLogger("pdpool.router")
 
 PUBLIC = ("/health", "/metrics", "/openapi.json", "/version")
-GENERATE = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+GENERATE = ("/v1/completions", "/v1/chat/completions", "/v1/responses", anthropic_messages.PATH)
 # (method, path) -> handler name; GET routes answer HEAD too. /openapi.json lists what is here. MODEL_PATH stands
 # for every path under /v1/models/ (OpenAI's retrieve: the rest of the path is the model's name, slashes and all).
 MODEL_PATH = "/v1/models/{model}"
 ROUTES = {("POST", "/v1/completions"): "generate", ("POST", "/v1/chat/completions"): "generate",
-          ("POST", "/v1/responses"): "generate",
+          ("POST", "/v1/responses"): "generate", ("POST", anthropic_messages.PATH): "generate",
+          ("POST", anthropic_messages.COUNT_TOKENS_PATH): "count_tokens_page",
           ("GET", "/v1/models"): "models", ("GET", MODEL_PATH): "model", ("GET", "/health/live"): "health_live",
           ("GET", "/health/ready"): "health_ready", ("GET", "/health"): "health_ready",
           ("GET", "/metrics"): "metrics_page", ("GET", "/openapi.json"): "openapi_page",
@@ -192,9 +193,10 @@ class Router:
         except APIError as err:
             if err.status >= 500:
                 logger.warning("%s %s -> %d: %s", request.method, request.path, err.status, err.message)
-            self._error(exchange, err, rid)
+            self._error(exchange, err, rid, request.path)
         except _MethodNotAllowed as exc:
-            self._error(exchange, APIError("Method Not Allowed", status=405), rid, {"Allow": ", ".join(exc.allowed)})
+            self._error(exchange, APIError("Method Not Allowed", status=405), rid, request.path,
+                        {"Allow": ", ".join(exc.allowed)})
         except _PassThrough as exc:
             if not exchange.started:
                 pass_through(exchange, exc, rid)
@@ -203,15 +205,16 @@ class Router:
             raise
         except Exception as exc:  # noqa: BLE001 - the router must stay up
             logger.exception("internal error on %s %s", request.method, request.path)
-            self._error(exchange, APIError(f"internal error: {type(exc).__name__}: {exc}", status=500), rid)
+            self._error(exchange, APIError(f"internal error: {type(exc).__name__}: {exc}", status=500), rid,
+                        request.path)
         if not request.path.startswith(PUBLIC):   # probes and scrapes are not the API's answers (a not-ready 503)
             self.metrics.count_response(exchange.status)
 
     @staticmethod
-    def _error(exchange: Exchange, err: APIError, rid: str, headers: dict | None = None) -> None:
+    def _error(exchange: Exchange, err: APIError, rid: str, path: str, headers: dict | None = None) -> None:
         if exchange.started:          # mid-stream: the request path already sent its error event
             return
-        exchange.respond(err.status, json.dumps(err.body()).encode(), "application/json",
+        exchange.respond(err.status, json.dumps(err.body_for(path)).encode(), "application/json",
                          {REQUEST_ID_HEADER: rid, **(headers or {})})
 
     async def generate(self, request: Request, exchange: Exchange, rid: str) -> None:
@@ -261,6 +264,13 @@ class Router:
         """vLLM's ``POST /tokenize``, from the router's own front end (no node is asked)."""
         return _json(tokenize.tokenize(self._body(request), self.frontend, self.served_names, self.max_model_len(),
                                        trust_chat_template=self.cfg.router.trust_request_chat_template))
+
+    async def count_tokens_page(self, request: Request):
+        """Anthropic's ``POST /v1/messages/count_tokens``, from the router's own front end (as ``/tokenize``)."""
+        turn = anthropic_messages.translate(self._body(request), count_tokens=True)
+        return _json(anthropic_messages.counted(tokenize.tokenize(
+            anthropic_messages.count_tokens_body(turn), self.frontend, self.served_names, self.max_model_len(),
+            trust_chat_template=self.cfg.router.trust_request_chat_template)))
 
     async def detokenize_page(self, request: Request):
         return _json(tokenize.detokenize(self._body(request), self.frontend, self.served_names))

@@ -25,17 +25,20 @@ from pdpool.router.request import RoutedRequest
 from pdpool.router.scheduler import NoNodeError, RoutePlan
 from pdpool.router.sse import SSERelay
 from pdpool.router.upstream import TRANSPORT_ERRORS, ClientErrorReply, UpstreamError, classify_status
+from pdpool.server import anthropic_messages
 from pdpool.server.errors import APIError
 
 logger = logging.getLogger("pdpool.router")
 
 
 def _cached_tokens(payload: dict | None) -> int | None:
-    """A node's realized prefix hits: its usage's, a chat or completion's or a Response's."""
+    """A node's realized prefix hits: its usage's, a chat or completion's, a Response's or a Message's."""
     usage = (payload or {}).get("usage") if isinstance(payload, dict) else None
     details = None
     if isinstance(usage, dict):
         details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+        if details is None and "cache_read_input_tokens" in usage:   # a Message's
+            details = {"cached_tokens": usage["cache_read_input_tokens"]}
     value = details.get("cached_tokens") if isinstance(details, dict) else None
     return value if isinstance(value, int) else None
 
@@ -279,7 +282,11 @@ class RequestPath:
             logger.warning("decode stream from %s broke after it started: %s", d.node_id, error)
             err = APIError(f"upstream node failed mid-stream: {error}", status=502, type="internal_server_error",
                            code="upstream_stream_broken")
-            await exchange.write((b"\n\n" if tail else b"") + b"data: " + json.dumps(err.body()).encode() + b"\n\n")
+            if rr.path == anthropic_messages.PATH:   # Anthropic's error event
+                event = b"event: error\ndata: " + json.dumps(err.anthropic_body()).encode()
+            else:
+                event = b"data: " + json.dumps(err.body()).encode()
+            await exchange.write((b"\n\n" if tail else b"") + event + b"\n\n")
         self._count_hits("decode", rr, plan, d, _cached_tokens({"usage": relay.usage}))
         await exchange.end_stream()
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from pdpool import frontend as _frontend
 from pdpool.frontend import Frontend
-from pdpool.server import protocol, responses
+from pdpool.server import anthropic_messages, protocol, responses
 from pdpool.server.errors import APIError
 
 TOKEN_IDS_FIELD = "pdpool_prompt_token_ids"
@@ -22,7 +22,7 @@ _REFUSED = getattr(_frontend, "InvalidRequestError", None) or getattr(_frontend,
 
 @dataclass
 class RoutedRequest:
-    path: str                         # /v1/completions | /v1/chat/completions | /v1/responses
+    path: str                         # /v1/completions | /v1/chat/completions | /v1/responses | /v1/messages
     body: dict                        # the client's body, untouched
     parsed: protocol.GenerationRequest
     prompt_token_ids: list[list[int]]
@@ -34,7 +34,8 @@ class RoutedRequest:
     # The ids the nodes get, where they differ from ``prompt_token_ids``: with truncate_prompt_tokens, the whole
     # prompt's (the node cuts them as it cuts a client's, so echo's text is the kept ids', not the body's prompt)
     forwarded_token_ids: list[list[int]] | None = None
-    # a /v1/responses request's chat body (``pdpool.server.responses``): its prefill leg is that chat request
+    # a /v1/responses or /v1/messages request's chat body (``pdpool.server.responses``, ``anthropic_messages``): its
+    # prefill leg is that chat request
     chat_body: dict | None = None
     _hashes: dict = field(default_factory=dict)
 
@@ -86,8 +87,8 @@ class RoutedRequest:
         return self.path if self.chat_body is None else "/v1/chat/completions"
 
     def prefill_body(self, pdpool_node: bool | None, **changes) -> dict:
-        """The prefill leg's body: ``upstream_body``'s, or for a Responses request its chat body's (the prefill
-        node's answer is a KV handle either way; the decode node answers with a Response)."""
+        """The prefill leg's body: ``upstream_body``'s, or for a Responses or Messages request its chat body's (the
+        prefill node's answer is a KV handle either way; the decode node answers with a Response or a Message)."""
         return self.upstream_body(pdpool_node, _of=self.chat_body, **changes)
 
     def upstream_body(self, pdpool_node: bool | None, _of: dict | None = None, **changes) -> dict:
@@ -114,6 +115,10 @@ def parse(path: str, body: dict, frontend: Frontend, served_names: list[str], re
                                   trust_chat_template=trust_chat_template)
     elif path.endswith("/responses"):   # its chat body, parsed and rendered as a chat request
         turn, req = responses.parse(body, lambda chat: protocol.parse_chat(
+            chat, served_names, frontend.render_chat, tool_parser, trust_chat_template=trust_chat_template))
+        chat_body = turn.chat
+    elif path == anthropic_messages.PATH:   # the same, for Anthropic's Messages API
+        turn, req = anthropic_messages.parse(body, lambda chat: protocol.parse_chat(
             chat, served_names, frontend.render_chat, tool_parser, trust_chat_template=trust_chat_template))
         chat_body = turn.chat
     else:

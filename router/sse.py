@@ -5,7 +5,8 @@ final usage chunk, and the ``"usage": null`` field of the other chunks, are kept
 ask for them. ``usage`` is whatever usage the stream carried; ``done`` whether ``[DONE]`` arrived.
 
 A Responses stream (``event: <type>`` lines before the data) ends with its ``response.completed`` event, whose
-response carries the usage, or an ``error`` event, without ``[DONE]``; its events pass unchanged.
+response carries the usage, or an ``error`` event, without ``[DONE]``; its events pass unchanged. So does an
+Anthropic Messages stream, which ends with ``message_stop`` (or ``error``); its ``message_delta`` has the usage.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import json
 
 _NULL_USAGE = (b', "usage": null', b',"usage":null')
-_RESPONSE_ENDS = (b"response.completed", b"response.incomplete", b"response.failed", b"error")
+_RESPONSE_ENDS = (b"response.completed", b"response.incomplete", b"response.failed", b"error", b"message_stop")
 
 
 class SSERelay:
@@ -65,13 +66,15 @@ class SSERelay:
 
     def _response_event(self, event: bytes) -> None:
         kind, _, data = event[7:].partition(b"\n")
+        if kind == b"message_delta":
+            obj = _data(data)
+            if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+                self.usage = obj["usage"]
+            return
         if kind not in _RESPONSE_ENDS:
             return
         self.done = True
-        try:
-            obj = json.loads(data[6:]) if data.startswith(b"data: ") else None
-        except ValueError:
-            obj = None
+        obj = _data(data)
         response = obj.get("response") if isinstance(obj, dict) else None
         if isinstance(response, dict) and isinstance(response.get("usage"), dict):
             self.usage = response["usage"]
@@ -80,3 +83,10 @@ class SSERelay:
         """What is left at the end (an incomplete event: passed on as is)."""
         rest, self._pending = self._pending, b""
         return rest
+
+
+def _data(data: bytes):
+    try:
+        return json.loads(data[6:]) if data.startswith(b"data: ") else None
+    except ValueError:
+        return None
