@@ -49,7 +49,13 @@ def bounded(operation, body):
     if operation.path == "/v1/responses":
         _bounded_response(body)
         return body
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+    if operation.path.startswith("/v1/messages"):   # Anthropic's: max_tokens required (capped above), system cut
+        system = body.get("system")
+        if isinstance(system, str):
+            body["system"] = system[:TEXT // 4]
+        elif isinstance(system, list):
+            body["system"] = system[:2]
+    elif body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = MAX_TOKENS     # absent or null: the rest of the context
     # The prompt within the context (512 tokens): a character may be 4 byte-level tokens
     prompt = body.get("prompt")
@@ -122,6 +128,9 @@ def with_cross_field_rules(operation, body):
         return body
     if operation.path == "/v1/responses":
         _response_rules(body)
+        return body
+    if operation.path == "/v1/messages":
+        _anthropic_rules(body)
         return body
     _tools_that_compile(body)
     _one_compiling_constraint(body)
@@ -220,6 +229,28 @@ def _response_rules(body: dict) -> None:
         choice["name"] = tools[0]["name"]
     if choice not in (None, "none", "auto"):
         body.pop("text", None)
+
+
+def _anthropic_rules(body: dict) -> None:
+    """A Messages body's: output_config's schema and each tool's input_schema compile, a named tool_choice names
+    the first tool, a call's own grammar is the only constraint, thinking's budget_tokens below max_tokens."""
+    config = body.get("output_config")
+    fmt = config.get("format") if isinstance(config, dict) else None
+    if isinstance(fmt, dict) and isinstance(fmt.get("schema"), dict):
+        fmt["schema"] = COMPILING["json"]
+    thinking = body.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") == "enabled":
+        body["thinking"] = {"type": "disabled"}
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if not (isinstance(tools, list) and tools and all(isinstance(t, dict) for t in tools)):
+        return
+    for tool in tools:
+        if isinstance(tool.get("input_schema"), dict):
+            tool["input_schema"] = COMPILING["json"]
+    if isinstance(choice, dict) and choice.get("type") == "tool" and isinstance(tools[0].get("name"), str):
+        choice["name"] = tools[0]["name"]
+    if isinstance(choice, dict) and choice.get("type") in ("any", "tool"):
+        body.pop("output_config", None)
 
 
 def _words(value) -> bool:

@@ -74,13 +74,15 @@ def translate(body: dict, *, count_tokens: bool = False) -> MessagesTurn:
         chat["tool_choice"], parallel = tool_choice
         if parallel is not None:
             chat["parallel_tool_calls"] = parallel
-    _thinking(body.get("thinking"))
+    budget = _thinking(body.get("thinking"))
     response_format = _output_config(body.get("output_config"))
     if count_tokens:
         return MessagesTurn(chat)
     if body.get("max_tokens") is None:
         raise APIError("'max_tokens' is required", param="max_tokens")
     chat["max_tokens"] = get_int(body, "max_tokens", ge=1)
+    if budget is not None and budget >= chat["max_tokens"]:   # vLLM's rule, though a plain model never thinks
+        raise APIError("'thinking.budget_tokens' must be less than 'max_tokens'", param="thinking")
     if body.get("stop_sequences") is not None:
         stop = body["stop_sequences"]
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
@@ -160,7 +162,7 @@ def _messages(messages) -> list[dict]:
 
 def _blocks(blocks: list, role: str, i: int) -> list[dict]:
     """One message's blocks -> its chat messages: a user's tool results first (tool messages), then the message
-    (left out when a user's holds nothing else, as vLLM's)."""
+    (left out when a user's holds tool results alone, as vLLM's)."""
     parts, calls, results = [], [], []
     for j, block in enumerate(blocks):
         kind = block.get("type") if isinstance(block, dict) else None
@@ -172,14 +174,17 @@ def _blocks(blocks: list, role: str, i: int) -> list[dict]:
             if text:
                 parts.append({"type": "text", "text": text})
         elif kind == "tool_use" and role == "assistant":
-            name, arguments = block.get("name"), block.get("input") or {}
+            name, arguments = block.get("name"), block.get("input")
+            arguments = {} if arguments is None else arguments
             if not isinstance(name, str) or not isinstance(arguments, dict):
                 raise APIError(f"{where}: a tool_use block needs a string 'name' and an object 'input'",
                                param="messages")
             calls.append({"id": _str_or(block.get("id"), where, "id") or f"toolu_{uuid.uuid4().hex[:24]}",
                           "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}})
         elif kind == "tool_result" and role == "user":
-            results.append({"role": "tool", "tool_call_id": _str_or(block.get("tool_use_id"), where, "tool_use_id"),
+            if not isinstance(block.get("tool_use_id"), str):
+                raise APIError(f"{where}.tool_use_id must be a string", param="messages")
+            results.append({"role": "tool", "tool_call_id": block["tool_use_id"],
                             "content": _result_text(block.get("content"), where)})
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             continue
@@ -195,7 +200,7 @@ def _blocks(blocks: list, role: str, i: int) -> list[dict]:
         message["content"] = parts[0]["text"] if len(parts) == 1 else parts
     if calls:
         message["tool_calls"] = calls
-    return results + ([message] if role == "assistant" or parts else [])
+    return results + ([message] if role == "assistant" or parts or not results else [])
 
 
 def _str_or(value, where: str, name: str) -> str:
@@ -245,7 +250,8 @@ def _tool_choice(choice) -> tuple[str | dict, bool | None] | None:
     if choice is None:
         return None
     kind = choice.get("type") if isinstance(choice, dict) else None
-    if kind not in ("auto", "any", "tool", "none") or (kind == "tool" and not isinstance(choice.get("name"), str)):
+    name = choice.get("name") if isinstance(choice, dict) else None
+    if kind not in ("auto", "any", "tool", "none") or not isinstance(name, str if kind == "tool" else (str, type(None))):
         raise APIError("'tool_choice' must be {\"type\": \"auto\" | \"any\" | \"none\"} or {\"type\": \"tool\", "
                        f"\"name\": ...}}, got {short_repr(choice)}", param="tool_choice")
     disable = choice.get("disable_parallel_tool_use")
@@ -255,26 +261,31 @@ def _tool_choice(choice) -> tuple[str | dict, bool | None] | None:
     return mapped, None if disable is None else not disable
 
 
-def _thinking(thinking) -> None:
-    """Checked as vLLM checks it, then ignored: a plain model does not think."""
+def _thinking(thinking) -> int | None:
+    """Checked as vLLM checks it, then ignored (a plain model does not think); its budget_tokens, if enabled."""
     if thinking is None:
-        return
+        return None
     kind = thinking.get("type") if isinstance(thinking, dict) else None
     if kind not in ("enabled", "disabled", "adaptive"):
         raise APIError(f"'thinking.type' must be enabled, disabled or adaptive, got {short_repr(thinking)}",
                        param="thinking")
     if kind == "enabled":
         budget = thinking.get("budget_tokens")
+        if isinstance(budget, float) and budget.is_integer():
+            budget = int(budget)
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1024:
             raise APIError("'thinking.budget_tokens' must be an integer of at least 1024", param="thinking")
+        return budget
+    return None
 
 
 def _output_config(config) -> dict | None:
     if config is None:
         return None
     fmt = config.get("format") if isinstance(config, dict) else None
-    if not isinstance(config, dict) or (fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "json_schema")
-                                                             != "json_schema")):
+    if not isinstance(config, dict) or fmt is not None and (
+            not isinstance(fmt, dict) or fmt.get("type", "json_schema") != "json_schema"
+            or not isinstance(fmt.get("schema"), (dict, type(None)))):
         raise APIError(f"'output_config' must be an object whose format is of type json_schema, got "
                        f"{short_repr(config)}", param="output_config")
     if fmt is None or fmt.get("schema") is None:

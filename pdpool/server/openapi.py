@@ -13,7 +13,7 @@ is set, and so is its 401.
 from __future__ import annotations
 
 from pdpool.engine.sampling_params import _FLOAT32_MAX, LOGIT_BIAS_MAX, MAX_LOGIT_BIAS_ENTRIES, SEED_MAX, SEED_MIN
-from pdpool.server import responses
+from pdpool.server import anthropic_messages, responses
 from pdpool.server.protocol import MAX_LOGPROBS, MAX_N
 
 _JSON = "application/json"
@@ -25,6 +25,8 @@ _ERRORS = {  # what any request may get: every one an OpenAI error body
     "500": {**_ERROR, "description": "Internal error (a bug; the message names an error id from the log)"},
     "503": {**_ERROR, "description": "Not ready: the node loads or drains, or the router has no ready node"},
 }
+_ANTHROPIC_ERROR = {"description": "Anthropic error",
+                    "content": {_JSON: {"schema": {"$ref": "#/components/schemas/AnthropicError"}}}}
 _GEN_ERRORS = {
     **_ERRORS,
     "429": {**_ERROR, "description": "Too many requests in flight (the router's --max-inflight, a prefill "
@@ -36,6 +38,10 @@ _DOCS = {
     ("POST", "/v1/completions"): "Text completion (OpenAI).",
     ("POST", "/v1/chat/completions"): "Chat completion (OpenAI).",
     ("POST", "/v1/responses"): "A response (OpenAI's Responses API, as vLLM serves it: no stored state).",
+    ("POST", anthropic_messages.PATH): "A message (Anthropic's Messages API, as vLLM serves it); errors in "
+                                       "Anthropic's shape.",
+    ("POST", anthropic_messages.COUNT_TOKENS_PATH): "The input tokens of a Messages request's rendered prompt "
+                                                    "(Anthropic's count_tokens).",
     ("GET", "/v1/models"): "The served model.",
     ("GET", "/v1/models/{model}"): "The served model's card by its name (OpenAI's retrieve), else 404.",
     ("GET", "/health/live"): "200 while the process runs.",
@@ -405,6 +411,96 @@ def _responses_body(model: dict, vocab_size: int | None, max_model_len: int | No
     }
 
 
+def _anthropic_messages() -> dict:
+    """``anthropic_messages._messages``: each role's blocks; at least one user or assistant message."""
+    text = {"type": "object", "required": ["type", "text"], "properties": {"type": {"const": "text"},
+                                                                            "text": {"type": "string"}}}
+    texts = {"type": "array", "items": text}
+    tool_use = {"type": "object", "required": ["type", "name"], "properties": {
+        "type": {"const": "tool_use"}, "id": _nullable({"type": "string"}), "name": {"type": "string"},
+        "input": _nullable({"type": "object"})}}
+    tool_result = {"type": "object", "required": ["type", "tool_use_id"], "properties": {
+        "type": {"const": "tool_result"}, "tool_use_id": {"type": "string"},
+        "content": _nullable({"anyOf": [{"type": "string"}, texts]})}}
+    thinking = {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["thinking",
+                                                                                         "redacted_thinking"]}}}
+
+    def message(role: str, *blocks: dict) -> dict:
+        return {"type": "object", "required": ["role", "content"], "properties": {
+            "role": {"const": role},
+            "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": list(blocks)}}]}}}
+
+    return {"type": "array", "minItems": 1, "items": {"anyOf": [
+        message("user", text, tool_result), message("assistant", text, tool_use, thinking),
+        {**message("system", text), "description": "vLLM's: a system message in place"}]},
+        "contains": {"type": "object", "properties": {"role": {"enum": ["user", "assistant"]}}},
+        "description": "text blocks (tool_use and thinking in assistant messages, tool_result in user messages); "
+                       "images and documents are refused: the served model reads text only"}
+
+
+def _anthropic_fields(model: dict, auto_tool_choice: bool) -> dict:
+    """What a Messages body and a count_tokens body share."""
+    text = {"type": "object", "required": ["type", "text"], "properties": {"type": {"const": "text"},
+                                                                            "text": {"type": "string"}}}
+    tool = {"type": "object", "required": ["name", "input_schema"], "properties": {
+        "type": _nullable({"const": "custom"}), "name": {"type": "string", "minLength": 1},
+        "description": _nullable({"type": "string"}),
+        "input_schema": {"type": "object", "description": "a JSON schema (it must compile)"}}}
+    choice = {"type": "object", "required": ["type"], "properties": {
+        "type": {"enum": ["auto", "any", "tool", "none"]}, "name": _nullable({"type": "string"}),
+        "disable_parallel_tool_use": _nullable({"type": "boolean"})},
+        "if": {"properties": {"type": {"const": "tool"}}}, "then": {"required": ["name"],
+                                                                      "properties": {"name": {"type": "string"}}},
+        "description": "any: a call constrained to the tools' schemas; tool: the named one's (of tools); none: text; "
+                       "auto (the default with tools): " + (
+                           "the model's own calls, read by the server's --tool-call-parser" if auto_tool_choice
+                           else "refused (the server runs without --enable-auto-tool-choice)")}
+    thinking = {"anyOf": [
+        {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["disabled", "adaptive"]}}},
+        {"type": "object", "required": ["type", "budget_tokens"], "properties": {
+            "type": {"const": "enabled"}, "budget_tokens": {**_int(1024), "description": "below max_tokens"}}}],
+        "description": "checked and ignored: the served model does not think"}
+    output_config = {"type": "object", "properties": {"format": _nullable({
+        "type": "object", "properties": {"type": {"const": "json_schema"}, "schema": _nullable({
+            "type": "object", "description": "a JSON schema (it must compile): the answer's text follows it"})}})}}
+    return {"model": model, "messages": _anthropic_messages(),
+            "system": _nullable({"anyOf": [{"type": "string"}, {"type": "array", "items": text}]}),
+            "tools": _nullable({"type": "array", "items": tool}), "tool_choice": _nullable(choice),
+            "thinking": _nullable(thinking), "output_config": _nullable(output_config)}
+
+
+def _anthropic_body(model: dict, vocab_size: int | None, max_model_len: int | None, auto_tool_choice: bool = False,
+                    chat_template: bool = False) -> dict:
+    """``pdpool.server.anthropic_messages.translate``'s fields: its own, and those it passes on to chat."""
+    sampling = _sampling(vocab_size, max_model_len)
+    word = {"type": "string", "minLength": 1}
+    return {
+        "type": "object", "required": ["model", "messages", "max_tokens"], "additionalProperties": True,
+        "description": "The rendered messages' tokens and max_tokens must fit the context (max_model_len).",
+        "properties": {
+            **_anthropic_fields(model, auto_tool_choice),
+            **{name: sampling[name] for name in ("temperature", "top_p", "top_k")},
+            "max_tokens": _int(1), "stop_sequences": _nullable({"type": "array", "items": word}),
+            "stream": _nullable({"type": "boolean"}), "cache_salt": _common(model)["cache_salt"],
+            "metadata": _nullable({"type": "object", "properties": {"user_id": _nullable({"type": "string"})}}),
+            "chat_template_kwargs": _template_kwargs(chat_template),
+        },
+        "allOf": [   # a call needs tools; tools without tool_choice are "auto"
+            {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {
+                "type": "object", "properties": {"type": {"not": {"const": "none"}}}}}},
+             "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}}]
+        + ([] if auto_tool_choice else [
+            {"if": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}},
+             "then": {"required": ["tool_choice"], "properties": {"tool_choice": {
+                 "type": "object", "properties": {"type": {"not": {"const": "auto"}}}}}}}]),
+    }
+
+
+def _count_tokens_body(model: dict, chat_template: bool = False) -> dict:
+    return {"type": "object", "required": ["model", "messages"], "additionalProperties": True, "properties": {
+        **_anthropic_fields(model, True), "chat_template_kwargs": _template_kwargs(chat_template)}}
+
+
 def _tokenize_body(model: dict, chat_template: bool = False) -> dict:
     flags = {name: _nullable({"type": "boolean"}) for name in (
         "add_special_tokens", "add_generation_prompt", "continue_final_message", "return_token_strs")}
@@ -435,6 +531,9 @@ def spec(routes, *, title: str, served_model_names: list[str], api_key: bool, vo
     bodies = {"/v1/completions": _completion_body(model, vocab_size, max_model_len),
               "/v1/chat/completions": _chat_body(model, vocab_size, max_model_len, auto_tool_choice, chat_template),
               "/v1/responses": _responses_body(model, vocab_size, max_model_len, auto_tool_choice, chat_template),
+              anthropic_messages.PATH: _anthropic_body(model, vocab_size, max_model_len, auto_tool_choice,
+                                                       chat_template),
+              anthropic_messages.COUNT_TOKENS_PATH: _count_tokens_body(model, chat_template),
               "/tokenize": _tokenize_body(model, chat_template), "/detokenize": _detokenize_body(model, vocab_size)}
     paths: dict = {}
     for method, path in sorted(set(routes)):
@@ -447,9 +546,12 @@ def spec(routes, *, title: str, served_model_names: list[str], api_key: bool, vo
         if "{model}" in path:
             op["parameters"].append({"name": "model", "in": "path", "required": True, "schema": model,
                                      "description": "A served model name (it may hold slashes)."})
+        anthropic = path.startswith(anthropic_messages.PATH)
         if path in bodies:
             op["requestBody"] = {"required": True, "content": {_JSON: {"schema": bodies[path]}}}
             errors = _GEN_ERRORS if path.startswith("/v1/") else _ERRORS
+            if anthropic:
+                errors = {status: {**e, "content": _ANTHROPIC_ERROR["content"]} for status, e in errors.items()}
             ok: dict = {_JSON: {"schema": {"type": "object"}}}
             if path.startswith("/v1/"):
                 ok["text/event-stream"] = {"schema": {  # each event: a JSON chunk, the last one "[DONE]"
@@ -465,13 +567,17 @@ def spec(routes, *, title: str, served_model_names: list[str], api_key: bool, vo
                 op["responses"]["404"] = _ERROR
         if api_key and not path.startswith(_PUBLIC):
             op["security"] = [{"bearer": []}]
-            op["responses"]["401"] = {**_ERROR, "description": "Missing or wrong API key"}
+            op["responses"]["401"] = {**(_ANTHROPIC_ERROR if anthropic else _ERROR),
+                                      "description": "Missing or wrong API key"}
         paths.setdefault(path, {})[method.lower()] = op
     components: dict = {"schemas": {"Error": {
         "type": "object", "required": ["error"], "properties": {"error": {
             "type": "object", "required": ["message", "type", "param", "code"],
             "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                           "param": {"type": ["string", "null"]}, "code": {"type": ["string", "integer"]}}}}}}}
+                           "param": {"type": ["string", "null"]}, "code": {"type": ["string", "integer"]}}}}},
+        "AnthropicError": {"type": "object", "required": ["type", "error"], "properties": {
+            "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
+                "type": {"type": "string"}, "message": {"type": "string"}}}}}}}
     if api_key:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     return {"openapi": "3.1.0", "info": {"title": title, "version": "1"}, "paths": paths, "components": components}

@@ -1,12 +1,12 @@
 """Hypothesis strategies for fuzzing an OpenAI-compatible server (a node, or the router in front of nodes).
 
-``fuzz_cases(model, api_key)`` draws one HTTP exchange: a body of the completions, chat or responses endpoint with
-fields of wrong types, missing or extra, extreme and non-finite numbers; raw bodies that are broken JSON, too deeply
-nested, not UTF-8, empty or large; wrong content types, methods and paths; and clients that vanish (a stream
-closed after its first bytes, a request closed before its answer). ``send(base_url, case)`` performs it and
-``check_answer`` asserts what any answer must satisfy: no 5xx, every 4xx an OpenAI error object, a 200 a whole
-JSON body or an SSE stream that ends in ``[DONE]`` (a Responses stream: in ``response.completed``) without an
-error event. ``valid_completion`` is a request that
+``fuzz_cases(model, api_key)`` draws one HTTP exchange: a body of the completions, chat, responses or (Anthropic's)
+messages endpoint with fields of wrong types, missing or extra, extreme and non-finite numbers; raw bodies that are
+broken JSON, too deeply nested, not UTF-8, empty or large; wrong content types, methods and paths; and clients that
+vanish (a stream closed after its first bytes, a request closed before its answer). ``send(base_url, case)``
+performs it and ``check_answer`` asserts what any answer must satisfy: no 5xx, every 4xx an OpenAI error object
+(Anthropic's on /v1/messages), a 200 a whole JSON body or an SSE stream that ends in ``[DONE]`` (a Responses
+stream: in ``response.completed``; a Messages stream: in ``message_stop``) without an error event. ``valid_completion`` is a request that
 must succeed: run it beside the fuzz cases to see that a bad request never fails its batch-mates.
 
 Generated values keep valid requests cheap (``max_tokens`` at most 4, ``n`` at most 3) so that hundreds of
@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 RESPONSES = "/v1/responses"
+MESSAGES_PATH = "/v1/messages"   # Anthropic's Messages API: its errors in Anthropic's shape
 
 
 @dataclass
@@ -246,6 +247,49 @@ RESPONSES_FIELDS = {
 }
 
 
+# /v1/messages: content strings and blocks of every kind (text, tool_use, tool_result, thinking, images, unknown),
+# system strings and blocks, client and server tools, every tool_choice, thinking and output_config
+_BLOCKS = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": st.one_of(TEXTS, json_values())}),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "name": st.one_of(st.just("f"), TEXTS, json_values())},
+                          optional={"id": st.one_of(TEXTS, json_values()),
+                                    "input": st.one_of(st.just({"city": "Paris"}), json_values())}),
+    st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": st.one_of(TEXTS, json_values())},
+                          optional={"content": st.one_of(TEXTS, st.lists(st.fixed_dictionaries(
+                              {"type": st.sampled_from(["text", "image"]), "text": TEXTS}), max_size=2), json_values()),
+                                    "is_error": json_values()}),
+    st.fixed_dictionaries({"type": st.sampled_from(["thinking", "redacted_thinking", "image", "document", "x"])},
+                          optional={"thinking": TEXTS, "source": json_values()}),
+    json_values())
+ANTHROPIC_MESSAGES = st.one_of(
+    st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool", "x"]),
+                                    "content": st.one_of(TEXTS, st.lists(_BLOCKS, max_size=3), json_values())}),
+             max_size=3),
+    json_values())
+ANTHROPIC_TOOLS = st.one_of(st.just([{"name": "f", "input_schema": {"type": "object"}}]),
+                            SCHEMAS.map(lambda s: [{"name": "f", "description": "d", "input_schema": s}]),
+                            st.just([{"type": "web_search_20250305", "name": "web_search"}]),
+                            st.just([{"name": "", "input_schema": {}}]), json_values())
+MESSAGES_FIELDS = {
+    **{k: COMMON_FIELDS[k] for k in ("model", "temperature", "top_p", "top_k", "stream", "cache_salt",
+                                     "kv_transfer_params")},
+    "messages": ANTHROPIC_MESSAGES, "max_tokens": small_ints(1, 4),
+    "system": st.one_of(TEXTS, st.lists(_BLOCKS, max_size=2), json_values()),
+    "stop_sequences": STOPS, "tools": ANTHROPIC_TOOLS,
+    "tool_choice": st.one_of(st.sampled_from([{"type": "auto"}, {"type": "any"}, {"type": "none"},
+                                              {"type": "tool", "name": "f"}, {"type": "tool", "name": "g"},
+                                              {"type": "tool"}, {"type": "any", "disable_parallel_tool_use": True}]),
+                             json_values()),
+    "metadata": st.one_of(st.fixed_dictionaries({}, optional={"user_id": st.one_of(TEXTS, json_values())}),
+                          json_values()),
+    "thinking": st.one_of(st.sampled_from([{"type": "enabled", "budget_tokens": 1024}, {"type": "disabled"},
+                                           {"type": "adaptive"}, {"type": "enabled"}]), json_values()),
+    "output_config": st.one_of(st.fixed_dictionaries({"format": st.fixed_dictionaries(
+        {"type": st.just("json_schema")}, optional={"schema": SCHEMAS})}), json_values()),
+    "chat_template_kwargs": CHAT_FIELDS["chat_template_kwargs"],
+}
+
+
 def _optional(fields: dict, keys: list[str]) -> st.SearchStrategy:
     return st.fixed_dictionaries({}, optional={k: fields[k] for k in keys})
 
@@ -256,6 +300,8 @@ def bodies(draw, kind: str, model: str) -> dict:
     ("responses"): a cheap valid one with a few fields replaced, removed or added."""
     if kind == "responses":
         return draw(_responses_body(model))
+    if kind == "messages":
+        return draw(_messages_body(model))
     fields = COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS
     body = {"model": model, "max_tokens": 2}
     body.update({"prompt": "Hello"} if kind == "completion" else {"messages": [{"role": "user", "content": "Hi"}]})
@@ -279,6 +325,18 @@ def _responses_body(draw, model: str) -> dict:
     for key in draw(st.lists(st.sampled_from(["model", "input"]), max_size=2, unique=True)):
         body.pop(key, None)   # never max_output_tokens: the rest of the context is hundreds of tokens on a CPU
     body.update(draw(st.dictionaries(st.text(min_size=1, max_size=10).filter(lambda k: k not in RESPONSES_FIELDS),
+                                     json_values(), max_size=2)))
+    return body
+
+
+@st.composite
+def _messages_body(draw, model: str) -> dict:
+    body = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+    keys = draw(st.lists(st.sampled_from(sorted(MESSAGES_FIELDS)), max_size=4, unique=True))
+    body.update(draw(_optional(MESSAGES_FIELDS, keys)))
+    for key in draw(st.lists(st.sampled_from(["model", "messages", "max_tokens"]), max_size=2, unique=True)):
+        body.pop(key, None)   # max_tokens is required here: without it, a 400
+    body.update(draw(st.dictionaries(st.text(min_size=1, max_size=10).filter(lambda k: k not in MESSAGES_FIELDS),
                                      json_values(), max_size=2)))
     return body
 
@@ -344,11 +402,11 @@ def fuzz_cases(draw, model: str, api_key: str | None = None) -> FuzzCase:
             headers["Authorization"] = "Bearer nope"
         elif auth == "x-api-key":
             headers["x-api-key"] = api_key
-    kind = draw(st.sampled_from(["completion"] * 4 + ["chat"] * 4 + ["responses"] * 3 + ["raw"] * 3
-                                + ["method", "path", "vanish"]))
+    kind = draw(st.sampled_from(["completion"] * 4 + ["chat"] * 4 + ["responses"] * 3 + ["messages"] * 3
+                                + ["raw"] * 3 + ["method", "path", "vanish"]))
     path = draw(st.sampled_from(ENDPOINTS))
-    if kind in ("completion", "chat", "responses"):
-        path = RESPONSES if kind == "responses" else ENDPOINTS[kind == "chat"]
+    if kind in ("completion", "chat", "responses", "messages"):
+        path = {"responses": RESPONSES, "messages": MESSAGES_PATH}.get(kind) or ENDPOINTS[kind == "chat"]
         content, label = _dumps(draw(bodies(kind, model))), kind
     elif kind == "raw":
         content, label = draw(raw_bodies(model))
@@ -363,14 +421,17 @@ def fuzz_cases(draw, model: str, api_key: str | None = None) -> FuzzCase:
                         {**headers, "Content-Type": "application/json"}, label="path")
     else:
         stream = draw(st.booleans())
-        path = draw(st.sampled_from((*ENDPOINTS, RESPONSES)))
+        path = draw(st.sampled_from((*ENDPOINTS, RESPONSES, MESSAGES_PATH)))
         body = {"model": model, "max_tokens": 32, "ignore_eos": True, "stream": stream}
         if path == RESPONSES:
             body = {"model": model, "max_output_tokens": 32, "ignore_eos": True, "stream": stream,
                     "input": "Tell a story"}
         body.update({"prompt": "Once upon a time"} if path == ENDPOINTS[0] else
-                    {"messages": [{"role": "user", "content": "Tell a story"}]} if path == ENDPOINTS[1] else {})
-        if draw(st.booleans()) and path != RESPONSES:
+                    {"messages": [{"role": "user", "content": "Tell a story"}]} if path in (ENDPOINTS[1], MESSAGES_PATH)
+                    else {})
+        if path == MESSAGES_PATH:   # its max_tokens alone: its body passes no ignore_eos on (32 tokens or fewer)
+            body.pop("ignore_eos")
+        if draw(st.booleans()) and path in ENDPOINTS:
             body["n"] = 2
         return FuzzCase("POST", path, _dumps(body), {**headers, "Content-Type": "application/json"},
                         vanish="after_first_bytes" if stream else "before_answer", label="vanish")
@@ -427,6 +488,9 @@ def check_answer(case: FuzzCase, answer: Answer | None) -> None:
     if answer is None:
         return
     assert answer.status < 500, f"{answer.status} for {case!r}: {answer.body[:500]!r}"
+    if case.path.startswith(MESSAGES_PATH):
+        _check_message(case, answer)
+        return
     if answer.status >= 400:
         try:
             error = json.loads(answer.body)["error"]
@@ -458,4 +522,22 @@ def _check_response(case: FuzzCase, answer: Answer) -> None:
         (case, answer.body[:300])
     assert events[-1]["type"] == "response.completed", (case, answer.body[-300:])
     assert [e["sequence_number"] for e in events] == list(range(len(events))), (case, answer.body[:300])
+    assert not any(e["type"] == "error" for e in events), (case, answer.body[-300:])
+
+
+def _check_message(case: FuzzCase, answer: Answer) -> None:
+    """An answer of /v1/messages: an Anthropic error; or a Message, or its events from message_start to
+    message_stop with no error event."""
+    if answer.status >= 400:
+        body = json.loads(answer.body)
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, (case, body)
+        assert isinstance(body["error"]["message"], str) and body["error"]["message"], (case, body)
+        return
+    assert answer.status == 200, (case, answer.status)
+    if not answer.headers.get("content-type", "").startswith("text/event-stream"):
+        assert json.loads(answer.body)["type"] == "message", (case, answer.body[:300])
+        return
+    events = [json.loads(line[6:]) for line in answer.body.decode().split("\n") if line.startswith("data: ")]
+    assert events and events[0]["type"] == "message_start" and events[-1]["type"] == "message_stop", \
+        (case, answer.body[-300:])
     assert not any(e["type"] == "error" for e in events), (case, answer.body[-300:])
