@@ -1,6 +1,6 @@
 """Differential property: the router's answer to a request equals a colocated node's, whatever its options.
 
-Hypothesis draws a valid ``/v1/completions``, ``/v1/chat/completions`` or ``/v1/responses`` body from the options
+Hypothesis draws a valid ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` or ``/v1/messages`` body from the options
 that take special paths (prompt forms, echo, ``max_tokens`` 0 with echo, logprobs, ``prompt_logprobs``, ``truncate_prompt_tokens``,
 stop strings and ids, ``ignore_eos``, ``min_tokens``, ``logit_bias``, ``n``, streaming with usage,
 ``return_token_ids``, seeded sampling, structured output) and sends it first to the router (1 prefill + 2 decode real nodes, real
@@ -69,7 +69,7 @@ def _text(draw) -> str:
 def requests(draw) -> tuple[str, dict]:
     """(path, body): a valid request; ``{"ids": text}`` stands for the ids of ``text`` (made by the test)."""
     if draw(st.integers(0, 3)) == 0:
-        return draw(responses_requests())
+        return draw(responses_requests() if draw(st.booleans()) else messages_requests())
     chat = draw(st.booleans())
     body: dict = {"model": "demo"}
     if draw(st.integers(0, 3)) == 0:   # seeded sampling: the router's answer is still the node's
@@ -182,6 +182,27 @@ def responses_requests(draw) -> tuple[str, dict]:
     return "/v1/responses", body
 
 
+@st.composite
+def messages_requests(draw) -> tuple[str, dict]:
+    """A /v1/messages body (Anthropic's): a string or text blocks (with system, an earlier turn), and the options it
+    passes on to chat."""
+    body: dict = {"model": "demo", "temperature": 0, "max_tokens": draw(st.integers(1, 6))}
+    text = _text(draw)
+    body["messages"] = [{"role": "user", "content": text if draw(st.booleans()) else [{"type": "text", "text": text}]}]
+    if draw(st.booleans()):
+        body["messages"][:0] = [{"role": "user", "content": "Hi"},
+                                {"role": "assistant", "content": [{"type": "text", "text": "Hello."}]}]
+    if draw(st.booleans()):
+        body["system"] = draw(st.sampled_from(["You answer briefly.", [{"type": "text", "text": "Be brief."}]]))
+    if draw(st.integers(0, 3)) == 0:   # greedy only: a Messages body has no seed to sample reproducibly with
+        body["top_k"] = draw(st.sampled_from([1, 5]))
+    if draw(st.booleans()):
+        body["stop_sequences"] = [draw(st.sampled_from(STOPS))]
+    if draw(st.booleans()):
+        body["stream"] = True
+    return "/v1/messages", body
+
+
 # ---- sending and reassembling ---------------------------------------------------------------------------------
 
 def _resolve(body: dict, node_url: str) -> dict:
@@ -239,6 +260,25 @@ def _reassemble_response(lines: list[str]) -> dict:
     return {**events[-1]["response"], "deltas": deltas}
 
 
+def _reassemble_message(lines: list[str]) -> dict:
+    """A Messages stream: message_start's message with its text deltas joined, message_delta's stop and usage."""
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+    assert events[0]["type"] == "message_start" and events[-1]["type"] == "message_stop", lines[-3:]
+    message = events[0]["message"]
+    text = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta")
+    message["content"] = [{"type": "text", "text": text}]
+    delta = next(e for e in events if e["type"] == "message_delta")
+    return {**message, **delta["delta"], "usage": delta["usage"]}
+
+
+def _message_usage(body: dict) -> dict:
+    """A Message's usage as one count: input_tokens net of the prefix-cache hits differs with the node's cache."""
+    usage = body.get("usage") if isinstance(body, dict) else None
+    if isinstance(usage, dict) and "cache_read_input_tokens" in usage:
+        usage["input_tokens"] += usage.pop("cache_read_input_tokens")
+    return body
+
+
 def send(url: str, body: dict) -> tuple[int, dict]:
     if body.get("stream"):
         with httpx.stream("POST", url, json=body, timeout=120) as r:
@@ -246,9 +286,11 @@ def send(url: str, body: dict) -> tuple[int, dict]:
                 r.read()
                 return r.status_code, r.json()
             lines = list(r.iter_lines())
+            if url.endswith("/messages"):
+                return 200, _message_usage(_reassemble_message(lines))
             return 200, _reassemble_response(lines) if url.endswith("/responses") else _reassemble(lines)
     r = httpx.post(url, json=body, timeout=120)
-    return r.status_code, r.json()
+    return r.status_code, _message_usage(r.json()) if url.endswith("/messages") else r.json()
 
 
 # ---- comparing --------------------------------------------------------------------------------------------------
@@ -322,7 +364,8 @@ def test_router_answers_as_a_colocated_node(cluster, router):
         if decision == "fallback":
             fallbacks.append(body)
         theirs_status, theirs = send(node.url + path, body)
-        kind = "chat" if "chat" in path else "responses" if "responses" in path else "completions"
+        kind = "chat" if "chat" in path else "responses" if "responses" in path else "messages" if "messages" in path \
+            else "completions"
         seen[f"{kind} {'stream' if body.get('stream') else 'whole'} {theirs_status}"] += 1
         assert mine_status == theirs_status, (body, mine, theirs)
         diff = differences(_normalize(mine), _normalize(theirs))
