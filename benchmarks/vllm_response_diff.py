@@ -1,8 +1,9 @@
 """Response shapes: `pdpool serve --model demo` against `vllm serve` on the same model folder, field by field.
 
-The same matrix of requests (completions, chat and the Responses API, stream and not, n > 1, echo, logprobs, stop
-strings and ids, length, stream_options, usage, /v1/models, /tokenize, /detokenize, and error cases; a Responses
-stream is compared by its event types in order and each type's shape) goes to each server twice: as
+The same matrix of requests (completions, chat, the Responses API and Anthropic's Messages API, stream and not,
+n > 1, echo, logprobs, stop strings and ids, length, stream_options, usage, /v1/models, /tokenize, /detokenize, and
+error cases; a Responses or Messages stream is compared by its event types in order and each type's shape) goes to
+each server twice: as
 raw HTTP (httpx), whose answer is reduced to its STRUCTURE (every JSON path with its value type; null is not
 absent), a few values that clients branch on (status, content-type, object, finish_reason, stop_reason, usage
 counts, error type/code/param, the SSE framing), and the greedy text; and through the official `openai` client,
@@ -43,7 +44,8 @@ THREADS = 2
 # error classification, roles). Texts are compared only for greedy cases (see GREEDY_TEXT).
 VALUE_KEYS = {"object", "finish_reason", "stop_reason", "prompt_tokens", "completion_tokens", "total_tokens",
               "cached_tokens", "type", "code", "param", "role", "count", "max_model_len", "owned_by", "index",
-              "status", "reason", "input_tokens", "output_tokens", "reasoning_tokens", "max_output_tokens"}
+              "status", "reason", "input_tokens", "output_tokens", "reasoning_tokens", "max_output_tokens",
+              "stop_sequence", "cache_read_input_tokens"}
 # vllm serve 0.32 answers tool_choice "required" or a named function only with a tool parser loaded, which takes
 # --enable-auto-tool-choice besides --tool-call-parser (else a 400, "requires --tool-call-parser to be set"); for
 # those two choices a parser that keeps the base class's request adjustment (pythonic does) constrains the output
@@ -143,6 +145,48 @@ RESPONSES_CASES: list[tuple[str, str, str, object]] = [
     ("ERR resp prompt template", "POST", "/v1/responses", resp(prompt={"id": "pmpt_1"})),
 ]
 # (name, method, path, JSON body or raw bytes or None); greedy cases (temperature 0, n 1) compare text too.
+def msg(**kw) -> dict:
+    return {"model": "demo", "messages": CHAT, "max_tokens": 8, "temperature": 0, **kw}
+
+
+MSG_TOOLS = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
+MSG_HISTORY = [{"role": "user", "content": "What is the weather in Paris?"},
+               {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                  "input": {"city": "Paris", "unit": "c"}}]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                             "content": "21 degrees, sunny"}]}]
+# Anthropic's Messages API (vLLM's /v1/messages): messages and their events, tool_use, count_tokens, errors
+MESSAGES_CASES: list[tuple[str, str, str, object]] = [
+    ("msg basic", "POST", "/v1/messages", msg()),
+    ("msg stream", "POST", "/v1/messages", msg(stream=True)),
+    ("msg max_tokens cut", "POST", "/v1/messages", msg(max_tokens=3)),
+    ("msg system blocks and history", "POST", "/v1/messages", msg(
+        system=[{"type": "text", "text": "Answer in one word."}],
+        messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [{"type": "text",
+                                                                                        "text": "Hello."}]},
+                  {"role": "user", "content": [{"type": "text", "text": CHAT[0]["content"]}]}])),
+    ("msg stop_sequences", "POST", "/v1/messages", msg(max_tokens=16, stop_sequences=["."])),
+    ("msg stop_sequences stream", "POST", "/v1/messages", msg(max_tokens=16, stop_sequences=["."], stream=True)),
+    ("msg named tool", "POST", "/v1/messages", msg(max_tokens=40, tools=MSG_TOOLS,
+                                                   tool_choice={"type": "tool", "name": "get_weather"})),
+    ("msg any tool stream", "POST", "/v1/messages", msg(max_tokens=40, tools=MSG_TOOLS, tool_choice={"type": "any"},
+                                                        stream=True)),
+    ("msg tool_result history", "POST", "/v1/messages", msg(max_tokens=16, messages=MSG_HISTORY, tools=MSG_TOOLS,
+                                                            tool_choice={"type": "none"})),
+    ("msg thinking disabled and metadata ignored", "POST", "/v1/messages", msg(
+        thinking={"type": "disabled"}, metadata={"user_id": "u1"})),
+    ("msg count_tokens", "POST", "/v1/messages/count_tokens",
+     {"model": "demo", "system": "Answer in one word.", "messages": CHAT}),
+    ("ERR msg missing max_tokens", "POST", "/v1/messages", {"model": "demo", "messages": CHAT}),
+    ("ERR msg image", "POST", "/v1/messages", msg(messages=[{"role": "user", "content": [
+        {"type": "image", "source": {"type": "url", "url": "http://127.0.0.1:9/a.png"}}]}])),
+    ("ERR msg unknown model", "POST", "/v1/messages", msg(model="nope")),
+    ("ERR msg tool_choice without tools", "POST", "/v1/messages", msg(tool_choice={"type": "any"})),
+    ("ERR msg thinking budget over max_tokens", "POST", "/v1/messages",
+     msg(thinking={"type": "enabled", "budget_tokens": 1024})),
+]
+
+
 CASES: list[tuple[str, str, str, object]] = [
     ("cmpl basic", "POST", "/v1/completions", cmpl()),
     ("cmpl default max_tokens", "POST", "/v1/completions", {"model": "demo", "prompt": PROMPT, "temperature": 0}),
@@ -399,6 +443,7 @@ CASES: list[tuple[str, str, str, object]] = [
     ("ERR unknown path", "GET", "/v1/nope", None),
     ("ERR wrong method", "GET", "/v1/completions", None),
     *RESPONSES_CASES,
+    *MESSAGES_CASES,
 ]
 GREEDY_TEXT = {name for name, _, path, body in CASES if isinstance(body, dict) and body.get("temperature") == 0
                and (body.get("n", 1) == 1 or body.get("use_beam_search")) and not name.startswith("ERR")}
@@ -476,10 +521,20 @@ def responses_summary(events: list) -> dict:
     return summary
 
 
+def messages_summary(events: list) -> dict:
+    """A Messages stream: the sequence of event types (runs collapsed), each block's index, and each type's shape."""
+    summary = responses_summary(events)
+    summary.pop("sequence numbers 0..")
+    summary["block indexes"] = sorted({e.get("index") for e in events if isinstance(e, dict) and "index" in e})
+    return summary
+
+
 def stream_summary(events: list) -> dict:
     """What a stream looks like to a client: the framing, per-role chunk shapes, and the sequence of chunk kinds."""
     if any(isinstance(e, dict) and str(e.get("type", "")).startswith("response.") for e in events):
         return responses_summary(events)
+    if any(isinstance(e, dict) and e.get("type") == "message_start" for e in events):
+        return messages_summary(events)
     summary: dict = {"ends with [DONE]": bool(events) and events[-1] == "[DONE]"}
     chunks = [e for e in events if isinstance(e, dict)]
     kinds = []
@@ -543,6 +598,8 @@ def raw_case(http: httpx.Client, method: str, path: str, body) -> dict:
     rec["shape"] = shape(data)
     if isinstance(data, dict) and data.get("object") == "response":
         rec["text"] = _response_text(data)
+    elif isinstance(data, dict) and data.get("type") == "message":
+        rec["text"] = _message_text(data)
     elif isinstance(data, dict):
         rec["text"] = "|".join(_choice_text(c) for c in data.get("choices") or [])
     return rec
@@ -559,6 +616,12 @@ def _response_text(data: dict) -> str:
     return "".join(out)
 
 
+def _message_text(data: dict) -> str:
+    """A Message's content as text: its text blocks, and each tool_use's name and input (JSON, keys sorted)."""
+    return "".join(b.get("text") or "" if b.get("type") == "text" else
+                   f"{b.get('name')}{json.dumps(b.get('input'), sort_keys=True)}" for b in data.get("content") or ())
+
+
 def _choice_text(c: dict) -> str:
     if "text" in c:
         return c.get("text")
@@ -569,6 +632,10 @@ def _choice_text(c: dict) -> str:
 def _chunk_text(e: dict) -> str:
     if e.get("type") in ("response.output_text.delta", "response.function_call_arguments.delta"):
         return e.get("delta") or ""
+    if e.get("type") == "content_block_delta":
+        return (e.get("delta") or {}).get("text") or (e.get("delta") or {}).get("partial_json") or ""
+    if e.get("type") == "content_block_start" and (e.get("content_block") or {}).get("type") == "tool_use":
+        return e["content_block"].get("name") or ""
     if e.get("type") == "response.output_item.added" and (e.get("item") or {}).get("type") == "function_call":
         return e["item"].get("name") or ""
     return "".join(c.get("text") or (c.get("delta") or {}).get("content")
@@ -585,6 +652,8 @@ def client_case(client, path: str, body) -> dict:
     """The official client's view: which exception, or the parsed object's shape (its model_dump)."""
     import openai
 
+    if isinstance(body, dict) and path.startswith("/v1/messages"):
+        return anthropic_case(client.base_url, path, body)
     if not isinstance(body, dict) or path not in ("/v1/completions", "/v1/chat/completions", "/v1/models",
                                                   "/v1/responses") and not path.startswith("/v1/models/"):
         return {}
@@ -621,6 +690,32 @@ def client_case(client, path: str, body) -> dict:
     except Exception as exc:  # noqa: BLE001 - a parse failure in the client is the finding
         return {"client": f"{type(exc).__name__}: {str(exc)[:120]}"}
     return {"client": "ok", "client shape": shape(dumped)}
+
+
+def anthropic_case(base_url, path: str, body: dict) -> dict:
+    """The anthropic client's view of a Messages case: which exception, or the parsed Message's shape (a stream:
+    ``get_final_message()``'s) and its text."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=str(base_url).rstrip("/").removesuffix("/v1"), api_key="unused",
+                                 max_retries=0, timeout=300)
+    known = {"model", "messages", "max_tokens", "system", "stop_sequences", "tools", "tool_choice", "metadata",
+             "thinking"}
+    kwargs = {k: v for k, v in body.items() if k in known and k != "stream"}
+    extra = {k: v for k, v in body.items() if k not in known and k != "stream"}
+    try:
+        if path.endswith("/count_tokens"):
+            return {"client": "ok", "client shape": shape(client.messages.count_tokens(**kwargs).model_dump())}
+        if body.get("stream"):
+            with client.messages.stream(**kwargs, extra_body=extra) as stream:
+                obj = stream.get_final_message()
+        else:
+            obj = client.messages.create(**kwargs, extra_body=extra)
+    except anthropic.APIStatusError as exc:
+        return {"client": f"{type(exc).__name__} {exc.status_code}"}
+    except Exception as exc:  # noqa: BLE001 - a parse failure in the client is the finding
+        return {"client": f"{type(exc).__name__}: {str(exc)[:120]}"}
+    return {"client": "ok", "client shape": shape(obj.model_dump()), "client text": _message_text(obj.model_dump())}
 
 
 def run_matrix(url: str, cases: str | None = None) -> dict:
@@ -695,9 +790,9 @@ def compare(p: dict, v: dict) -> dict[str, list[str]]:
                 lines.append(f"stream {key}: pdpool {sa.get(key)} | vllm {sb.get(key)}")
         if name in GREEDY_TEXT and a.get("status") == 200 and a.get("text") != b.get("text"):
             lines.append(f"greedy text: pdpool {a.get('text')!r} | vllm {b.get('text')!r}")
-        if name in GREEDY_TEXT and a.get("client output_text") != b.get("client output_text"):
-            lines.append(f"client output_text: pdpool {a.get('client output_text')!r} | vllm "
-                         f"{b.get('client output_text')!r}")
+        for key in ("client output_text", "client text"):
+            if name in GREEDY_TEXT and a.get(key) != b.get(key):
+                lines.append(f"{key}: pdpool {a.get(key)!r} | vllm {b.get(key)!r}")
         if lines:
             diffs[name] = lines
     return diffs
