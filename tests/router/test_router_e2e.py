@@ -105,7 +105,7 @@ def test_models_health_openapi_metrics(router):
     assert httpx.get(router.url + "/health/ready").status_code == 200
     spec = httpx.get(router.url + "/openapi.json").json()
     assert set(spec["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models",
-                                  "/v1/models/{model}",
+                                  "/v1/models/{model}", "/v1/messages", "/v1/messages/count_tokens",
                                   "/health/live", "/health/ready", "/metrics", "/openapi.json", "/tokenize",
                                   "/detokenize", "/version"}
     assert httpx.get(router.url + "/version").json() == {"version": pdpool.__version__}   # vLLM's route, no key
