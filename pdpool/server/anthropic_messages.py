@@ -28,14 +28,13 @@ follows Anthropic's sums: ``input_tokens`` are the prompt tokens not read from t
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import uuid
 from dataclasses import dataclass
 
 from pdpool.engine.sampling_params import short_repr
 from pdpool.server.errors import ANTHROPIC_PATHS, APIError
-from pdpool.server.protocol import GenerationRequest, get_bool, get_int
+from pdpool.server.protocol import GenerationRequest, get_bool, get_int, parse_translated_chat
 
 PATH = ANTHROPIC_PATHS
 COUNT_TOKENS_PATH = PATH + "/count_tokens"
@@ -102,15 +101,7 @@ def parse(body: dict, parse_chat, *, count_tokens: bool = False) -> tuple[Messag
     """``body`` translated and parsed by ``parse_chat(chat_body) -> GenerationRequest`` (the node's or the
     router's own ``protocol.parse_chat``); a chat refusal names the Messages field the client sent."""
     turn = translate(body, count_tokens=count_tokens)
-    try:
-        req = parse_chat(turn.chat)
-    except APIError as err:
-        err.param = _PARAMS.get(err.param, err.param)
-        raise
-    structured = req.params.structured_outputs
-    if structured is not None and structured.param in _PARAMS:   # the engine compiles it: its refusal's name
-        req.params.structured_outputs = dataclasses.replace(structured, param=_PARAMS[structured.param])
-    return turn, req
+    return turn, parse_translated_chat(turn.chat, parse_chat, _PARAMS)
 
 
 # ---- the request -------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ object at the top. Anything else is a 400, never a 500.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -648,6 +649,21 @@ def parse_chat(body: dict, served_model_names: list[str], render, tool_parser: s
     return _checked(GenerationRequest(prompts=[prompt], params=params, max_tokens_given=max_tokens is not None,
                                       logprobs=logprobs, tool_choice=tool_choice, response_role=response_role,
                                       chat_echo=chat_echo, **common))
+
+
+def parse_translated_chat(chat: dict, parse_chat, names: dict[str, str]) -> GenerationRequest:
+    """A chat body translated from another API's request (Responses, Anthropic Messages), parsed by
+    ``parse_chat(chat) -> GenerationRequest`` (the node's or the router's); ``names`` maps a chat field to the field
+    the client sent, so a refusal (now, or the engine's of a constraint later) names what the client wrote."""
+    try:
+        req = parse_chat(chat)
+    except APIError as err:
+        err.param = names.get(err.param, err.param)
+        raise
+    structured = req.params.structured_outputs
+    if structured is not None and structured.param in names:
+        req.params.structured_outputs = dataclasses.replace(structured, param=names[structured.param])
+    return req
 
 
 # What vLLM's beam search reads of a request: n (the width), max_tokens, ignore_eos, length_penalty,

@@ -21,14 +21,14 @@ model cannot do (built-in tools, reasoning, non-text input) is a 400 naming the 
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from pdpool.engine.sampling_params import short_repr
 from pdpool.server.errors import APIError
-from pdpool.server.protocol import MAX_LOGPROBS, GenerationRequest, get_bool, get_int, get_str
+from pdpool.server.protocol import (MAX_LOGPROBS, GenerationRequest, get_bool, get_int, get_str,
+                                    parse_translated_chat)
 
 # vLLM's Responses fields that mean the same in a chat body, passed on as they are
 _PASSED = ("model", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -107,15 +107,7 @@ def parse(body: dict, parse_chat) -> tuple[ResponsesTurn, GenerationRequest]:
     """``body`` translated and parsed by ``parse_chat(chat_body) -> GenerationRequest`` (the node's or the
     router's own ``protocol.parse_chat``); a chat refusal names the Responses field the client sent."""
     turn = translate(body)
-    try:
-        req = parse_chat(turn.chat)
-    except APIError as err:
-        err.param = _PARAMS.get(err.param, err.param)
-        raise
-    structured = req.params.structured_outputs
-    if structured is not None and structured.param in _PARAMS:   # the engine compiles it: its refusal's name
-        req.params.structured_outputs = dataclasses.replace(structured, param=_PARAMS[structured.param])
-    return turn, req
+    return turn, parse_translated_chat(turn.chat, parse_chat, _PARAMS)
 
 
 def _refuse_unsupported(body: dict) -> None:
