@@ -73,7 +73,10 @@ def test_a_constraint_that_does_not_compile_is_an_invalid_request(llm, raw, para
     ({"json": "{not json"}, "not valid JSON"),
     ({"json": [1]}, "JSON schema"),
     ({"json_object": "yes"}, "must be true"),
-    ({"structural_tag": {"x": 1}}, "not supported"),
+    ({"structural_tag": {"x": 1}}, "triggers must be a list"),
+    ({"structural_tag": {"format": {"type": "triggered_tags"}}}, "not supported"),   # xgrammar's newer shape
+    ({"structural_tag": {"structures": [{"begin": "<a>", "schema": {}, "end": "</a>"}], "triggers": ["<b"]}},
+     "starts with none of the triggers"),
     ({"regex": "a", "colour": 1}, "unknown fields"),
     ({"regex": "a", "disable_any_whitespace": "no"}, "boolean"),
     ({"regex": "a", "disable_fallback": 1}, "boolean"),   # found by schemathesis: options were not type-checked

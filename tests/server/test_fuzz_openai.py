@@ -50,11 +50,12 @@ def test_fuzzed_requests_never_break_the_node(server):
 @pytest.mark.timeout(1800)
 def test_fuzzed_requests_never_break_a_permissive_node(permissive_server):
     """The same on a node that renders clients' chat templates and parses tool calls from free text: what the
-    default node refuses by name runs here, and must fail as cleanly."""
-    fuzz_node(permissive_server, PERMISSIVE_EXAMPLES)
+    default node refuses by name runs here, and must fail as cleanly. Its run is a third of the default one's, so
+    it must cover answers and refusals; bad paths and methods (404, 405) are the default run's to cover."""
+    fuzz_node(permissive_server, PERMISSIVE_EXAMPLES, must_see={200, 400})
 
 
-def fuzz_node(server, examples: int) -> None:
+def fuzz_node(server, examples: int, must_see=frozenset({200, 400, 404, 405})) -> None:
     api_key = server.api_key
     valid = valid_completion(MODEL, api_key, VALID_MAX_TOKENS)
     with httpx.Client(base_url=server.url, timeout=120) as c:
@@ -90,7 +91,7 @@ def fuzz_node(server, examples: int) -> None:
 
     fuzz()
     assert seen["cases"] >= min(500, 4 * examples), seen
-    assert set(seen["status"]) >= {200, 400, 404, 405}, seen  # the run really covered each kind of answer
+    assert set(seen["status"]) >= must_see, seen  # the run really covered each kind of answer
 
     assert httpx.get(server.url + "/health/ready", timeout=30).status_code == 200
     end = settled(server, start["pdpool_kv_cache_free_blocks"])
