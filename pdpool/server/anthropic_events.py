@@ -15,20 +15,18 @@ body, or "[DONE]") and returns the bytes.
 
 from __future__ import annotations
 
-import json
-
 from pdpool.server import anthropic_messages as messages
 from pdpool.server.errors import APIError
 from pdpool.server.protocol import GenerationRequest
-from pdpool.server.response_events import _sse   # the same SSE framing as a Responses stream's events
+from pdpool.server.stream_events import ChatStreamEvents
 
 
-class MessageEvents:
+class MessageEvents(ChatStreamEvents):
     def __init__(self, req: GenerationRequest, request_id: str, prompt_tokens: int) -> None:
+        super().__init__()
         self.req = req
         self.id = messages.message_id(request_id)
         self.prompt_tokens = prompt_tokens
-        self.started = self.failed = False
         self.index = 0                          # the next block's index
         self.block: str | None = None           # the open block's type (text, tool_use)
         self.call_index: int | None = None      # the open call's index in chat's tool_calls deltas
@@ -36,37 +34,26 @@ class MessageEvents:
         self.called = False
         self.finish_reason: str | None = None
         self.stop: int | str | None = None
-        self.usage: dict | None = None
 
-    def sse(self, chunk: dict | str) -> bytes:
-        return b"".join(map(_sse, self.events(chunk)))
+    def _opening(self) -> list[dict]:
+        start = messages.message_object(self.id, self.req.model, [], (None, None),
+                                        {"input_tokens": self.prompt_tokens, "output_tokens": 0})
+        return [{"type": "message_start", "message": start}]
 
-    def events(self, chunk: dict | str) -> list[dict]:
-        if self.failed:
-            return []
-        out: list[dict] = []
-        if not self.started:
-            self.started = True
-            start = messages.message_object(self.id, self.req.model, [], (None, None),
-                                            {"input_tokens": self.prompt_tokens, "output_tokens": 0})
-            out.append({"type": "message_start", "message": start})
-        if chunk == "[DONE]":
-            out += self._close()
-            complete = self.called and messages.json_object(self.arguments) is not None
-            reason, sequence = messages.stop_reason(self.finish_reason, self.stop, self.called, complete)
-            out.append({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                        "usage": self.usage or {"input_tokens": self.prompt_tokens, "output_tokens": 0}})
-            out.append({"type": "message_stop"})
-        elif "error" in chunk:
-            self.failed = True
-            err = chunk["error"]
-            out.append(APIError(err.get("message") or "", status=_status(err.get("code"))).anthropic_body())
-        else:
-            if chunk.get("usage"):
-                self.usage = messages.usage(chunk["usage"])
-            for choice in chunk.get("choices") or ():
-                out += self._delta(choice)
+    def _closing(self) -> list[dict]:
+        out = self._close()
+        complete = self.called and messages.json_object(self.arguments) is not None
+        reason, sequence = messages.stop_reason(self.finish_reason, self.stop, self.called, complete)
+        out.append({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                    "usage": self.usage or {"input_tokens": self.prompt_tokens, "output_tokens": 0}})
+        out.append({"type": "message_stop"})
         return out
+
+    def _error(self, error: dict) -> dict:
+        return APIError(error.get("message") or "", status=_status(error.get("code"))).anthropic_body()
+
+    def _usage(self, chat_usage: dict) -> dict:
+        return messages.usage(chat_usage)
 
     def _delta(self, choice: dict) -> list[dict]:
         out: list[dict] = []

@@ -15,57 +15,45 @@ error mid-stream is an ``error`` event, the last one. ``ResponseEvents.sse(chunk
 
 from __future__ import annotations
 
-import json
-
 from pdpool.server import responses
 from pdpool.server.protocol import GenerationRequest
 from pdpool.server.responses import ResponsesTurn
+from pdpool.server.stream_events import ChatStreamEvents
 
 
-class ResponseEvents:
+class ResponseEvents(ChatStreamEvents):
     def __init__(self, turn: ResponsesTurn, req: GenerationRequest, request_id: str, prompt_tokens: int,
                  max_model_len: int) -> None:
+        super().__init__()
         self.turn, self.req = turn, req
         self.id = responses.response_id(request_id)
         self.created_at = responses.now()
         self.prompt_tokens, self.max_model_len = prompt_tokens, max_model_len
         self.seq = 0
-        self.started = self.failed = False
         self.output: list[dict] = []
         self.item: dict | None = None          # the open item (message or function_call)
         self.text = ""                         # the open item's text or arguments so far
         self.logprobs: list = []
         self.call_index: int | None = None     # the open call's index in chat's tool_calls deltas
         self.finish_reason: str | None = None
-        self.usage: dict | None = None
 
-    def sse(self, chunk: dict | str) -> bytes:
-        return b"".join(map(_sse, self.events(chunk)))
+    def _opening(self) -> list[dict]:
+        initial = self._response("in_progress", [], None)
+        return [self._event("response.created", response=initial),
+                self._event("response.in_progress", response=initial)]
 
-    def events(self, chunk: dict | str) -> list[dict]:
-        if self.failed:
-            return []
-        out: list[dict] = []
-        if not self.started:
-            self.started = True
-            initial = self._response("in_progress", [], None)
-            out += [self._event("response.created", response=initial),
-                    self._event("response.in_progress", response=initial)]
-        if chunk == "[DONE]":
-            out += self._close()
-            status = responses.status(self.finish_reason)
-            out.append(self._event("response.completed", response=self._response(status, self.output, self.usage)))
-        elif "error" in chunk:
-            self.failed = True
-            err = chunk["error"]
-            out.append(self._event("error", code=str(err.get("code")), message=err.get("message"),
-                                   param=err.get("param")))
-        else:
-            if chunk.get("usage"):
-                self.usage = responses.usage(chunk["usage"])
-            for choice in chunk.get("choices") or ():
-                out += self._delta(choice)
+    def _closing(self) -> list[dict]:
+        out = self._close()
+        status = responses.status(self.finish_reason)
+        out.append(self._event("response.completed", response=self._response(status, self.output, self.usage)))
         return out
+
+    def _error(self, error: dict) -> dict:
+        return self._event("error", code=str(error.get("code")), message=error.get("message"),
+                           param=error.get("param"))
+
+    def _usage(self, chat_usage: dict) -> dict:
+        return responses.usage(chat_usage)
 
     # ---- items ------------------------------------------------------------------------------------------------
 
@@ -148,10 +136,3 @@ class ResponseEvents:
         self.seq += 1
         return event
 
-
-def _sse(event: dict) -> bytes:
-    """UTF-8 text as is; escaped where a request's echoed field (metadata, tools) holds an unpaired surrogate."""
-    try:
-        return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
-    except UnicodeEncodeError:
-        return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()

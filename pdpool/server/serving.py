@@ -308,7 +308,7 @@ def _sse(data: dict | str) -> bytes:
 
 
 async def stream_response(gen: Generation, http_request: web.Request, events=None) -> web.StreamResponse:
-    """The chat or completion chunks as SSE; ``events`` (``response_events.ResponseEvents``) turns a chat's chunks
+    """The chat or completion chunks as SSE; ``events`` (a ``stream_events.ChatStreamEvents``: the Responses or Messages events) turns a chat's chunks
     into another API's events instead."""
     req = gen.req
     tokenizer = gen.llm.tokenizer
