@@ -308,8 +308,8 @@ def _sse(data: dict | str) -> bytes:
 
 
 async def stream_response(gen: Generation, http_request: web.Request, events=None) -> web.StreamResponse:
-    """The chat or completion chunks as SSE; ``events`` (a ``stream_events.ChatStreamEvents``: the Responses or Messages events) turns a chat's chunks
-    into another API's events instead."""
+    """The chat or completion chunks as SSE; ``events`` (a ``stream_events.ChatStreamEvents``: the Responses or
+    Messages events) turns a chat's chunks into another API's events instead."""
     req = gen.req
     tokenizer = gen.llm.tokenizer
     as_ids = bool(req.return_tokens_as_token_ids)
