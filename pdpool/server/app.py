@@ -118,18 +118,20 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def responses_route(request: web.Request) -> web.StreamResponse:
     """OpenAI's Responses API on the chat path (``pdpool.server.responses``)."""
-    body = await protocol.read_json(request)
-    llm = request.app[NODE_KEY].require_llm()
-    turn, req = responses.parse(body, lambda chat: _parse_chat(request, llm, chat))
-    req.prompt_token_ids = forwarded_token_ids(body, len(req.prompts))
-    return await _generate(request, llm, req, turn)
+    return await _translated_chat(request, responses)
 
 
 async def messages_route(request: web.Request) -> web.StreamResponse:
     """Anthropic's Messages API on the chat path (``pdpool.server.anthropic_messages``)."""
+    return await _translated_chat(request, anthropic_messages)
+
+
+async def _translated_chat(request: web.Request, api) -> web.StreamResponse:
+    """Another API's request (``api.parse``: its chat body, parsed) run as that chat request; ``turn`` turns the
+    answer back into the API's shape."""
     body = await protocol.read_json(request)
     llm = request.app[NODE_KEY].require_llm()
-    turn, req = anthropic_messages.parse(body, lambda chat: _parse_chat(request, llm, chat))
+    turn, req = api.parse(body, lambda chat: _parse_chat(request, llm, chat))
     req.prompt_token_ids = forwarded_token_ids(body, len(req.prompts))
     return await _generate(request, llm, req, turn)
 
