@@ -48,6 +48,11 @@ def error_response(err: APIError, headers: dict | None = None, path: str = "") -
     return web.json_response(err.body_for(path), status=err.status, headers=headers)
 
 
+def _client_left(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler):
     """Turn every failure into OpenAI error JSON; the server keeps serving. aiohttp's own errors (404 for an
@@ -64,7 +69,11 @@ async def error_middleware(request: web.Request, handler):
         allow = exc.headers.get("Allow")
         return error_response(APIError(exc.reason or "HTTP error", status=exc.status),
                               headers={"Allow": allow} if allow is not None else None, path=request.path)
-    except Exception:  # noqa: BLE001 - the server must stay up
+    except Exception as exc:  # noqa: BLE001 - the server must stay up
+        if isinstance(exc, ConnectionResetError) and _client_left(request):
+            # The answer's write failed because its client left: nobody reads a status now, and no fault here.
+            logger.info("client left before the answer to %s %s was written", request.method, request.path)
+            return web.Response(status=499)
         error_id = uuid.uuid4().hex[:16]
         logger.exception("internal error %s on %s %s", error_id, request.method, request.path)
         return error_response(APIError(f"internal server error (error id {error_id}; the server log has the "

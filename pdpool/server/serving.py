@@ -316,7 +316,11 @@ async def stream_response(gen: Generation, http_request: web.Request, events=Non
     # The request id header here: the app's middleware adds it only to a response not yet prepared.
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        REQUEST_ID_HEADER: gen.request_id})
-    await resp.prepare(http_request)
+    try:
+        await resp.prepare(http_request)
+    except BaseException:   # the client left before the headers went out: nobody will read these choices
+        gen.abort()
+        raise
     encode = _sse if events is None else events.sse
 
     async def emit(item: dict | str) -> None:
