@@ -132,6 +132,9 @@ RESPONSES_CASES: list[tuple[str, str, str, object]] = [
      resp(tools=RESP_TOOLS, tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=40)),
     ("resp required stream", "POST", "/v1/responses",
      resp(tools=RESP_TOOLS, tool_choice="required", max_output_tokens=60, stream=True)),
+    ("resp named function stream", "POST", "/v1/responses",
+     resp(tools=RESP_TOOLS, tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=40,
+          stream=True)),
     ("resp function call history", "POST", "/v1/responses",
      resp(input=RESP_HISTORY, tools=RESP_TOOLS, tool_choice="none", max_output_tokens=16)),
     ("ERR resp previous_response_id", "POST", "/v1/responses", resp(previous_response_id="resp_123")),
@@ -171,6 +174,8 @@ MESSAGES_CASES: list[tuple[str, str, str, object]] = [
                                                    tool_choice={"type": "tool", "name": "get_weather"})),
     ("msg any tool stream", "POST", "/v1/messages", msg(max_tokens=40, tools=MSG_TOOLS, tool_choice={"type": "any"},
                                                         stream=True)),
+    ("msg named tool stream", "POST", "/v1/messages", msg(max_tokens=40, tools=MSG_TOOLS, stream=True,
+                                                          tool_choice={"type": "tool", "name": "get_weather"})),
     ("msg tool_result history", "POST", "/v1/messages", msg(max_tokens=16, messages=MSG_HISTORY, tools=MSG_TOOLS,
                                                             tool_choice={"type": "none"})),
     ("msg thinking disabled and metadata ignored", "POST", "/v1/messages", msg(
@@ -356,6 +361,9 @@ CASES: list[tuple[str, str, str, object]] = [
      chat(messages=WEATHER_CHAT, tools=TOOLS, tool_choice="required", max_tokens=5, stream=True)),
     ("chat tools parallel false", "POST", "/v1/chat/completions",
      chat(messages=WEATHER_CHAT, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=60)),
+    ("chat tools parallel false stream", "POST", "/v1/chat/completions",
+     chat(messages=WEATHER_CHAT, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=60,
+          stream=True)),
     ("chat tool call history", "POST", "/v1/chat/completions", chat(messages=HISTORY, max_tokens=8)),
     ("tokenize tools", "POST", "/tokenize", {"model": "demo", "messages": WEATHER_CHAT, "tools": TOOLS}),
     ("models", "GET", "/v1/models", None),
@@ -554,6 +562,7 @@ def stream_summary(events: list) -> dict:
         if not collapsed or collapsed[-1] != k:
             collapsed.append(k)
     summary["chunk kinds"] = collapsed
+    summary["tool call entries"] = tool_call_entries(chunks)
     roles = {"first": chunks[:1], "finish": [e for e, k in zip(chunks, kinds) if k.startswith("finish")],
              "content": [e for e, k in zip(chunks, kinds) if k.startswith("content")],
              "usage": [e for e, k in zip(chunks, kinds) if k == "usage"]}
@@ -564,6 +573,25 @@ def stream_summary(events: list) -> dict:
                 merged.setdefault(p, set()).update(ts)
         summary[f"{role} chunk"] = merged
     return summary
+
+
+def tool_call_entries(chunks: list[dict]) -> dict:
+    """How a chat stream's tool calls come: per call, its first entry's keys (and its function's), the keys of its
+    later entries, and whether its arguments came in more than one piece."""
+    calls: dict = {}
+    for e in chunks:
+        for c in e.get("choices") or ():
+            for t in (c.get("delta") or {}).get("tool_calls") or ():
+                call = calls.setdefault(f"{c.get('index')}.{t.get('index')}",
+                                        {"first": None, "later": set(), "pieces": 0})
+                keys = sorted(t) + [f"function.{k}" for k in sorted(t.get("function") or {})]
+                if call["first"] is None:
+                    call["first"] = keys
+                else:
+                    call["later"].update(keys)
+                call["pieces"] += bool((t.get("function") or {}).get("arguments"))
+    return {k: {"first": c["first"], "later": sorted(c["later"]), "in pieces": c["pieces"] > 1}
+            for k, c in calls.items()}
 
 
 # ---- running the matrix ----------------------------------------------------------------------------------------

@@ -1,10 +1,16 @@
 """Tool calls in the model's own format, for ``tool_choice`` ``"auto"``: vLLM's ``--tool-call-parser`` formats.
 
-A parser reads an answer's text as it grows and turns it into pieces, in order: content (``str``) and calls
-(``Call``). ``feed(text)`` returns the pieces that no later text can change; ``feed(text, final=True)`` the rest.
-A whole answer is one final feed, so a streamed answer's pieces are the whole answer's, in any chunking. Text
-that is not a valid call is content, never an error; a call may be held back until it is complete, so each call
-comes out once, with its whole arguments (JSON, re-serialized as vLLM does: ``json.dumps(..., ensure_ascii=False)``).
+A parser reads an answer's text as it grows and turns it into pieces, in order: content (``str``), a call's start
+(``CallStart``, its name) and pieces of its arguments (``Arguments``). ``feed(text)`` returns the pieces that no
+later text can change; ``feed(text, final=True)`` the rest. A whole answer is one final feed, its calls' arguments
+JSON re-serialized as vLLM does (``json.dumps(..., ensure_ascii=False)``); a stream's argument pieces are pieces of
+that same text (``JsonStreamer``), so they join to the whole answer's arguments in any chunking. Text that is not
+a valid call is content, never an error.
+
+A call starts streaming once its name is certain and its arguments have begun (hermes and llama3_json: ``{"name":
+..., "arguments": {`` in that order; pythonic: its first keyword argument, or its ``)``); other shapes come whole,
+once complete. A call that turns out invalid after it started (a cut answer, text after its arguments) has no more
+pieces, where the whole answer makes it content: a stream cannot take back what it sent (``broken`` counts them).
 
 - ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number, after optional content. The
   last one may lack its closing tag at the end of the answer. Whitespace right after a call is dropped.
@@ -21,7 +27,10 @@ from __future__ import annotations
 
 import ast
 import json
+import keyword
 import math
+import re
+import unicodedata
 from dataclasses import dataclass
 
 PARSERS = ("hermes", "llama3_json", "pythonic")
@@ -33,7 +42,17 @@ class Call:
     arguments: str   # a JSON object's text
 
 
-Piece = str | Call
+@dataclass(frozen=True)
+class CallStart:
+    name: str
+
+
+@dataclass(frozen=True)
+class Arguments:
+    text: str   # the next piece of the last started call's arguments
+
+
+Piece = str | CallStart | Arguments
 
 
 def make_parser(name: str) -> "ToolCallParser":
@@ -42,10 +61,16 @@ def make_parser(name: str) -> "ToolCallParser":
 
 def parse_whole(name: str, text: str) -> tuple[str | None, list[Call]]:
     """A whole answer's content (None when it holds calls and nothing else) and calls."""
-    pieces = make_parser(name).feed(text, final=True)
-    calls = [p for p in pieces if isinstance(p, Call)]
-    content = "".join(p for p in pieces if isinstance(p, str))
-    return (content or None) if calls else content, calls
+    calls: list[list[str]] = []
+    content = ""
+    for piece in make_parser(name).feed(text, final=True):
+        if isinstance(piece, str):
+            content += piece
+        elif isinstance(piece, CallStart):
+            calls.append([piece.name, ""])
+        else:
+            calls[-1][1] += piece.text
+    return (content or None) if calls else content, [Call(n, a) for n, a in calls]
 
 
 def _json_object_text(value) -> str | None:
@@ -90,17 +115,22 @@ def _skip_space(text: str, i: int) -> int:
 
 
 class ToolCallParser:
-    """``self.text[:self.pos]`` has been turned into pieces."""
+    """``self.text[:self.pos]`` has been turned into pieces; ``self.streamed`` holds the calls of the construct at
+    ``self.pos`` that started streaming, each as [name, arguments sent]."""
 
     def __init__(self) -> None:
         self.text = ""
         self.pos = 0
+        self.streamed: list[list[str]] = []
+        self.arguments: JsonStreamer | None = None   # the last streamed call's arguments, read from args_start
+        self.args_start = 0
+        self.broken = 0   # calls that started streaming and turned out invalid
 
     def feed(self, new_text: str, final: bool = False) -> list[Piece]:
         self.text += new_text
         out: list[Piece] = []
         self._advance(out, final)
-        return [p for p in out if p != ""]
+        return [p for p in out if p != "" and p != Arguments("")]
 
     def _advance(self, out: list[Piece], final: bool) -> None:
         raise NotImplementedError
@@ -108,6 +138,55 @@ class ToolCallParser:
     def _rest_as_content(self, out: list[Piece]) -> None:
         out.append(self.text[self.pos:])
         self.pos = len(self.text)
+
+    def _stream_object(self, out: list[Piece], start: int, limit: int, keys: tuple[str, ...]) -> None:
+        """A ``{"name": ..., "arguments": {...}}`` object from ``start``, unfinished: once its name is certain and
+        its arguments begin, the call starts; then what of its arguments ``self.text[:limit]`` makes certain."""
+        if not self.streamed:
+            head = _HEAD.match(self.text, start, limit)
+            if head is None or head["key"] not in keys:
+                return
+            try:
+                name = json.loads(head["name"])
+            except ValueError:
+                return
+            if not name:
+                return
+            self._start(out, name, head.end())
+        if self.arguments is not None and limit > self.args_start + self.arguments.consumed:
+            self._send(out, self.arguments.feed(self.text[self.args_start + self.arguments.consumed:limit]))
+
+    def _start(self, out: list[Piece], name: str, args_start: int | None = None) -> None:
+        self.streamed.append([name, ""])
+        out.append(CallStart(name))
+        if args_start is not None:
+            self.arguments, self.args_start = JsonStreamer(), args_start
+
+    def _send(self, out: list[Piece], text: str) -> None:
+        self.streamed[-1][1] += text
+        out.append(Arguments(text))
+
+    def _settle(self, out: list[Piece], calls: list[Call] | None) -> bool:
+        """The construct at ``self.pos`` is complete: ``calls`` (None: no valid call). Each call that streamed gets
+        the rest of its arguments, the others come whole. False when nothing had streamed and there is no call."""
+        streamed, self.streamed, self.arguments = self.streamed, [], None
+        calls = calls or []
+        if not streamed and not calls:
+            return False
+        for i, call in enumerate(calls):
+            if i < len(streamed):
+                name, sent = streamed[i]
+                if name != call.name or not call.arguments.startswith(sent):
+                    self.broken += 1
+                    return True
+                out.append(Arguments(call.arguments[len(sent):]))
+            else:
+                out += [CallStart(call.name), Arguments(call.arguments)]
+        self.broken += len(streamed) > len(calls)
+        return True
+
+
+_HEAD = re.compile(r'\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*,\s*"(?P<key>arguments|parameters)"\s*:\s*(?=\{)')
 
 
 class HermesParser(ToolCallParser):
@@ -137,7 +216,9 @@ class HermesParser(ToolCallParser):
             self.live_segment = False
             body = start + len(self.OPEN)
             close = text.find(self.CLOSE, body)
-            if close < 0 and not final:
+            if close < 0 and not final:   # held back: a closing tag's start, which no argument may hold
+                limit = len(text) - _partial_suffix(text, body, self.CLOSE)
+                self._stream_object(out, _skip_space(text, body), limit, ("arguments",))
                 return
             end = len(text) if close < 0 else close + len(self.CLOSE)
             try:
@@ -145,8 +226,9 @@ class HermesParser(ToolCallParser):
                                          ("arguments",))
             except (ValueError, RecursionError):
                 call = None
-            out.append(call if call is not None else text[start:end])
-            self.after_call = call is not None
+            self.after_call = self._settle(out, None if call is None else [call])
+            if not self.after_call:
+                out.append(text[start:end])
             self.pos = end
 
 
@@ -185,6 +267,10 @@ class Llama3JsonParser(ToolCallParser):
                     continue
                 self.state, self.start, self.tried = "object", i, i
             # an object from self.start: decoded once a "}" arrives that may end it
+            if not final:
+                self._stream_object(out, self.start, len(text), ("arguments", "parameters"))
+                if self.arguments is not None and not (self.arguments.done or self.arguments.broken):
+                    return   # its arguments are not complete: neither is the object
             last = text.rfind("}", self.tried)
             if last < 0 and not final:
                 return
@@ -193,14 +279,15 @@ class Llama3JsonParser(ToolCallParser):
                 obj, end = _DECODER.raw_decode(text, self.start)
             except (ValueError, RecursionError):
                 if final:
+                    if self._settle(out, None):   # streamed, then no call: what follows is content
+                        self.pos = len(text)
                     self.state = "content"
                     continue
                 return
             call = _call_from_object(obj, ("arguments", "parameters"))
-            if call is None:
+            if not self._settle(out, None if call is None else [call]):
                 self.state = "content"
                 continue
-            out.append(call)
             self.pos, self.state = end, "between"
 
 
@@ -212,6 +299,7 @@ class PythonicParser(ToolCallParser):
         self.start = 0
         self.tried = 0           # "]"s before this offset were tried as the list's end
         self.live_segment = False
+        self.calls = _PythonCallsReader()
 
     def _advance(self, out: list[Piece], final: bool) -> None:
         text = self.text
@@ -225,6 +313,7 @@ class PythonicParser(ToolCallParser):
                 self.state = "content"
             else:
                 self.state, self.start, self.tried = "list", i, i
+                self.calls.pos = i + 1
         if self.state == "list":
             while True:
                 end = text.find("]", self.tried)
@@ -235,16 +324,19 @@ class PythonicParser(ToolCallParser):
                 calls = _python_calls(text[self.start:end + 1])
                 if calls is None:
                     continue   # not an expression yet: the "]" is inside it
-                if not calls:
+                if not self._settle(out, calls):
                     self.state = "content"
                     break
-                out.extend(calls)
                 self.pos, self.state = end + 1, "after"
                 break
             if self.state == "list":
                 if not final:
+                    self._stream_calls(out)
                     return
-                self.state = "content"
+                if self._settle(out, None):
+                    self.pos, self.state = len(text), "after"
+                else:
+                    self.state = "content"
         if self.state == "content":
             self._rest_as_content(out)
         elif self.state == "after":
@@ -254,6 +346,144 @@ class PythonicParser(ToolCallParser):
                 self._rest_as_content(out)
             elif final:
                 self.pos = len(text)
+
+    def _stream_calls(self, out: list[Piece]) -> None:
+        """The unfinished list's calls, one keyword argument at a time: a call starts with its first argument (or
+        its ``)``), each argument comes once its "," or ")" arrives."""
+        for name, piece in self.calls.read(self.text):
+            if name is not None:
+                self._start(out, name)
+            self._send(out, piece)
+
+
+class _PythonCallsReader:
+    """Reads ``f(a=1, b="x"), g()`` from ``pos`` on, as it grows: each call's name and its arguments' JSON text in
+    pieces (``{"a": 1``, ``, "b": "x"``, ``}``); a plain string's characters as they come (``, "b": "``, ``x``).
+    A call that is not one (a positional argument, a value that is no literal, a repeated keyword) stops it."""
+
+    _NAME = re.compile(r"\s*(?P<comma>,\s*)?(?P<name>[^\W\d]\w*(?:\.[^\W\d]\w*)*)\s*\(")
+    _OPEN_STRING = re.compile(r"\s*(?P<key>[^\W\d]\w*)\s*=\s*(?P<quote>[\"'])(?P<chars>[^\"'\\\n]+)")
+
+    def __init__(self) -> None:
+        self.pos = 0
+        self.stopped = False
+        self.calls = 0
+        self.name: str | None = None     # the open call's name; None between calls
+        self.keys: list[str] = []        # the open call's keywords so far
+        self.started = False             # the open call's start has been sent
+        self.arg_start = 0
+        self.depth = 0
+        self.quote: str | None = None
+        self.sent = ""                   # the open argument's text sent before its end (a string's start)
+
+    def read(self, text: str) -> list[tuple[str | None, str]]:
+        """(the call's name when it starts here, else None; a piece of its arguments), in order."""
+        out: list[tuple[str | None, str]] = []
+        while not self.stopped:
+            if self.name is None:
+                head = self._NAME.match(text, self.pos)
+                if head is None or bool(head["comma"]) != (self.calls > 0):
+                    return out
+                self.name, self.keys, self.started = unicodedata.normalize("NFKC", head["name"]), [], False
+                self.pos = self.arg_start = head.end()
+                self.depth, self.quote = 0, None
+            i = self._argument_end(text)
+            if i is None:
+                early = self._string_start(text)
+                if early:
+                    out.append((self._start(), early))
+                return out
+            source = text[self.arg_start:i]
+            closes = text[i] == ")"
+            if source.strip() or not closes:
+                piece = self._argument(source)
+                if piece is None or not piece.startswith(self.sent):
+                    self.stopped = True
+                    return out
+                out.append((self._start(), piece[len(self.sent):]))
+                self.sent = ""
+            if closes:
+                out.append((self._start(), "" if self.keys else "{"))
+                out.append((None, "}"))
+                self.name, self.calls = None, self.calls + 1
+            self.pos = self.arg_start = i + 1
+        return out
+
+    def _string_start(self, text: str) -> str:
+        """What the open argument's unfinished plain string (``b="x...``) makes certain, not yet sent."""
+        match = self._OPEN_STRING.fullmatch(text, self.arg_start, self.pos)
+        key = match and unicodedata.normalize("NFKC", match["key"])   # as Python reads an identifier
+        if match is None or key in self.keys or keyword.iskeyword(key):
+            return ""
+        separator = ", " if self.keys else "{"
+        prefix = f'{separator}{json.dumps(key, ensure_ascii=False)}: "' \
+                 f'{json.dumps(match["chars"], ensure_ascii=False)[1:-1]}'
+        piece, self.sent = prefix[len(self.sent):], prefix
+        return piece
+
+    def _start(self) -> str | None:
+        started, self.started = self.started, True
+        return None if started else self.name
+
+    def _argument_end(self, text: str) -> int | None:
+        """The offset of the "," or ")" that ends the open call's argument, once it has come."""
+        i = self.pos
+        while i < len(text):
+            ch = text[i]
+            if self.quote is not None:
+                if ch == "\\":
+                    if i + 1 == len(text):
+                        break
+                    i += 2
+                    continue
+                if text.startswith(self.quote, i):
+                    i += len(self.quote)
+                    self.quote = None
+                    continue
+                i += 1
+                continue
+            if ch in "'\"":
+                if len(text) - i < 3 and text[i:] == ch * (len(text) - i):
+                    break   # perhaps a triple quote
+                self.quote = ch * 3 if text.startswith(ch * 3, i) else ch
+                i += len(self.quote)
+                continue
+            if ch in "([{":
+                self.depth += 1
+            elif ch in ")]}":
+                if self.depth == 0:
+                    self.pos = i
+                    return i if ch == ")" else self._stop()
+                self.depth -= 1
+            elif ch == "," and self.depth == 0:
+                self.pos = i
+                return i
+            elif ch == "#":
+                return self._stop()
+            i += 1
+        self.pos = i
+        return None
+
+    def _stop(self) -> None:
+        self.stopped = True
+        return None
+
+    def _argument(self, source: str) -> str | None:
+        """One keyword argument's JSON text, with its separator; None when it is none."""
+        try:
+            tree = ast.parse(f"f({source})", mode="eval").body
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return None
+        if tree.args or len(tree.keywords) != 1 or tree.keywords[0].arg in (None, *self.keys):
+            return None
+        keyword = tree.keywords[0]
+        try:
+            value = json.dumps(_literal(keyword.value), ensure_ascii=False, allow_nan=False)
+        except (_NotLiteral, ValueError, RecursionError):
+            return None
+        first = not self.keys
+        self.keys.append(keyword.arg)
+        return ("{" if first else ", ") + json.dumps(keyword.arg, ensure_ascii=False) + ": " + value
 
 
 _JSON_NAMES = {"true": True, "false": False, "null": None}
@@ -318,3 +548,166 @@ def _python_calls(source: str) -> list[Call] | None:
             return []
         calls.append(Call(name, text))
     return calls
+
+
+# ---- arguments streamed as the model writes them -------------------------------------------------------------
+
+_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+_CLOSER = {"{": "}", "[": "]"}
+
+
+class JsonStreamer:
+    """One JSON value's text as it grows -> the pieces of ``json.dumps(json.loads(text), ensure_ascii=False)`` that
+    no later text can change: a number or a name once it ends, a string's characters once each escape is whole (a
+    surrogate pair's both halves), ", " and ": " for the separators. Text after the value is left unconsumed.
+
+    ``done``: the value is complete. ``broken``: the text is no JSON, or repeats a key (json.loads keeps the
+    last value in the first one's place, which no stream can know); nothing more comes out."""
+
+    def __init__(self) -> None:
+        self.stack: list[str] = []        # the open containers: "{" or "["
+        self.keys: list[set[str]] = []    # per open object: its keys so far
+        self.expect = "value"             # value | value_or_close | key | key_or_close | colon | after
+        self.scalar: str | None = None    # a number or true/false/null being read
+        self.raw: str | None = None       # a string being read: its text not yet decoded
+        self.key: list[str] | None = None  # a key being read: its characters so far
+        self.consumed = 0
+        self.done = self.broken = False
+
+    def feed(self, text: str) -> str:
+        out: list[str] = []
+        for ch in text:
+            if self.done or self.broken:
+                break
+            self._char(ch, out)
+            self.consumed += not self.broken
+        if self.raw is not None and not self.broken:
+            out.append(self._decode(closing=False))
+        return "".join(out)
+
+    def finish(self) -> str:
+        """The text ends here: a number at its very end is whole."""
+        return self._end_scalar() if self.scalar is not None and not self.broken else ""
+
+    def _char(self, ch: str, out: list[str]) -> None:
+        if self.raw is not None:
+            trailing = len(self.raw) - len(self.raw.rstrip("\\"))
+            if ch == '"' and trailing % 2 == 0:
+                out.append(self._decode(closing=True))
+                if not self.broken:
+                    out.append('"')
+                    self._end_string()
+            else:
+                self.raw += ch
+            return
+        if self.scalar is not None:
+            if ch.isalnum() or ch in "+-.":
+                self.scalar += ch
+                return
+            out.append(self._end_scalar())
+            if self.broken:
+                return
+        if ch in " \t\n\r":
+            return
+        expect = self.expect
+        if expect == "value_or_close" and ch == "]" or expect == "key_or_close" and ch == "}" \
+                or expect == "after" and self.stack and ch == _CLOSER[self.stack[-1]]:
+            out.append(ch)
+            if self.stack.pop() == "{":
+                self.keys.pop()
+            self._end_value()
+        elif expect in ("value", "value_or_close") and ch in "{[":
+            out.append(ch)
+            self.stack.append(ch)
+            if ch == "{":
+                self.keys.append(set())
+            self.expect = "key_or_close" if ch == "{" else "value_or_close"
+        elif expect in ("value", "value_or_close") and ch == '"' or expect in ("key", "key_or_close") and ch == '"':
+            out.append('"')
+            self.raw = ""
+            self.key = [] if expect in ("key", "key_or_close") else None
+        elif expect in ("value", "value_or_close") and (ch == "-" or ch.isalnum()):
+            self.scalar = ch
+        elif expect == "colon" and ch == ":":
+            out.append(": ")
+            self.expect = "value"
+        elif expect == "after" and ch == "," and self.stack:
+            out.append(", ")
+            self.expect = "key" if self.stack[-1] == "{" else "value"
+        else:
+            self.broken = True
+
+    def _end_value(self) -> None:
+        self.expect = "after"
+        self.done = not self.stack
+
+    def _end_string(self) -> None:
+        self.raw = None
+        if self.key is None:
+            self._end_value()
+            return
+        key, self.key = "".join(self.key), None
+        if key in self.keys[-1]:
+            self.broken = True
+        self.keys[-1].add(key)
+        self.expect = "colon"
+
+    def _end_scalar(self) -> str:
+        text, self.scalar = self.scalar, None
+        if text in ("true", "false", "null"):
+            self._end_value()
+            return text
+        try:
+            if not _NUMBER.fullmatch(text):
+                raise ValueError(text)
+            number = json.dumps(json.loads(text), allow_nan=False)   # 1e999 is infinity: no JSON
+        except (ValueError, OverflowError):   # an int past Python's digit limit too
+            self.broken = True
+            return ""
+        self._end_value()
+        return number
+
+    def _decode(self, closing: bool) -> str:
+        """The string's characters whose escapes are whole, re-escaped as json.dumps does; the rest stays raw."""
+        raw, i, chars = self.raw, 0, []
+        while i < len(raw):
+            if raw[i] != "\\":
+                if raw[i] < " ":   # a raw control character: json.loads refuses it
+                    self.broken = True
+                    return ""
+                chars.append(raw[i])
+                i += 1
+                continue
+            escape = raw[i + 1:i + 2]
+            if escape in _ESCAPES and escape:
+                chars.append(_ESCAPES[escape])
+                i += 2
+                continue
+            code = _hex4(raw, i + 2) if escape == "u" else None
+            if code is None:
+                if escape not in ("", "u") or len(raw) >= i + 6 or closing:
+                    self.broken = True
+                    return ""
+                break   # the escape is not whole yet
+            if 0xD800 <= code <= 0xDBFF:   # a pair's first half: json.loads joins a \uDCxx right after it
+                if len(raw) < i + 12 and not closing:
+                    break
+                low = _hex4(raw, i + 8) if raw[i + 6:i + 8] == "\\u" else None
+                if low is not None and 0xDC00 <= low <= 0xDFFF:
+                    chars.append(chr(0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00)))
+                    i += 12
+                    continue
+            chars.append(chr(code))
+            i += 6
+        self.raw = raw[i:]
+        if self.key is not None:
+            self.key += chars
+        return json.dumps("".join(chars), ensure_ascii=False)[1:-1]
+
+
+def _hex4(text: str, i: int) -> int | None:
+    digits = text[i:i + 4]
+    if len(digits) < 4 or not all(c in "0123456789abcdefABCDEF" for c in digits):
+        return None
+    return int(digits, 16)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from pdpool.engine.sampling_params import short_repr
 from pdpool.server.errors import APIError
-from pdpool.server.tool_parsers import make_parser, parse_whole
+from pdpool.server.tool_parsers import CallStart, JsonStreamer, make_parser, parse_whole
 
 _USAGE = '{"type": "function", "function": {"name": "my_function"}}'
 
@@ -167,14 +167,16 @@ def finish_reason(choice: ToolChoice, reason: str | None, called: bool = False) 
 
 
 class AutoToolStream:
-    """A streamed ``"auto"`` answer's text -> its chunks' deltas: content until a call starts, then each call
-    once complete, in one ``delta.tool_calls`` entry (index, id, type, name, whole arguments). The pieces are
-    the whole answer's (``pdpool.server.tool_parsers``), so a stream says what the whole answer says."""
+    """A streamed ``"auto"`` answer's text -> its chunks' deltas: content, and each call as it is written: a first
+    ``delta.tool_calls`` entry with its index, id, type and name, then entries with pieces of its arguments, as
+    vLLM's parsers stream them. The pieces are the whole answer's (``pdpool.server.tool_parsers``): a stream's
+    content and arguments join to what the whole answer says."""
 
     def __init__(self, choice: ToolChoice) -> None:
         self.parser = make_parser(choice.parser)
         self.parallel = choice.parallel
         self.calls = 0
+        self.skipping = False   # the call being read is past the first, with parallel_tool_calls false
 
     @property
     def called(self) -> bool:
@@ -185,10 +187,18 @@ class AutoToolStream:
         for piece in self.parser.feed(new_text, final):
             if isinstance(piece, str):
                 content += piece
-            elif self.parallel or self.calls == 0:
-                tool_calls.append({"index": self.calls, "id": tool_call_id(), "type": "function",
-                                   "function": {"name": piece.name, "arguments": piece.arguments}})
-                self.calls += 1
+            elif isinstance(piece, CallStart):
+                self.skipping = not self.parallel and self.calls > 0   # parallel_tool_calls false: the first alone
+                if not self.skipping:
+                    tool_calls.append({"index": self.calls, "id": tool_call_id(), "type": "function",
+                                       "function": {"name": piece.name}})
+                    self.calls += 1
+            elif not self.skipping:
+                last = tool_calls[-1] if tool_calls else None
+                if last is not None and "arguments" in last["function"]:   # one entry per call's new arguments
+                    last["function"]["arguments"] += piece.text
+                else:
+                    tool_calls.append({"index": self.calls - 1, "function": {"arguments": piece.text}})
         if not tool_calls:
             return {"content": content}
         return {"content": content, "tool_calls": tool_calls} if content else {"tool_calls": tool_calls}
@@ -197,11 +207,13 @@ class AutoToolStream:
 @dataclass
 class ToolCallStream:
     """A streamed choice's text -> ``delta.tool_calls`` entries, as the text grows: each call's first entry
-    carries its index, id, type and name; then pieces of its arguments, whose concatenation is the call's
-    arguments JSON (the model's own spacing)."""
+    carries its index, id, type, name and its arguments so far; then pieces of its arguments. A named function's
+    arguments are the text itself, as the whole answer's; ``"required"``'s are each parameters object's JSON as
+    the whole answer re-serializes it (``JsonStreamer``), so the pieces join to the whole answer's arguments."""
     choice: ToolChoice
     text: str = ""
-    sent: list[int] = field(default_factory=list)    # per call: characters of its arguments sent
+    sent: list[int] = field(default_factory=list)    # per call: characters of its parameters' text read
+    streamers: list[JsonStreamer] = field(default_factory=list)   # "required": per call, its parameters
 
     def feed(self, new_text: str) -> list[dict]:
         self.text += new_text
@@ -215,11 +227,18 @@ class ToolCallStream:
                 break
             if index == len(self.sent):
                 self.sent.append(0)
+                self.streamers.append(JsonStreamer())
                 deltas.append({"index": index, "id": tool_call_id(), "type": "function",
                                "function": {"name": name, "arguments": ""}})
-            piece = self.text[start + self.sent[index]:end]
+            raw = self.text[start + self.sent[index]:end]
+            self.sent[index] += len(raw)
+            if self.choice.name is not None:
+                piece = raw
+            else:   # a scalar's end is its span's (parameters are an object, unless a tool says otherwise)
+                piece = self.streamers[index].feed(raw)
+                if self.text[end:].strip():
+                    piece += self.streamers[index].finish()
             if piece:
-                self.sent[index] += len(piece)
                 if deltas and deltas[-1]["index"] == index:
                     deltas[-1]["function"]["arguments"] += piece
                 else:

@@ -171,9 +171,12 @@ def test_auto_tool_choice_with_a_parser(permissive_server):
     assert [(b.name, b.input) for b in whole.content if b.type == "tool_use"] == [("get_weather", {"city": "Berlin"})]
     assert whole.stop_reason == "tool_use"
     with client.messages.stream(**kwargs) as stream:
+        pieces = [e.delta.partial_json for e in stream
+                  if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
         final = stream.get_final_message()
     assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [("get_weather", {"city": "Berlin"})]
     assert final.stop_reason == "tool_use"
+    assert len(pieces) > 1 and json.loads("".join(pieces)) == {"city": "Berlin"}   # streamed as generated
 
 
 def test_count_tokens_is_the_rendered_prompts(server):

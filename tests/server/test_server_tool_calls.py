@@ -118,11 +118,17 @@ def test_streamed_calls_accumulate_to_valid_calls(client, tool_choice, finish):
     assert all(d.content in (None, "") for d in deltas)          # calls, not text
     first = next(d.tool_calls[0] for d in deltas if d.tool_calls)
     assert first.id.startswith("chatcmpl-tool-") and first.type == "function" and first.function.name
-    # the same call as a whole answer (greedy), arguments aside from their spacing
+    # the arguments came in pieces as they were generated, id, type and name only in each call's first entry
+    entries = [t for d in deltas for t in d.tool_calls or []]
+    for index in {t.index for t in entries}:
+        mine = [t for t in entries if t.index == index]
+        assert mine[0].id and all(t.id is None and t.type is None and not t.function.name for t in mine[1:])
+        assert sum(bool(t.function.arguments) for t in mine) > 1
+    # the same call as a whole answer (greedy): the pieces join to exactly its arguments
     whole = client.chat.completions.create(model="demo", messages=ASK, max_tokens=120, temperature=0, tools=TOOLS,
                                            tool_choice=tool_choice).choices[0].message.tool_calls
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in whole] == \
-        [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    assert [(c.function.name, c.function.arguments) for c in whole] == \
+        [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
 
 
 def test_streamed_with_n_choices_and_usage(client):
