@@ -14,6 +14,7 @@ def check_api_key(headers, api_key: str | None) -> None:
         return
     header = headers.get("Authorization", "")
     given = header[7:] if header.startswith("Bearer ") else headers.get("x-api-key", "")
-    if not hmac.compare_digest(given.encode(), api_key.encode()):
+    # surrogateescape: a header's bytes that are no UTF-8 come as lone surrogates (aiohttp), a wrong key, not a 500
+    if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), api_key.encode()):
         raise APIError("Invalid or missing API key (Authorization: Bearer <key>).", status=401,
                        code="invalid_api_key")

@@ -330,6 +330,9 @@ def test_api_key_and_max_inflight(cluster, redis_module, start_router):
     r = httpx.post(guarded.url + "/v1/completions", json=completion_body(PROMPT, 2), timeout=30,
                    headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401
+    r = httpx.post(guarded.url + "/v1/completions", json=completion_body(PROMPT, 2), timeout=30,
+                   headers={"Authorization": b"Bearer \xff\xfe"})   # no UTF-8: a wrong key, as at a node
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(guarded.url + "/health/ready").status_code == 200  # probes need no key
     assert guarded.post("/v1/completions", completion_body(PROMPT, 2)).status_code == 200
 

@@ -144,6 +144,19 @@ def test_api_key_is_required_on_v1_only(server):
     assert httpx.get(server.url + "/metrics", timeout=30).status_code == 200
 
 
+def test_a_key_that_is_not_utf8_is_401_not_500(server):
+    """Header bytes that are no UTF-8 (aiohttp keeps them as lone surrogates) are a wrong key, in each API's
+    shape, where comparing them with the key raised UnicodeEncodeError: a 500."""
+    body = {"model": "demo", "prompt": "hi", "max_tokens": 1}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": b"Bearer \xff\xfe"},
+                   timeout=30)
+    assert_error(r, 401)
+    messages = {"model": "demo", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(server.url + "/v1/messages", json=messages, headers={"x-api-key": b"k\xe9y"}, timeout=30)
+    assert r.status_code == 401, r.text
+    assert r.json()["error"]["type"] == "authentication_error"
+
+
 def test_unknown_route_and_method_are_json(server):
     assert_error(httpx.get(server.url + "/v1/nope", headers=server.headers(), timeout=30), 404)
     assert_error(httpx.get(server.url + "/v1/completions", headers=server.headers(), timeout=30), 405)
