@@ -7,9 +7,9 @@ JSON re-serialized as vLLM does (``json.dumps(..., ensure_ascii=False)``); a str
 that same text (``JsonStreamer``), so they join to the whole answer's arguments in any chunking. Text that is not
 a valid call is content, never an error.
 
-A call starts streaming once its name is certain and its arguments have begun (hermes and llama3_json: ``{"name":
-..., "arguments": {`` in that order; pythonic: its first keyword argument, or its ``)``); other shapes come whole,
-once complete. A call that turns out invalid after it started (a cut answer, text after its arguments) has no more
+A call starts once its name is certain (hermes and llama3_json: an object that opens with ``{"name": "..."``;
+pythonic: its first keyword argument, or its ``)``); its arguments stream when they follow the name (``"arguments":
+{``), else they come whole with the object. A call that turns out invalid after it started (a cut answer, text after its arguments) has no more
 pieces, where the whole answer makes it content: a stream cannot take back what it sent (``broken`` counts them).
 
 - ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number, after optional content. The
@@ -140,27 +140,30 @@ class ToolCallParser:
         self.pos = len(self.text)
 
     def _stream_object(self, out: list[Piece], start: int, limit: int, keys: tuple[str, ...]) -> None:
-        """A ``{"name": ..., "arguments": {...}}`` object from ``start``, unfinished: once its name is certain and
-        its arguments begin, the call starts; then what of its arguments ``self.text[:limit]`` makes certain."""
+        """A ``{"name": ..., "arguments": {...}}`` object from ``start``, unfinished: once its name is certain the
+        call starts (vLLM's first entry); once its arguments follow, what of them ``self.text[:limit]`` makes
+        certain. Arguments after other keys come whole with the object."""
         if not self.streamed:
-            head = _HEAD.match(self.text, start, limit)
-            if head is None or head["key"] not in keys:
-                return
+            head = _NAME.match(self.text, start, limit)
             try:
-                name = json.loads(head["name"])
+                name = json.loads(head["name"]) if head else None
             except ValueError:
                 return
             if not name:
                 return
-            self._start(out, name, head.end())
-        if self.arguments is not None and limit > self.args_start + self.arguments.consumed:
+            self._start(out, name)
+            self.args_start = head.end()
+        if self.arguments is None:
+            follows = _ARGUMENTS.match(self.text, self.args_start, limit)
+            if follows is None or follows["key"] not in keys:
+                return
+            self.arguments, self.args_start = JsonStreamer(), follows.end()
+        if limit > self.args_start + self.arguments.consumed:
             self._send(out, self.arguments.feed(self.text[self.args_start + self.arguments.consumed:limit]))
 
-    def _start(self, out: list[Piece], name: str, args_start: int | None = None) -> None:
+    def _start(self, out: list[Piece], name: str) -> None:
         self.streamed.append([name, ""])
         out.append(CallStart(name))
-        if args_start is not None:
-            self.arguments, self.args_start = JsonStreamer(), args_start
 
     def _send(self, out: list[Piece], text: str) -> None:
         self.streamed[-1][1] += text
@@ -186,7 +189,8 @@ class ToolCallParser:
         return True
 
 
-_HEAD = re.compile(r'\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*,\s*"(?P<key>arguments|parameters)"\s*:\s*(?=\{)')
+_NAME = re.compile(r'\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")')
+_ARGUMENTS = re.compile(r'\s*,\s*"(?P<key>arguments|parameters)"\s*:\s*(?=\{)')
 
 
 class HermesParser(ToolCallParser):

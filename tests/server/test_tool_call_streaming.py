@@ -160,3 +160,16 @@ def test_a_call_that_turns_out_invalid_after_it_started_streaming():
     assert stream.parser.broken == 1 and stream.called
     text = '<tool_call>{"name": "f", "arguments": {"a": 1} and more}</tool_call>'
     assert tool_message(ToolChoice(None, parser="hermes"), text) == {"role": "assistant", "content": text}
+
+
+def test_the_name_comes_once_certain_and_arguments_after_other_keys_come_whole():
+    """As vLLM's hermes parser: the name's own chunk as soon as its string closes; arguments that do not follow the
+    name stream nothing until the object is complete, then come whole."""
+    stream = AutoToolStream(ToolChoice(None, parser="hermes"))
+    assert stream.feed('<tool_call>{"name": "get_weat', False) == {"content": ""}
+    [head] = stream.feed('her", "id": 7, "argu', False)["tool_calls"]
+    assert head["function"] == {"name": "get_weather"} and head["index"] == 0 and head["type"] == "function"
+    assert stream.feed('ments": {"city":"Paris"}}', False) == {"content": ""}
+    assert stream.feed("</tool_call>", True) == {"tool_calls": [{"index": 0, "function": {
+        "arguments": '{"city": "Paris"}'}}]}
+    assert stream.parser.broken == 0
