@@ -9,8 +9,9 @@ a valid call is content, never an error.
 
 A call starts once its name is certain (hermes and llama3_json: an object that opens with ``{"name": "..."``;
 pythonic: its first keyword argument, or its ``)``); its arguments stream when they follow the name (``"arguments":
-{``), else they come whole with the object. A call that turns out invalid after it started (a cut answer, text after its arguments) has no more
-pieces, where the whole answer makes it content: a stream cannot take back what it sent (``broken`` counts them).
+{``), else they come whole with the object. A call that turns out invalid after it started (a cut answer, text
+after its arguments, no arguments) has no more pieces, where the whole answer makes it content: a stream cannot take
+back what it sent (``broken`` counts them).
 
 - ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number, after optional content. The
   last one may lack its closing tag at the end of the answer. Whitespace right after a call is dropped.
