@@ -6,6 +6,7 @@ import logging
 import uuid
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 logger = logging.getLogger("pdpool.server")
 
@@ -78,3 +79,28 @@ async def error_middleware(request: web.Request, handler):
         logger.exception("internal error %s on %s %s", error_id, request.method, request.path)
         return error_response(APIError(f"internal server error (error id {error_id}; the server log has the "
                                        "details)", status=500), path=request.path)
+
+
+class _MalformedRequestLine(logging.Filter):
+    """aiohttp logs a request it cannot parse (conflicting framing, a missing Host, a line over its limits) as an
+    error with a traceback, before it answers 400. The fault is the client's, and a client could fill the log with
+    tracebacks, so such a record becomes one info line that names the client and the parser's reason. Every other
+    record passes unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError) and record.levelno > logging.INFO:
+            remote = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+            reason = (exc.message or type(exc).__name__).strip().split("\n", 1)[0][:200]
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.msg, record.args = "malformed HTTP request from %s: %s (answered %d)", (remote, reason, exc.code)
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def http_logger() -> logging.Logger:
+    """The logger for a node's aiohttp server (``AppRunner(logger=...)``): its parse errors as one info line."""
+    log = logging.getLogger("pdpool.server.http")
+    if not any(isinstance(f, _MalformedRequestLine) for f in log.filters):
+        log.addFilter(_MalformedRequestLine())
+    return log

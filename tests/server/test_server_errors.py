@@ -157,6 +157,33 @@ def test_a_key_that_is_not_utf8_is_401_not_500(server):
     assert r.json()["error"]["type"] == "authentication_error"
 
 
+MALFORMED_HTTP = [   # what aiohttp's parser refuses before any handler runs
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 10000 + b"\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nBad Header Line\r\n\r\n",
+    b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+]
+
+
+def test_malformed_http_is_400_and_one_log_line_without_a_traceback(server):
+    """A request the HTTP parser refuses gets its 400, the node logs one info line per request naming the client,
+    never aiohttp's error with a traceback (a client could fill the log with them), and goes on serving."""
+    import socket
+
+    start = server.log_path.stat().st_size
+    for raw in MALFORMED_HTTP:
+        with socket.create_connection((server.host, server.port), timeout=30) as sock:
+            sock.sendall(raw)
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        assert answer.split(b"\r\n", 1)[0].split(b" ")[1] == b"400", answer[:200]
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+    log = server.log_path.read_bytes()[start:].decode(errors="replace")
+    assert "Traceback" not in log and "Error handling request" not in log, log[-3000:]
+    assert log.count("malformed HTTP request from 127.0.0.1") == len(MALFORMED_HTTP), log[-3000:]
+
+
 def test_unknown_route_and_method_are_json(server):
     assert_error(httpx.get(server.url + "/v1/nope", headers=server.headers(), timeout=30), 404)
     assert_error(httpx.get(server.url + "/v1/completions", headers=server.headers(), timeout=30), 405)
