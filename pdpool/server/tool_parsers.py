@@ -26,13 +26,12 @@ into content: docs/openai_compat.md).
 
 from __future__ import annotations
 
-import ast
 import json
-import keyword
-import math
 import re
-import unicodedata
 from dataclasses import dataclass
+
+from pdpool.server.tool_arguments import JsonStreamer, json_object_text
+from pdpool.server.tool_pythonic import PythonCallsReader, python_calls
 
 PARSERS = ("hermes", "llama3_json", "pythonic")
 
@@ -74,16 +73,6 @@ def parse_whole(name: str, text: str) -> tuple[str | None, list[Call]]:
     return (content or None) if calls else content, [Call(n, a) for n, a in calls]
 
 
-def _json_object_text(value) -> str | None:
-    """``value`` (a dict) as arguments text, or None when it is no JSON object (NaN and the like included)."""
-    if not isinstance(value, dict):
-        return None
-    try:
-        return json.dumps(value, ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError, RecursionError):
-        return None
-
-
 def _refuse_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
@@ -96,7 +85,7 @@ def _call_from_object(obj, argument_keys: tuple[str, ...]) -> Call | None:
         return None
     for key in argument_keys:
         if key in obj:
-            arguments = _json_object_text(obj[key])
+            arguments = json_object_text(obj[key])
             return Call(obj["name"], arguments) if arguments is not None else None
     return None
 
@@ -304,7 +293,7 @@ class PythonicParser(ToolCallParser):
         self.start = 0
         self.tried = 0           # "]"s before this offset were tried as the list's end
         self.live_segment = False
-        self.calls = _PythonCallsReader()
+        self.calls = PythonCallsReader()
 
     def _advance(self, out: list[Piece], final: bool) -> None:
         text = self.text
@@ -326,10 +315,10 @@ class PythonicParser(ToolCallParser):
                     self.tried = len(text)
                     break
                 self.tried = end + 1
-                calls = _python_calls(text[self.start:end + 1])
+                calls = python_calls(text[self.start:end + 1])
                 if calls is None:
                     continue   # not an expression yet: the "]" is inside it
-                if not self._settle(out, calls):
+                if not self._settle(out, [Call(name, arguments) for name, arguments in calls]):
                     self.state = "content"
                     break
                 self.pos, self.state = end + 1, "after"
@@ -359,360 +348,3 @@ class PythonicParser(ToolCallParser):
             if name is not None:
                 self._start(out, name)
             self._send(out, piece)
-
-
-class _PythonCallsReader:
-    """Reads ``f(a=1, b="x"), g()`` from ``pos`` on, as it grows: each call's name and its arguments' JSON text in
-    pieces (``{"a": 1``, ``, "b": "x"``, ``}``); a plain string's characters as they come (``, "b": "``, ``x``).
-    A call that is not one (a positional argument, a value that is no literal, a repeated keyword) stops it."""
-
-    _NAME = re.compile(r"\s*(?P<comma>,\s*)?(?P<name>[^\W\d]\w*(?:\.[^\W\d]\w*)*)\s*\(")
-    _OPEN_STRING = re.compile(r"\s*(?P<key>[^\W\d]\w*)\s*=\s*(?P<quote>[\"'])(?P<chars>[^\"'\\\n]+)")
-
-    def __init__(self) -> None:
-        self.pos = 0
-        self.stopped = False
-        self.calls = 0
-        self.name: str | None = None     # the open call's name; None between calls
-        self.keys: list[str] = []        # the open call's keywords so far
-        self.started = False             # the open call's start has been sent
-        self.arg_start = 0
-        self.depth = 0
-        self.quote: str | None = None
-        self.sent = ""                   # the open argument's text sent before its end (a string's start)
-
-    def read(self, text: str) -> list[tuple[str | None, str]]:
-        """(the call's name when it starts here, else None; a piece of its arguments), in order."""
-        out: list[tuple[str | None, str]] = []
-        while not self.stopped:
-            if self.name is None:
-                head = self._NAME.match(text, self.pos)
-                if head is None or bool(head["comma"]) != (self.calls > 0):
-                    return out
-                self.name, self.keys, self.started = unicodedata.normalize("NFKC", head["name"]), [], False
-                self.pos = self.arg_start = head.end()
-                self.depth, self.quote = 0, None
-            i = self._argument_end(text)
-            if i is None:
-                early = self._string_start(text)
-                if early:
-                    out.append((self._start(), early))
-                return out
-            source = text[self.arg_start:i]
-            closes = text[i] == ")"
-            if source.strip() or not closes:
-                piece = self._argument(source)
-                if piece is None or not piece.startswith(self.sent):
-                    self.stopped = True
-                    return out
-                out.append((self._start(), piece[len(self.sent):]))
-                self.sent = ""
-            if closes:
-                out.append((self._start(), "" if self.keys else "{"))
-                out.append((None, "}"))
-                self.name, self.calls = None, self.calls + 1
-            self.pos = self.arg_start = i + 1
-        return out
-
-    def _string_start(self, text: str) -> str:
-        """What the open argument's unfinished plain string (``b="x...``) makes certain, not yet sent."""
-        match = self._OPEN_STRING.fullmatch(text, self.arg_start, self.pos)
-        key = match and unicodedata.normalize("NFKC", match["key"])   # as Python reads an identifier
-        if match is None or key in self.keys or keyword.iskeyword(key):
-            return ""
-        separator = ", " if self.keys else "{"
-        prefix = f'{separator}{json.dumps(key, ensure_ascii=False)}: "' \
-                 f'{json.dumps(match["chars"], ensure_ascii=False)[1:-1]}'
-        piece, self.sent = prefix[len(self.sent):], prefix
-        return piece
-
-    def _start(self) -> str | None:
-        started, self.started = self.started, True
-        return None if started else self.name
-
-    def _argument_end(self, text: str) -> int | None:
-        """The offset of the "," or ")" that ends the open call's argument, once it has come."""
-        i = self.pos
-        while i < len(text):
-            ch = text[i]
-            if self.quote is not None:
-                if ch == "\\":
-                    if i + 1 == len(text):
-                        break
-                    i += 2
-                    continue
-                if text.startswith(self.quote, i):
-                    i += len(self.quote)
-                    self.quote = None
-                    continue
-                i += 1
-                continue
-            if ch in "'\"":
-                if len(text) - i < 3 and text[i:] == ch * (len(text) - i):
-                    break   # perhaps a triple quote
-                self.quote = ch * 3 if text.startswith(ch * 3, i) else ch
-                i += len(self.quote)
-                continue
-            if ch in "([{":
-                self.depth += 1
-            elif ch in ")]}":
-                if self.depth == 0:
-                    self.pos = i
-                    return i if ch == ")" else self._stop()
-                self.depth -= 1
-            elif ch == "," and self.depth == 0:
-                self.pos = i
-                return i
-            elif ch == "#":
-                return self._stop()
-            i += 1
-        self.pos = i
-        return None
-
-    def _stop(self) -> None:
-        self.stopped = True
-        return None
-
-    def _argument(self, source: str) -> str | None:
-        """One keyword argument's JSON text, with its separator; None when it is none."""
-        try:
-            tree = ast.parse(f"f({source})", mode="eval").body
-        except (SyntaxError, ValueError, RecursionError, MemoryError):
-            return None
-        if tree.args or len(tree.keywords) != 1 or tree.keywords[0].arg in (None, *self.keys):
-            return None
-        keyword = tree.keywords[0]
-        try:
-            value = json.dumps(_literal(keyword.value), ensure_ascii=False, allow_nan=False)
-        except (_NotLiteral, ValueError, RecursionError):
-            return None
-        first = not self.keys
-        self.keys.append(keyword.arg)
-        return ("{" if first else ", ") + json.dumps(keyword.arg, ensure_ascii=False) + ": " + value
-
-
-_JSON_NAMES = {"true": True, "false": False, "null": None}
-
-
-class _NotLiteral(Exception):
-    pass
-
-
-def _literal(node: ast.expr):
-    """A keyword argument's value, as JSON sees it (vLLM's literals: tuples are lists, JSON's names are theirs)."""
-    if isinstance(node, ast.Constant):
-        if node.value is None or isinstance(node.value, (str, int, float)):
-            if isinstance(node.value, float) and not math.isfinite(node.value):
-                raise _NotLiteral
-            return node.value
-    elif isinstance(node, ast.Dict):
-        keys = [k.value if isinstance(k, ast.Constant) and isinstance(k.value, str) else None for k in node.keys]
-        if None in keys:
-            raise _NotLiteral
-        return {k: _literal(v) for k, v in zip(keys, node.values)}
-    elif isinstance(node, (ast.List, ast.Tuple)):
-        return [_literal(v) for v in node.elts]
-    elif isinstance(node, ast.Name) and node.id in _JSON_NAMES:
-        return _JSON_NAMES[node.id]
-    elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)) \
-            and isinstance(node.operand, ast.Constant) and type(node.operand.value) in (int, float):
-        value = node.operand.value
-        return -value if isinstance(node.op, ast.USub) else value
-    raise _NotLiteral
-
-
-def _dotted(node: ast.expr) -> str | None:
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        head = _dotted(node.value)
-        return None if head is None else f"{head}.{node.attr}"
-    return None
-
-
-def _python_calls(source: str) -> list[Call] | None:
-    """``source`` (from "[" to a "]") as calls; None when it is no expression (yet), [] when it is one but not
-    a non-empty list of calls with literal keyword arguments."""
-    try:
-        tree = ast.parse(source, mode="eval").body
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return None
-    if not isinstance(tree, ast.List) or not tree.elts:
-        return []
-    calls = []
-    for node in tree.elts:
-        name = _dotted(node.func) if isinstance(node, ast.Call) else None
-        if name is None or node.args or any(k.arg is None for k in node.keywords):
-            return []
-        try:
-            arguments = {k.arg: _literal(k.value) for k in node.keywords}
-        except (_NotLiteral, RecursionError):
-            return []
-        text = _json_object_text(arguments)
-        if text is None:
-            return []
-        calls.append(Call(name, text))
-    return calls
-
-
-# ---- arguments streamed as the model writes them -------------------------------------------------------------
-
-_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
-_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
-_CLOSER = {"{": "}", "[": "]"}
-
-
-class JsonStreamer:
-    """One JSON value's text as it grows -> the pieces of ``json.dumps(json.loads(text), ensure_ascii=False)`` that
-    no later text can change: a number or a name once it ends, a string's characters once each escape is whole (a
-    surrogate pair's both halves), ", " and ": " for the separators. Text after the value is left unconsumed.
-
-    ``done``: the value is complete. ``broken``: the text is no JSON, or repeats a key (json.loads keeps the
-    last value in the first one's place, which no stream can know); nothing more comes out."""
-
-    def __init__(self) -> None:
-        self.stack: list[str] = []        # the open containers: "{" or "["
-        self.keys: list[set[str]] = []    # per open object: its keys so far
-        self.expect = "value"             # value | value_or_close | key | key_or_close | colon | after
-        self.scalar: str | None = None    # a number or true/false/null being read
-        self.raw: str | None = None       # a string being read: its text not yet decoded
-        self.key: list[str] | None = None  # a key being read: its characters so far
-        self.consumed = 0
-        self.done = self.broken = False
-
-    def feed(self, text: str) -> str:
-        out: list[str] = []
-        for ch in text:
-            if self.done or self.broken:
-                break
-            self._char(ch, out)
-            self.consumed += not self.broken
-        if self.raw is not None and not self.broken:
-            out.append(self._decode(closing=False))
-        return "".join(out)
-
-    def finish(self) -> str:
-        """The text ends here: a number at its very end is whole."""
-        return self._end_scalar() if self.scalar is not None and not self.broken else ""
-
-    def _char(self, ch: str, out: list[str]) -> None:
-        if self.raw is not None:
-            trailing = len(self.raw) - len(self.raw.rstrip("\\"))
-            if ch == '"' and trailing % 2 == 0:
-                out.append(self._decode(closing=True))
-                if not self.broken:
-                    out.append('"')
-                    self._end_string()
-            else:
-                self.raw += ch
-            return
-        if self.scalar is not None:
-            if ch.isalnum() or ch in "+-.":
-                self.scalar += ch
-                return
-            out.append(self._end_scalar())
-            if self.broken:
-                return
-        if ch in " \t\n\r":
-            return
-        expect = self.expect
-        if expect == "value_or_close" and ch == "]" or expect == "key_or_close" and ch == "}" \
-                or expect == "after" and self.stack and ch == _CLOSER[self.stack[-1]]:
-            out.append(ch)
-            if self.stack.pop() == "{":
-                self.keys.pop()
-            self._end_value()
-        elif expect in ("value", "value_or_close") and ch in "{[":
-            out.append(ch)
-            self.stack.append(ch)
-            if ch == "{":
-                self.keys.append(set())
-            self.expect = "key_or_close" if ch == "{" else "value_or_close"
-        elif expect in ("value", "value_or_close") and ch == '"' or expect in ("key", "key_or_close") and ch == '"':
-            out.append('"')
-            self.raw = ""
-            self.key = [] if expect in ("key", "key_or_close") else None
-        elif expect in ("value", "value_or_close") and (ch == "-" or ch.isalnum()):
-            self.scalar = ch
-        elif expect == "colon" and ch == ":":
-            out.append(": ")
-            self.expect = "value"
-        elif expect == "after" and ch == "," and self.stack:
-            out.append(", ")
-            self.expect = "key" if self.stack[-1] == "{" else "value"
-        else:
-            self.broken = True
-
-    def _end_value(self) -> None:
-        self.expect = "after"
-        self.done = not self.stack
-
-    def _end_string(self) -> None:
-        self.raw = None
-        if self.key is None:
-            self._end_value()
-            return
-        key, self.key = "".join(self.key), None
-        if key in self.keys[-1]:
-            self.broken = True
-        self.keys[-1].add(key)
-        self.expect = "colon"
-
-    def _end_scalar(self) -> str:
-        text, self.scalar = self.scalar, None
-        if text in ("true", "false", "null"):
-            self._end_value()
-            return text
-        try:
-            if not _NUMBER.fullmatch(text):
-                raise ValueError(text)
-            number = json.dumps(json.loads(text), allow_nan=False)   # 1e999 is infinity: no JSON
-        except (ValueError, OverflowError):   # an int past Python's digit limit too
-            self.broken = True
-            return ""
-        self._end_value()
-        return number
-
-    def _decode(self, closing: bool) -> str:
-        """The string's characters whose escapes are whole, re-escaped as json.dumps does; the rest stays raw."""
-        raw, i, chars = self.raw, 0, []
-        while i < len(raw):
-            if raw[i] != "\\":
-                if raw[i] < " ":   # a raw control character: json.loads refuses it
-                    self.broken = True
-                    return ""
-                chars.append(raw[i])
-                i += 1
-                continue
-            escape = raw[i + 1:i + 2]
-            if escape in _ESCAPES and escape:
-                chars.append(_ESCAPES[escape])
-                i += 2
-                continue
-            code = _hex4(raw, i + 2) if escape == "u" else None
-            if code is None:
-                if escape not in ("", "u") or len(raw) >= i + 6 or closing:
-                    self.broken = True
-                    return ""
-                break   # the escape is not whole yet
-            if 0xD800 <= code <= 0xDBFF:   # a pair's first half: json.loads joins a \uDCxx right after it
-                if len(raw) < i + 12 and not closing:
-                    break
-                low = _hex4(raw, i + 8) if raw[i + 6:i + 8] == "\\u" else None
-                if low is not None and 0xDC00 <= low <= 0xDFFF:
-                    chars.append(chr(0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00)))
-                    i += 12
-                    continue
-            chars.append(chr(code))
-            i += 6
-        self.raw = raw[i:]
-        if self.key is not None:
-            self.key += chars
-        return json.dumps("".join(chars), ensure_ascii=False)[1:-1]
-
-
-def _hex4(text: str, i: int) -> int | None:
-    digits = text[i:i + 4]
-    if len(digits) < 4 or not all(c in "0123456789abcdefABCDEF" for c in digits):
-        return None
-    return int(digits, 16)

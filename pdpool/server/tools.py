@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 from pdpool.engine.sampling_params import short_repr
 from pdpool.server.errors import APIError
-from pdpool.server.tool_parsers import CallStart, JsonStreamer, make_parser, parse_whole
+from pdpool.server.tool_arguments import JsonStreamer
+from pdpool.server.tool_parsers import CallStart, make_parser, parse_whole
 
 _USAGE = '{"type": "function", "function": {"name": "my_function"}}'
 

@@ -1,5 +1,5 @@
 """Tool calls streamed in pieces (``pdpool.server.tools``: ``ToolCallStream``, ``AutoToolStream``; their arguments'
-JSON by ``tool_parsers.JsonStreamer``): whatever the chunking of the model's text, each call's first
+JSON by ``tool_arguments.JsonStreamer``): whatever the chunking of the model's text, each call's first
 ``delta.tool_calls`` entry has its index, id, type and name, later ones only pieces of its arguments, and the pieces
 join to exactly the whole answer's arguments (``tools.tool_message``): for a named function, "required" and the
 three "auto" parsers."""
@@ -10,7 +10,8 @@ import json
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from pdpool.server.tool_parsers import PARSERS, JsonStreamer
+from pdpool.server.tool_arguments import JsonStreamer
+from pdpool.server.tool_parsers import PARSERS
 from pdpool.server.tools import AutoToolStream, ToolCallStream, ToolChoice, tool_message
 from test_tool_parsers import arguments, dotted_names, json_values, names, render_hermes, render_llama, \
     render_pythonic
