@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import socket
 from dataclasses import dataclass, field
@@ -30,6 +31,12 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")   # pdpool.server.tool
 _AUTO_TOOL_HELP = ("Serve tool_choice \"auto\" (the default with tools): the model's own tool-call format, read by "
                    "--tool-call-parser, becomes message.tool_calls (vLLM's flag).")
 _PARSER_HELP = "The model's tool-call format, for --enable-auto-tool-choice (vLLM's names)."
+# CORS, as vLLM's flags (Starlette's CORSMiddleware; pdpool.server.cors): a list flag takes a JSON list, as vLLM's
+# --allowed-origins '["https://app.example"]', or one value per flag, repeated.
+_ORIGINS_HELP = "Origins a browser may call from (CORS), a JSON list or repeated; * (the default): any (vLLM's flag)."
+_CREDENTIALS_HELP = "CORS: allow a browser's credentials (cookies, HTTP authentication) (vLLM's flag)."
+_METHODS_HELP = "Methods a CORS preflight allows, a JSON list or repeated; * (the default): all (vLLM's flag)."
+_HEADERS_HELP = "Request headers a CORS preflight allows, a JSON list or repeated; * (the default): any (vLLM's flag)."
 
 
 def opt(default: Any, help: str, *, choices: tuple | None = None, ge: float | None = None,
@@ -113,6 +120,10 @@ class ServerConfig:
     trust_request_chat_template: bool = opt(False, "Take a chat request's own chat_template (jinja, sandboxed; "
                                             "else a 400, as vLLM's flag). A pool's router needs it too.",
                                             crd="model.trustRequestChatTemplate")
+    allowed_origins: list[str] = opt(["*"], _ORIGINS_HELP)
+    allow_credentials: bool = opt(False, _CREDENTIALS_HELP)
+    allowed_methods: list[str] = opt(["*"], _METHODS_HELP)
+    allowed_headers: list[str] = opt(["*"], _HEADERS_HELP)
 
 
 @dataclass
@@ -153,6 +164,7 @@ class NodeConfig:
     def __post_init__(self) -> None:
         validate(self)
         _check_auto_tool_choice(self.server)
+        _check_cors(self.server)
 
     @property
     def served_model_name(self) -> str:
@@ -227,6 +239,10 @@ class RouterConfig:
                                             crd="model.trustRequestChatTemplate")
     token_cache_chunks: int = opt(8192, "Prompt chunks (about 256 characters each) whose token ids the router keeps, "
                                   "so shared system prompts are tokenized once (0: no cache).", ge=0)
+    allowed_origins: list[str] = opt(["*"], _ORIGINS_HELP)
+    allow_credentials: bool = opt(False, _CREDENTIALS_HELP)
+    allowed_methods: list[str] = opt(["*"], _METHODS_HELP)
+    allowed_headers: list[str] = opt(["*"], _HEADERS_HELP)
 
 
 @dataclass
@@ -237,6 +253,7 @@ class RouterCommandConfig:
     def __post_init__(self) -> None:
         validate(self)
         _check_auto_tool_choice(self.router)
+        _check_cors(self.router)
 
     @property
     def served_model_name(self) -> str:
@@ -248,6 +265,14 @@ def _check_auto_tool_choice(section) -> None:
     if section.enable_auto_tool_choice and not section.tool_call_parser:
         raise ConfigError(f"--enable-auto-tool-choice needs --tool-call-parser (one of "
                           f"{', '.join(TOOL_CALL_PARSERS)}): the model's tool-call format")
+
+
+def _check_cors(section) -> None:
+    """CORS values go into response headers as they are: printable ASCII only (a browser sends an origin so)."""
+    for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        for value in getattr(section, name):
+            if not value or not all(" " <= c <= "~" for c in value):
+                raise ConfigError(f"--{name.replace('_', '-')}: {value!r} is not a header value (printable ASCII)")
 
 
 def auto_tool_parser(section) -> str | None:
@@ -302,6 +327,19 @@ def _parse_bool(s: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean, got {s!r}")
 
 
+def list_value(text: str) -> list[str]:
+    """One list flag's value: a JSON list of strings (vLLM's form, '["a", "b"]'), else one item."""
+    if not text.startswith("["):
+        return [text]
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser, cfg_cls: type = NodeConfig) -> None:
     """Add one flag per setting (plus --<secret>-file for secrets)."""
     for sec, cls in sections(cfg_cls):
@@ -313,8 +351,8 @@ def add_arguments(parser: argparse.ArgumentParser, cfg_cls: type = NodeConfig) -
             kw: dict[str, Any] = dict(dest=f"{sec}.{f.name}", default=argparse.SUPPRESS, help=f.metadata["help"])
             if t is bool:
                 kw["action"] = argparse.BooleanOptionalAction
-            elif t is list:  # repeatable: --decode URL --decode URL
-                kw.update(action="append", type=str, metavar=f.name.upper())
+            elif t is list:  # repeatable (--decode URL --decode URL) or a JSON list (--decode '["URL", "URL"]')
+                kw.update(action="extend", type=list_value, metavar=f.name.upper())
             else:
                 kw["type"] = t
                 if f.metadata.get("choices"):
@@ -373,8 +411,11 @@ def to_argv(cfg, cfg_cls: type = NodeConfig, *, include_secrets: bool = False) -
             if isinstance(value, bool):
                 argv.append(flag_name(f) if value else "--no-" + flag_name(f)[2:])
             elif isinstance(value, list):
-                for item in value:
-                    argv += [flag_name(f), str(item)]
+                if not value or any(str(item).startswith("[") for item in value):
+                    argv += [flag_name(f), json.dumps([str(item) for item in value])]
+                else:
+                    for item in value:
+                        argv += [flag_name(f), str(item)]
             else:
                 argv += [flag_name(f), str(value)]
     return argv

@@ -4,8 +4,8 @@
 their lifecycle, and answers ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` and Anthropic's ``/v1/messages`` (each
 routed as its chat request), ``/v1/messages/count_tokens``, ``/v1/models``, ``/health/live``, ``/health/ready``, ``/metrics`` and ``/openapi.json`` through the raw
 HTTP/1.1 server (``router/server.py``).
-``handle`` does what a middleware would: the request id, authentication, OpenAI errors, the response counter. A
-client that disconnects cancels its request's task, which closes the upstream legs.
+``handle`` does what a middleware would: CORS (``pdpool.server.cors``), the request id, authentication, OpenAI errors,
+the response counter. A client that disconnects cancels its request's task, which closes the upstream legs.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from pdpool.router.settings import SchedulerProfile
 from pdpool.router.upstream import Upstream
 from pdpool.server import anthropic_messages, protocol, tokenize
 from pdpool.server.auth import check_api_key
+from pdpool.server.cors import PLAIN_TEXT, CorsPolicy
 from pdpool.server.errors import APIError
 
 logger = logging.getLogger("pdpool.router")
@@ -88,6 +89,7 @@ class Router:
         self.frontend = frontend
         self.served_names = [cfg.served_model_name]
         self.tool_parser = auto_tool_parser(r)   # tool_choice "auto": accepted and refused as the nodes do
+        self.cors = CorsPolicy.from_config(r)
         self.created = int(time.time())
         self.pool = Pool(r.node_cooldown)
         self.inflight = InflightTracker()
@@ -172,6 +174,8 @@ class Router:
 
     async def handle(self, request: Request, exchange: Exchange) -> None:
         """Request id, authentication, routing and OpenAI errors; counts the API's responses by status."""
+        if "origin" in request.headers and self._cors(request, exchange):   # the one lookup when there is no CORS
+            return
         header = request.headers.get(REQUEST_ID_HEADER)
         rid = request_id_from(header) if header else new_request_id()
         request_id_var.set(rid)       # this request's task has its own context
@@ -209,6 +213,19 @@ class Router:
                         request.path)
         if not request.path.startswith(PUBLIC):   # probes and scrapes are not the API's answers (a not-ready 503)
             self.metrics.count_response(exchange.status)
+
+    def _cors(self, request: Request, exchange: Exchange) -> bool:
+        """A request from a browser's page (it has an ``Origin``): its preflight is answered here, before the API
+        key (True); any other request is served as ever, its answer with the CORS headers (``pdpool.server.cors``)."""
+        headers = request.headers
+        origin = headers["origin"]
+        if request.method == "OPTIONS" and "access-control-request-method" in headers:
+            status, text, cors_headers = self.cors.preflight(origin, headers["access-control-request-method"],
+                                                             headers.get("access-control-request-headers"))
+            exchange.respond(status, text.encode(), PLAIN_TEXT, cors_headers)
+            return True
+        exchange.cors = self.cors.response_headers(origin, "cookie" in headers) or None
+        return False
 
     @staticmethod
     def _error(exchange: Exchange, err: APIError, rid: str, path: str, headers: dict | None = None) -> None:

@@ -94,7 +94,7 @@ def _http_date() -> str:
 class Exchange:
     """One response to one request: whole (``respond``) or streamed (``start_stream``, ``write``, ``end_stream``)."""
 
-    __slots__ = ("_conn", "_request", "status", "started", "finished", "_chunked")
+    __slots__ = ("_conn", "_request", "status", "started", "finished", "_chunked", "cors")
 
     def __init__(self, conn: "HttpConnection", request: Request) -> None:
         self._conn = conn
@@ -103,10 +103,13 @@ class Exchange:
         self.started = False
         self.finished = False
         self._chunked = False
+        self.cors: dict | None = None   # headers every answer carries, errors included (a CORS request's)
 
     def _head(self, status: int, headers: dict, framing: str) -> bytes:
         keep = self._request.keep_alive
         lines = [f"HTTP/1.1 {status} {REASONS.get(status, 'Unknown')}\r\nDate: {_http_date()}\r\n{framing}"]
+        if self.cors is not None:
+            headers = {**headers, **self.cors}
         for name, value in headers.items():
             lines.append(f"{name}: {value}\r\n")
         if not keep:

@@ -72,12 +72,12 @@ def load(argv: list[str], environ: dict | None = None) -> tuple[config.RouterCom
         scheduler = data.pop("scheduler", None) or {}
         if not isinstance(scheduler, dict):
             raise SettingsError("--config: 'scheduler' must be a mapping")
-        names = {f.name for _, f in config.all_options(config.RouterCommandConfig)}
+        fields = {f.name: f for _, f in config.all_options(config.RouterCommandConfig)}
         for key, value in data.items():
             name = str(key).replace("-", "_")
-            if name not in names:
+            if name not in fields:
                 raise SettingsError(f"--config: unknown setting {key!r}")
-            if isinstance(value, str) and name in ("prefill", "decode", "both"):
+            if isinstance(value, str) and config._base_type(fields[name]) is list:   # decode: URL, as one flag
                 value = [value]
             given.setdefault(f"{_SECTION}.{name}", value)   # flags win
     try:

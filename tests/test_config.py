@@ -69,3 +69,22 @@ def test_to_argv_round_trips_and_leaves_secrets_out():
 def test_build_rejects_unknown_settings():
     with pytest.raises(config.ConfigError, match="unknown settings"):
         config.build(max_num_sequences=3)
+
+
+def test_cors_flags_take_vllms_json_lists_or_repeated_values():
+    cfg = parse([])
+    assert (cfg.server.allowed_origins, cfg.server.allow_credentials, cfg.server.allowed_methods,
+            cfg.server.allowed_headers) == (["*"], False, ["*"], ["*"])   # vLLM's defaults
+    cfg = parse(["--allowed-origins", '["https://a.example", "https://b.example"]', "--allowed-origins",
+                 "https://c.example", "--allow-credentials", "--allowed-methods", "[]", "--allowed-headers",
+                 "X-Custom"])
+    assert cfg.server.allowed_origins == ["https://a.example", "https://b.example", "https://c.example"]
+    assert (cfg.server.allow_credentials, cfg.server.allowed_methods, cfg.server.allowed_headers) == (
+        True, [], ["X-Custom"])
+    assert parse(config.to_argv(cfg)) == cfg   # "[]" (nothing allowed) is not the default "*"
+    with pytest.raises(SystemExit):
+        parse(["--allowed-origins", '["https://a.example", 1]'])
+    with pytest.raises(config.ConfigError, match="--allowed-origins: 'https://é.example' is not a header value"):
+        parse(["--allowed-origins", "https://é.example"])
+    router = config.build(config.RouterCommandConfig, allowed_headers=["Authorization"])
+    assert router.router.allowed_headers == ["Authorization"] and router.router.allowed_origins == ["*"]

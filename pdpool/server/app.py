@@ -8,7 +8,8 @@ engine is loaded and while the node drains, and ``/v1/*`` 503 while it loads.
 
 Clients that disconnect cancel their handler (``handler_cancellation=True``), which aborts their requests.
 ``X-Request-Id`` (generated when absent) names the request in the response id, the engine's request ids and
-the logs, and comes back as a response header.
+the logs, and comes back as a response header. A request with an ``Origin`` is CORS, as vLLM's
+(``pdpool.server.cors``): its preflight is answered before the API key, its other answers carry the CORS headers.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pdpool.logs import HEADER as REQUEST_ID_HEADER, request_id_from, request_id
 from pdpool.server import anthropic_messages, openapi, protocol, responses, tokenize
 from pdpool.server.anthropic_events import MessageEvents
 from pdpool.server.auth import check_api_key
+from pdpool.server.cors import CorsPolicy
 from pdpool.server.errors import APIError, error_middleware
 from pdpool.server.metrics import CONTENT_TYPE, ServerMetrics
 from pdpool.server.response_events import ResponseEvents
@@ -59,6 +61,45 @@ def _auth_middleware(api_key: str | None):
         return await handler(request)
 
     return auth
+
+
+def _cors_preflight_middleware(policy: CorsPolicy):
+    """Answers a CORS preflight before the API key is asked for, as vLLM does (``pdpool.server.cors``)."""
+    @web.middleware
+    async def cors_preflight(request: web.Request, handler):
+        headers = request.headers
+        if request.method == "OPTIONS" and "Origin" in headers and "Access-Control-Request-Method" in headers:
+            status, text, cors_headers = policy.preflight(headers["Origin"], headers["Access-Control-Request-Method"],
+                                                          headers.get("Access-Control-Request-Headers"))
+            return web.Response(status=status, text=text, content_type="text/plain",
+                                headers={name: _header_value(v) for name, v in cors_headers.items()})
+        return await handler(request)
+
+    return cors_preflight
+
+
+def _cors_response_headers(policy: CorsPolicy):
+    """Adds the CORS headers to every other answer to a request with an ``Origin``, errors and streams included
+    (``on_response_prepare``: before the head is written)."""
+    async def add_cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+        origin = request.headers.get("Origin")
+        if origin is None or (request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers):
+            return                    # no CORS, or a preflight, answered whole by cors_preflight
+        for name, value in policy.response_headers(origin, "Cookie" in request.headers).items():
+            if name == "Vary" and "Vary" in response.headers:
+                value = f"{response.headers['Vary']}, {value}"
+            response.headers[name] = _header_value(value)
+
+    return add_cors_headers
+
+
+def _header_value(value: str) -> str:
+    """An echoed request header (an origin, the asked headers) written back. aiohttp reads bytes that are no UTF-8
+    as lone surrogates, which its C writer drops and its pure-Python one cannot encode (a 500): they become U+FFFD.
+    (Control characters never get this far: its parser refuses them, a 400.)"""
+    if value.isascii():
+        return value
+    return value.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 @web.middleware
@@ -282,9 +323,11 @@ def served_routes(app: web.Application) -> list[tuple[str, str]]:
 
 def create_app(node_config, node: ServedNode, routes: list[web.RouteDef] = ()) -> web.Application:
     """The node's app: the OpenAI routes, health, metrics, and the node's own ``routes``."""
-    app = web.Application(middlewares=[_request_id_middleware, error_middleware,
+    cors = CorsPolicy.from_config(node_config.server)
+    app = web.Application(middlewares=[_cors_preflight_middleware(cors), _request_id_middleware, error_middleware,
                                        _auth_middleware(node_config.server.api_key)],
                           client_max_size=64 * 1024 * 1024)
+    app.on_response_prepare.append(_cors_response_headers(cors))
     app[NODE_KEY] = node
     app[CONFIG_KEY] = node_config
     app.router.add_post("/v1/completions", completions)

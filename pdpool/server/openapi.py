@@ -377,7 +377,7 @@ def _responses_body(model: dict, vocab_size: int | None, max_model_len: int | No
     return {
         "type": "object", "required": ["input"], "additionalProperties": True,
         "description": "The rendered input's tokens and max_output_tokens must fit the context (max_model_len). "
-                       "tool_choice is ignored without tools.",
+                       "Without tools, tool_choice \"auto\" and \"none\" are text, the others refused.",
         "properties": {
             **{name: common[name] for name in ("model", "stream", "priority", "cache_salt", "user")},
             **{name: sampling[name] for name in passed},
@@ -405,9 +405,13 @@ def _responses_body(model: dict, vocab_size: int | None, max_model_len: int | No
             "previous_response_id": refused, "reasoning": refused, "prompt": refused, "conversation": refused,
             "chat_template_kwargs": _template_kwargs(chat_template),
         },
-        "allOf": [] if auto_tool_choice else [   # tools without tool_choice are "auto": refused without a parser
+        "allOf": [   # a call needs tools (vLLM's check_tool_usage); tools without tool_choice are "auto"
+            {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {"anyOf": [
+                {"const": "required"}, {"type": "object"}]}}},
+             "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}}]
+        + ([] if auto_tool_choice else [   # ... refused without a parser
             {"if": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}},
-             "then": {"required": ["tool_choice"], "properties": {"tool_choice": {"not": {"enum": [None, "auto"]}}}}}],
+             "then": {"required": ["tool_choice"], "properties": {"tool_choice": {"not": {"enum": [None, "auto"]}}}}}]),
     }
 
 

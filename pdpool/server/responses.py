@@ -11,7 +11,8 @@ router routes a Responses request exactly as its chat body, and the decode node 
                                    -> the assistant's tool_calls; function_call_output -> a tool message
     max_output_tokens           -> max_completion_tokens
     text.format                 -> response_format (json_object, json_schema)
-    tools (function), tool_choice -> chat's tools and tool_choice (ignored without tools, as vLLM ignores it)
+    tools (function), tool_choice -> chat's tools and tool_choice (without tools "auto" and "none" are text, and
+                                   "required" or a named function a 400 naming tool_choice, as in vLLM)
     include message.output_text.logprobs, top_logprobs -> logprobs, top_logprobs
 
 vLLM's default store is off: ``store`` is taken and ignored, and nothing can be continued, so
@@ -85,10 +86,10 @@ def translate(body: dict) -> ResponsesTurn:
         chat["top_logprobs"] = top_logprobs or 0
     tools = _tools(body.get("tools"))
     tool_choice = _tool_choice(body.get("tool_choice"))
-    if tools:   # without tools, vLLM ignores tool_choice
+    if tools:
         chat["tools"] = tools
-        if tool_choice is not None:
-            chat["tool_choice"] = tool_choice
+    if tool_choice is not None and (tools or tool_choice not in ("none", "auto")):
+        chat["tool_choice"] = tool_choice   # without tools "none" and "auto" are text, the others chat's 400
     if get_str(body, "truncation", "disabled") not in _TRUNCATION:
         raise APIError(f"'truncation' must be one of {', '.join(_TRUNCATION)}", param="truncation")
     if body.get("truncation") == "auto":   # the prompt's end kept within the context, as vLLM's

@@ -207,6 +207,15 @@ def test_workers_recent_window_and_token_cache_come_from_the_flags(tmp_path, dem
         settings.load(["--workers", "0"], environ={})
 
 
+def test_cors_settings_come_from_the_yaml_a_flag_winning(tmp_path):
+    path = tmp_path / "router.yaml"
+    path.write_text("allowed-origins: https://a.example\nallow_credentials: true\nallowed-headers: [X-A, X-B]\n")
+    cfg, _ = settings.load(["--config", str(path), "--allowed-headers", "X-C"], environ={})
+    r = cfg.router
+    assert (r.allowed_origins, r.allow_credentials, r.allowed_methods, r.allowed_headers) == (
+        ["https://a.example"], True, ["*"], ["X-C"])
+
+
 @pytest.mark.parametrize("yaml_text, message", [
     ("nonsense: 1\n", "unknown setting"),
     ("scheduler:\n  scorers: [{type: no-such-scorer}]\n", "unknown scheduling plugin"),

@@ -197,6 +197,9 @@ def test_count_tokens_is_the_rendered_prompts(server):
     {"max_tokens": 8, "messages": [{"role": "user", "content": QUESTION}], "tools": TOOLS},   # auto: no parser
     {"max_tokens": 8, "messages": [{"role": "user", "content": QUESTION}], "tools": TOOLS,
      "tool_choice": {"type": "tool", "name": "nope"}},
+    {"max_tokens": 8, "messages": [{"role": "user", "content": QUESTION}], "tool_choice": {"type": "any"}},   # no tools
+    {"max_tokens": 8, "messages": [{"role": "user", "content": QUESTION}], "tools": [],
+     "tool_choice": {"type": "tool", "name": "get_weather"}},
     {"max_tokens": 8, "messages": [{"role": "user", "content": QUESTION}], "temperature": "hot"},
     {"max_tokens": 8, "messages": [{"role": "user", "content": QUESTION}], "stop_sequences": "x"},
     {"max_tokens": 8, "messages": [{"role": "user", "content": QUESTION}], "thinking": {"type": "enabled"}},

@@ -176,6 +176,8 @@ def test_a_call_and_its_output_go_back_as_chat_turns(client):
     ({"input": QUESTION, "text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
     ({"input": QUESTION, "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 5}}}}, "text"),
     ({"input": QUESTION, "tools": TOOLS}, "tool_choice"),   # "auto", the default, needs a parser
+    ({"input": QUESTION, "tool_choice": "required"}, "tool_choice"),   # no tools: a 400 as in chat and vLLM
+    ({"input": QUESTION, "tools": [], "tool_choice": {"type": "function", "name": "get_weather"}}, "tool_choice"),
     ({"input": QUESTION, "include": ["nope"]}, "include"),
     ({"input": QUESTION, "top_logprobs": 21}, "top_logprobs"),
     ({"input": QUESTION, "metadata": {"k": 1}}, "metadata"),

@@ -53,9 +53,19 @@ def test_stream_text_format_tools_and_logprobs_map_onto_chat():
     assert (chat["logprobs"], chat["top_logprobs"]) == (True, 3)
 
 
-def test_tool_choice_without_tools_is_ignored_and_unknown_fields_are_not_passed():
-    chat = translate(make_body(tool_choice="required", messages=[{"role": "x"}], n=3)).chat
-    assert "tool_choice" not in chat and "n" not in chat and chat["messages"] == [{"role": "user", "content": "Hi"}]
+def test_auto_or_none_without_tools_is_text_and_unknown_fields_are_not_passed():
+    for choice in ("auto", "none"):
+        chat = translate(make_body(tool_choice=choice, messages=[{"role": "x"}], n=3)).chat
+        assert "tool_choice" not in chat and "n" not in chat
+        assert chat["messages"] == [{"role": "user", "content": "Hi"}]
+
+
+def test_a_forced_tool_choice_without_tools_goes_to_chat_which_refuses_it():
+    """vLLM 0.32's check_tool_usage: "required" or a named function without tools is a 400 naming tool_choice;
+    the chat body keeps it, so chat's own refusal answers (tests/server/test_responses.py)."""
+    assert translate(make_body(tool_choice="required")).chat["tool_choice"] == "required"
+    assert translate(make_body(tool_choice={"type": "function", "name": "f"}, tools=[])).chat["tool_choice"] == \
+        {"type": "function", "function": {"name": "f"}}
 
 
 def test_echo_keeps_the_requests_settings():
