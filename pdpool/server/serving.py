@@ -260,7 +260,7 @@ async def full_response(gen: Generation) -> dict:
         if req.kind == "chat":
             message, finish = {"role": "assistant", "content": out.text}, out.finish_reason
             if req.tool_choice is not None:
-                message = tool_message(req.tool_choice, out.text)
+                message = tool_message(req.tool_choice, out.text, cut=finish == "length")
                 finish = finish_reason(req.tool_choice, finish, called="tool_calls" in message)
             message["role"] = req.response_role
             if req.chat_echo:   # vLLM's chat echo: the last message's content first (tool calls' "" or null too)

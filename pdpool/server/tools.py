@@ -133,11 +133,12 @@ def _call(name: str, arguments: str) -> dict:
     return {"id": tool_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def tool_message(choice: ToolChoice, text: str) -> dict:
+def tool_message(choice: ToolChoice, text: str, cut: bool = False) -> dict:
     """A whole answer's message. A named function's call holds the text as its arguments, even cut short by
-    max_tokens; ``"required"``'s text is a JSON array of calls, each one's arguments re-serialized, and none when
-    the array is unfinished. The content is "" (not null), as vLLM's. ``"auto"``: the parser's content (null when
-    the answer is calls alone) and calls, if any."""
+    max_tokens; ``"required"``'s text is a JSON array of calls, each one's arguments re-serialized; an unfinished
+    array cut by max_tokens (``cut``) holds the calls its stream sent, with their arguments so far (vLLM's whole
+    answer has none), and none otherwise. The content is "" (not null), as vLLM's. ``"auto"``: the parser's
+    content (null when the answer is calls alone) and calls, if any."""
     if choice.parser is not None:
         content, calls = parse_whole(choice.parser, text)
         message = {"role": "assistant", "content": content}
@@ -151,11 +152,24 @@ def tool_message(choice: ToolChoice, text: str) -> dict:
     try:
         calls = json.loads(text)
     except ValueError:
+        cut_calls = _streamed_calls(choice, text) if cut else []
+        if cut_calls:
+            message["tool_calls"] = cut_calls
         return message
     if isinstance(calls, list) and all(isinstance(c, dict) and isinstance(c.get("name"), str) and "parameters" in c
                                        for c in calls):   # what the grammar allows; anything else is no call
         message["tool_calls"] = [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
     return message
+
+
+def _streamed_calls(choice: ToolChoice, text: str) -> list[dict]:
+    """The calls a stream of ``text`` sends (``ToolCallStream``), each with its arguments joined."""
+    calls: list[dict] = []
+    for delta in ToolCallStream(choice).feed(text):
+        if "id" in delta:
+            calls.append(_call(delta["function"]["name"], ""))
+        calls[delta["index"]]["function"]["arguments"] += delta["function"]["arguments"]
+    return calls
 
 
 def finish_reason(choice: ToolChoice, reason: str | None, called: bool = False) -> str | None:

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from test_server_errors import post
+from test_server_tool_calls import CUT_IN_CITY, cut_inside_the_city
 
 anthropic = pytest.importorskip("anthropic")
 
@@ -153,6 +154,27 @@ def test_tool_use_required_and_named_and_the_round_trip(server):
                                          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
                                                                        "content": "Sunny, 21 C"}]}])
     assert m.content[0].text == want
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
+def test_a_call_cut_by_max_tokens(server, choice):
+    """A forced call cut by max_tokens: the whole answer's arguments so far come as text (a tool_use input must be
+    an object; vLLM 0.32 answers a 400 for a named call, nothing for "any"), the stream's as the tool_use block's
+    partial_json, as vLLM streams it; stop_reason "max_tokens" both ways."""
+    chat_choice = "required" if choice["type"] == "any" else {"type": "function", "function": {"name": "get_weather"}}
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    n = cut_inside_the_city(server, messages=messages, tools=CHAT_TOOLS, tool_choice=chat_choice)
+    body = {"model": "demo", "max_tokens": n, "temperature": 0, "tools": TOOLS, "tool_choice": choice,
+            "messages": messages}
+    m = post(server, "/v1/messages", body).json()
+    assert m["stop_reason"] == "max_tokens" and [b["type"] for b in m["content"]] == ["text"]
+    assert CUT_IN_CITY.search(m["content"][0]["text"])
+    events = sse_events(post(server, "/v1/messages", {**body, "stream": True}))
+    start, = [data["content_block"] for kind, data in events if kind == "content_block_start"]
+    assert (start["type"], start["name"]) == ("tool_use", "get_weather")
+    assert "".join(data["delta"]["partial_json"] for kind, data in events if kind == "content_block_delta") == \
+        m["content"][0]["text"]
+    assert [data["delta"]["stop_reason"] for kind, data in events if kind == "message_delta"] == ["max_tokens"]
 
 
 def test_auto_tool_choice_with_a_parser(permissive_server):

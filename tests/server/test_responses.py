@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from test_server_errors import assert_error, post
+from test_server_tool_calls import CUT_IN_CITY, cut_inside_the_city
 
 QUESTION = "Name three colors."
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -139,6 +140,25 @@ def test_function_calls_required_and_named(client):
         assert (streamed.name, streamed.arguments) == (calls[0].name, calls[0].arguments)
         pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
         assert len(pieces) > 1 and "".join(pieces) == streamed.arguments
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "get_weather"}])
+def test_a_call_cut_by_max_output_tokens_is_the_call_so_far(server, client, choice):
+    """An incomplete Response (max_output_tokens) holds the forced call with its arguments so far, whole as
+    streamed: chat's cut call (test_server_tool_calls), where it had no output for "required"."""
+    chat_choice = choice if choice == "required" else {"type": "function", "function": {"name": "get_weather"}}
+    function = {k: v for k, v in TOOLS[0].items() if k != "type"}
+    n = cut_inside_the_city(server, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                            tools=[{"type": "function", "function": function}], tool_choice=chat_choice)
+    kwargs = dict(model="demo", input="Weather in Paris?", tools=TOOLS, tool_choice=choice, max_output_tokens=n,
+                  temperature=0)
+    r = client.responses.create(**kwargs)
+    assert (r.status, r.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    call, = r.output
+    assert call.type == "function_call" and call.name == "get_weather" and CUT_IN_CITY.search(call.arguments)
+    final = list(client.responses.create(stream=True, **kwargs))[-1].response
+    assert final.status == "incomplete"
+    assert [(o.type, o.name, o.arguments) for o in final.output] == [(call.type, call.name, call.arguments)]
 
 
 def test_a_call_and_its_output_go_back_as_chat_turns(client):

@@ -6,6 +6,7 @@ output is constrained to the tools' schemas and read back as ``message.tool_call
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -71,8 +72,8 @@ def test_required_with_n_choices_and_sampling(client):
                                        tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
     assert len(r.choices) == 2
     for choice in r.choices:
-        if choice.finish_reason == "length":   # a sampled array may run past max_tokens: no calls, as vLLM's
-            assert not choice.message.tool_calls and choice.message.content == ""
+        if choice.finish_reason == "length":   # a sampled array may run past max_tokens: its calls so far
+            assert len(choice.message.tool_calls or ()) <= 1 and choice.message.content == ""
             continue
         assert choice.finish_reason == "tool_calls"
         assert len(choice.message.tool_calls) == 1   # parallel_tool_calls false: at most one
@@ -95,8 +96,45 @@ def test_cut_by_max_tokens(client):
     assert choice.finish_reason == "length" and choice.message.tool_calls[0].function.name == "get_weather"
     r = client.chat.completions.create(model="demo", messages=ASK, max_tokens=3, temperature=0, tools=TOOLS,
                                        tool_choice="required")
-    choice = r.choices[0]   # an unfinished array: no calls
+    choice = r.choices[0]   # an unfinished array whose first name is not whole yet: no calls
     assert choice.finish_reason == "length" and not choice.message.tool_calls and choice.message.content == ""
+
+
+CUT_IN_CITY = re.compile(r'"city"\s*:\s*"[^"]+$')   # arguments that end inside the city's string
+
+
+def cut_inside_the_city(server, **chat) -> int:
+    """The max_tokens that ends the greedy chat answer's call inside its "city" string (read from its tokens'
+    logprobs); the Responses and Messages tests cut their calls with it too."""
+    r = post(server, "/v1/chat/completions", {"model": "demo", "max_tokens": 80, "temperature": 0, "logprobs": True,
+                                              **chat})
+    text = ""
+    for n, logprob in enumerate(r.json()["choices"][0]["logprobs"]["content"], 1):
+        text += logprob["token"]
+        if CUT_IN_CITY.search(text):
+            return n
+    raise AssertionError(f"the greedy answer has no city string: {text!r}")
+
+
+@pytest.mark.parametrize("tool_choice", [named("get_weather"), "required"])
+def test_a_call_cut_inside_its_arguments_is_the_call_so_far_whole_and_streamed(server, client, tool_choice):
+    """A forced call cut by max_tokens is a call with its arguments so far and finish_reason "length", whole as
+    streamed (vLLM 0.32's whole answer drops a cut "required" call; its stream and named calls keep it)."""
+    n = cut_inside_the_city(server, messages=ASK, tools=TOOLS, tool_choice=tool_choice)
+    kwargs = dict(model="demo", messages=ASK, max_tokens=n, temperature=0, tools=TOOLS, tool_choice=tool_choice)
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    call, = choice.message.tool_calls
+    assert (choice.finish_reason, choice.message.content, call.function.name) == ("length", "", "get_weather")
+    assert CUT_IN_CITY.search(call.function.arguments)
+    streamed, finish = {"name": "", "arguments": ""}, None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            for entry in c.delta.tool_calls or ():
+                assert entry.index == 0
+                streamed["name"] += entry.function.name or ""
+                streamed["arguments"] += entry.function.arguments or ""
+            finish = c.finish_reason or finish
+    assert (streamed, finish) == ({"name": call.function.name, "arguments": call.function.arguments}, "length")
 
 
 def _streamed(client, **kwargs):
