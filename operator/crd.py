@@ -33,17 +33,25 @@ POOL_NAME_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
 _TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
 
 
+def setting_default(f: dataclasses.Field) -> Any:
+    """The setting's default (a list setting's from its factory); None: none."""
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
 def setting_schema(f: dataclasses.Field) -> dict:
     m = f.metadata
-    out: dict[str, Any] = {"type": _TYPES[config._base_type(f)], "description": m["help"]}
+    if config._base_type(f) is list:  # a list flag (--allowed-origins): a list of strings, atomic as a whole
+        out: dict[str, Any] = {"type": "array", "items": {"type": "string"}, "description": m["help"]}
+    else:
+        out = {"type": _TYPES[config._base_type(f)], "description": m["help"]}
     if m.get("choices"):
         out["enum"] = list(m["choices"])
     if m.get("ge") is not None:
         out["minimum"] = m["ge"]
     if m.get("le") is not None:
         out["maximum"] = m["le"]
-    if f.default is not dataclasses.MISSING and f.default is not None:
-        out["default"] = f.default
+    if setting_default(f) is not None:
+        out["default"] = setting_default(f)
     return out
 
 

@@ -165,5 +165,7 @@ SECTION_DESCRIPTIONS = {
     "kvTransfer": "KV movement between prefill and decode nodes.",
     "kvTransfer.rdma": "RDMA settings of the node pods (RDMA devices themselves are resources, e.g. rdma/ib).",
     "placement": "Topology-aware placement of the pool's prefill and decode pods.",
+    "cors": "CORS of the pool's router (what a browser's page calls) and nodes, as vLLM's flags: any origin, method "
+            "and header unless listed; an empty list allows none.",
     "networkPolicy": "The pool's NetworkPolicies: router → nodes' HTTP, nodes ↔ nodes (NIXL, UCX), Redis.",
 }

@@ -120,10 +120,10 @@ class ServerConfig:
     trust_request_chat_template: bool = opt(False, "Take a chat request's own chat_template (jinja, sandboxed; "
                                             "else a 400, as vLLM's flag). A pool's router needs it too.",
                                             crd="model.trustRequestChatTemplate")
-    allowed_origins: list[str] = opt(["*"], _ORIGINS_HELP)
-    allow_credentials: bool = opt(False, _CREDENTIALS_HELP)
-    allowed_methods: list[str] = opt(["*"], _METHODS_HELP)
-    allowed_headers: list[str] = opt(["*"], _HEADERS_HELP)
+    allowed_origins: list[str] = opt(["*"], _ORIGINS_HELP, crd="cors.allowedOrigins")
+    allow_credentials: bool = opt(False, _CREDENTIALS_HELP, crd="cors.allowCredentials")
+    allowed_methods: list[str] = opt(["*"], _METHODS_HELP, crd="cors.allowedMethods")
+    allowed_headers: list[str] = opt(["*"], _HEADERS_HELP, crd="cors.allowedHeaders")
 
 
 @dataclass
@@ -239,10 +239,10 @@ class RouterConfig:
                                             crd="model.trustRequestChatTemplate")
     token_cache_chunks: int = opt(8192, "Prompt chunks (about 256 characters each) whose token ids the router keeps, "
                                   "so shared system prompts are tokenized once (0: no cache).", ge=0)
-    allowed_origins: list[str] = opt(["*"], _ORIGINS_HELP)
-    allow_credentials: bool = opt(False, _CREDENTIALS_HELP)
-    allowed_methods: list[str] = opt(["*"], _METHODS_HELP)
-    allowed_headers: list[str] = opt(["*"], _HEADERS_HELP)
+    allowed_origins: list[str] = opt(["*"], _ORIGINS_HELP, crd="cors.allowedOrigins")
+    allow_credentials: bool = opt(False, _CREDENTIALS_HELP, crd="cors.allowCredentials")
+    allowed_methods: list[str] = opt(["*"], _METHODS_HELP, crd="cors.allowedMethods")
+    allowed_headers: list[str] = opt(["*"], _HEADERS_HELP, crd="cors.allowedHeaders")
 
 
 @dataclass

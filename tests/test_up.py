@@ -258,6 +258,38 @@ def test_kubernetes_discovery_in_the_file_still_finds_local_nodes_by_heartbeat(t
     assert "--kubernetes" not in spec.argv and "--redis" in spec.argv
 
 
+def test_cors_in_the_file_reaches_the_router_and_the_nodes(tmp_path):
+    """The spec's cors section (as the operator reads it) gives every process the CORS flags; each line of
+    --dry-run is parsed back by `pdpool router`'s and `pdpool serve`'s own parsers."""
+    import argparse
+    import shlex
+
+    from pdpool import config
+    from pdpool.router import settings
+
+    cors = {"allowedOrigins": ["https://app.example", "http://localhost:3000"], "allowCredentials": True,
+            "allowedHeaders": []}
+    body = copy.deepcopy(DEFAULT_POOL)
+    body["spec"]["cors"] = cors
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(body))
+    out = subprocess.run([sys.executable, "-m", "pdpool.cli", "up", str(tmp_path / "p.yaml"), "--dry-run",
+                          "--port", "8123"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    argvs = {line.split("| ", 1)[1].split(":", 1)[0]: shlex.split(line.split(" pdpool ", 1)[1])
+             for line in out.stdout.splitlines()}
+    assert sorted(argvs) == ["decode-0", "prefill-0", "router-0"]
+    router, _ = settings.load(argvs.pop("router-0")[1:], environ={})
+    sections = [router.router]
+    for argv in argvs.values():
+        assert argv[0] == "serve"
+        parser = argparse.ArgumentParser()
+        config.add_arguments(parser)
+        sections.append(config.from_args(parser.parse_args(argv[1:]), environ={}).server)
+    for section in sections:
+        assert (section.allowed_origins, section.allow_credentials, section.allowed_methods,
+                section.allowed_headers) == (cors["allowedOrigins"], True, ["*"], [])
+
+
 def test_missing_redis_server_says_how_to_install_it(tmp_path):
     env = dict(os.environ, PATH=str(tmp_path), PDPOOL_CACHE=str(tmp_path))  # no redis-server on PATH
     out = subprocess.run([sys.executable, "-m", "pdpool.cli", "up", "--port", str(free_port())], env=env,

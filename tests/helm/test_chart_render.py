@@ -197,6 +197,23 @@ def test_pool_image_pull_secrets_pass_through_pool_defaults_and_the_example_pool
     assert typo.returncode != 0 and "nmae" in typo.stderr, typo.stderr
 
 
+def test_example_pool_cors_reaches_its_router_args():
+    """examplePool.spec.cors is checked as the CRD checks it and becomes the router's (and nodes') CORS flags."""
+    from operator_examples import make_body
+    from pdpool import config
+    from pdpool.operator.builders.router import router_config
+    from pdpool.operator.spec import parse_pool
+
+    docs = render("--set", "examplePool.enabled=true", "--set-json",
+                  'examplePool.spec.cors={"allowedOrigins": ["https://app.example"], "allowCredentials": true}')
+    pool = one(docs, "InferencePool")
+    assert pool["spec"]["cors"] == {"allowedOrigins": ["https://app.example"], "allowCredentials": True}
+    assert schema_errors(pool["spec"], spec_schema(), "spec") == []
+    argv = config.to_argv(router_config(parse_pool(make_body(pool["spec"]))), config.RouterCommandConfig)
+    assert argv[argv.index("--allowed-origins"):][:3] == ["--allowed-origins", "https://app.example",
+                                                           "--allow-credentials"]
+
+
 def test_monitoring():
     docs = render(*VALUE_SETS["monitoring"])
     operator_pod = one(docs, "Deployment")["spec"]["template"]
@@ -321,6 +338,9 @@ def test_values_schema_embeds_the_crd_spec_schema():
     (["--set", "poolDefaults.placement.mode=sometimes"], "mode"),
     (["--set", "examplePool.spec.engine.maxNumSeqs=0"], "maxNumSeqs"),
     (["--set", "examplePool.spec.router.servce.type=NodePort"], "additional properties 'servce' not allowed"),
+    (["--set", "examplePool.spec.cors.allowedOrigins=https://app.example"], "allowedOrigins"),
+    (["--set-json", 'poolDefaults.cors.allowedOrigins=["https://app.example"]'],  # a CRD default would beat it
+     "additional properties 'allowedOrigins' not allowed"),
 ])
 def test_pool_values_are_checked_against_the_crd(values, message):
     out = helm("template", "r", str(CHART), *values, check=False)

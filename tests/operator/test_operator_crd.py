@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import subprocess
 import sys
 
@@ -45,7 +46,7 @@ def test_crd_defaults_and_bounds_are_the_configs():
     for path, users in crd.config_fields().items():
         for _, f in users:
             m, leaf = f.metadata, leaves[path]
-            default = f.default
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # a list
             assert leaf.get("default") == (None if default is None else default), path
             assert leaf.get("enum") == (list(m["choices"]) if m.get("choices") else None), path
             assert leaf.get("minimum") == m.get("ge") and leaf.get("maximum") == m.get("le"), path

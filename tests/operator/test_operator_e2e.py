@@ -4,6 +4,7 @@ in-memory Kubernetes API emulator, and a real redis-server. The tests run in fil
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 
@@ -13,7 +14,9 @@ import yaml
 
 from operator_examples import EXAMPLES, ROOT
 from operator_procs import OperatorProcess, wait_until
+from pdpool import config
 from pdpool.kv_index.keys import key_prefix
+from pdpool.router import settings
 
 POOL = "inferencepools.pdpool.io"
 CHILD_KINDS = {"deployments", "services", "configmaps", "secrets", "networkpolicies"}
@@ -339,6 +342,39 @@ def test_image_pull_secrets_reach_every_pod_and_go_when_removed(cluster, operato
     wait_until(lambda: pull_secrets() == [[{"name": "ghcr-pull"}]] * 4, what="pull secrets on every Deployment")
     cluster.kubectl("patch", POOL, "demo", "--type=merge", "-p", '{"spec": {"imagePullSecrets": null}}')
     wait_until(lambda: pull_secrets() == [None] * 4, what="pull secrets removed from every Deployment")
+
+
+def test_cors_reaches_the_router_and_the_nodes_and_goes_when_removed(cluster, operator):
+    """The spec's cors section becomes the CORS flags of the router (what a browser's page calls) and of both node
+    Deployments, as `pdpool router` and `pdpool serve` parse them; the API server refuses a string where a list
+    belongs; without the section the defaults (any origin) apply and no flag is written."""
+    flags = {"--allowed-origins", "--allow-credentials", "--allowed-methods", "--allowed-headers"}
+    names = ("demo-prefill", "demo-decode", "demo-router")
+
+    def args() -> dict[str, list[str]]:
+        return {n: get(cluster, "deployment", n)["spec"]["template"]["spec"]["containers"][0]["args"] for n in names}
+
+    cors = {"allowedOrigins": ["https://app.example"], "allowCredentials": True, "allowedMethods": ["GET", "POST"],
+            "allowedHeaders": []}
+    cluster.kubectl("patch", POOL, "demo", "--type=merge", "-p", json.dumps({"spec": {"cors": cors}}))
+    def all_flagged() -> dict[str, list[str]] | None:
+        now = args()
+        return now if all(flags <= set(v) for v in now.values()) else None
+
+    got = wait_until(all_flagged, what="CORS flags on the router and the nodes")
+    router, _ = settings.load(got["demo-router"][1:], environ={})
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser)
+    for section in [router.router] + [config.from_args(parser.parse_args(got[n][1:]), environ={}).server
+                                      for n in ("demo-prefill", "demo-decode")]:
+        assert (section.allowed_origins, section.allow_credentials, section.allowed_methods,
+                section.allowed_headers) == (["https://app.example"], True, ["GET", "POST"], [])
+    refused = cluster.kubectl("patch", POOL, "demo", "--type=merge", "-p",
+                              '{"spec": {"cors": {"allowedOrigins": "https://app.example"}}}', check=False)
+    assert refused.returncode != 0 and "allowedOrigins" in refused.stderr, refused.stderr
+    cluster.kubectl("patch", POOL, "demo", "--type=merge", "-p", '{"spec": {"cors": null}}')
+    wait_until(lambda: not any(flags & set(v) for v in args().values()), what="CORS flags gone")
+    assert get(cluster, POOL, "demo")["spec"]["cors"]["allowedOrigins"] == ["*"]   # the CRD's default
 
 
 def test_moving_to_an_external_redis_deletes_the_managed_one(cluster, operator, redis_server, tmp_path):
