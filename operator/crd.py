@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import pathlib
+import re
 from typing import Any
 
 import yaml
@@ -41,9 +42,12 @@ def setting_default(f: dataclasses.Field) -> Any:
 def setting_schema(f: dataclasses.Field) -> dict:
     m = f.metadata
     if config._base_type(f) is list:  # a list flag (--allowed-origins): a list of strings, atomic as a whole
-        out: dict[str, Any] = {"type": "array", "items": {"type": "string"}, "description": m["help"]}
+        item: dict[str, Any] = {"type": "string"}
+        out: dict[str, Any] = {"type": "array", "items": item, "description": m["help"]}
     else:
-        out = {"type": _TYPES[config._base_type(f)], "description": m["help"]}
+        item = out = {"type": _TYPES[config._base_type(f)], "description": m["help"]}
+    if m.get("pattern"):
+        item["pattern"] = m["pattern"]
     if m.get("choices"):
         out["enum"] = list(m["choices"])
     if m.get("ge") is not None:
@@ -213,8 +217,14 @@ def _json_type_ok(value, t: str) -> bool:
     return isinstance(value, {"string": str, "boolean": bool, "object": dict, "array": list}[t])
 
 
+def _matches(pattern: str, value: str) -> bool:
+    """The API server's (Go) search: its ``$`` is the end of the text, where Python's also matches before a final
+    newline."""
+    return re.search(pattern[:-1] + r"\Z" if pattern.endswith("$") else pattern, value) is not None
+
+
 def schema_errors(value, node: dict, path: str) -> list[str]:
-    """What the API server would refuse (types, enums, bounds, required and unknown fields)."""
+    """What the API server would refuse (types, enums, bounds, patterns, required and unknown fields)."""
     if "anyOf" in node and not any(not schema_errors(value, alt, path) for alt in node["anyOf"]):
         return [f"{path}: {value!r} matches none of {[alt.get('type') for alt in node['anyOf']]}"]
     t = node.get("type")
@@ -227,6 +237,8 @@ def schema_errors(value, node: dict, path: str) -> list[str]:
         errors.append(f"{path}: {value} is below the minimum {node['minimum']}")
     if "maximum" in node and value > node["maximum"]:
         errors.append(f"{path}: {value} is above the maximum {node['maximum']}")
+    if "pattern" in node and t == "string" and not _matches(node["pattern"], value):
+        errors.append(f"{path}: {value!r} does not match {node['pattern']}")
     if t == "object":
         props, extra = node.get("properties"), node.get("additionalProperties")
         errors += [f"{path}.{name}: required" for name in node.get("required", []) if name not in value]

@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import socket
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_origin
@@ -33,6 +34,7 @@ _AUTO_TOOL_HELP = ("Serve tool_choice \"auto\" (the default with tools): the mod
 _PARSER_HELP = "The model's tool-call format, for --enable-auto-tool-choice (vLLM's names)."
 # CORS, as vLLM's flags (Starlette's CORSMiddleware; pdpool.server.cors): a list flag takes a JSON list, as vLLM's
 # --allowed-origins '["https://app.example"]', or one value per flag, repeated.
+HEADER_VALUE = "^[ -~]+$"   # a value sent in a response header as it is: printable ASCII, not empty
 _ORIGINS_HELP = "Origins a browser may call from (CORS), a JSON list or repeated; * (the default): any (vLLM's flag)."
 _CREDENTIALS_HELP = "CORS: allow a browser's credentials (cookies, HTTP authentication) (vLLM's flag)."
 _METHODS_HELP = "Methods a CORS preflight allows, a JSON list or repeated; * (the default): all (vLLM's flag)."
@@ -41,9 +43,11 @@ _HEADERS_HELP = "Request headers a CORS preflight allows, a JSON list or repeate
 
 def opt(default: Any, help: str, *, choices: tuple | None = None, ge: float | None = None,
         le: float | None = None, secret: bool = False, crd: str | None = None,
-        flag: bool = True) -> Any:
-    """Declare one setting. ``crd`` is its path in the InferencePool spec, or None."""
-    meta = dict(help=help, choices=choices, ge=ge, le=le, secret=secret, crd=crd, flag=flag)
+        flag: bool = True, pattern: str | None = None) -> Any:
+    """Declare one setting. ``crd`` is its path in the InferencePool spec, or None. ``pattern`` (anchored, ``^...$``,
+    as the CRD's schema takes it) is what each value (each item of a list) must match: the CRD refuses others at
+    apply time, and the config check refuses them anywhere else."""
+    meta = dict(help=help, choices=choices, ge=ge, le=le, secret=secret, crd=crd, flag=flag, pattern=pattern)
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -120,10 +124,10 @@ class ServerConfig:
     trust_request_chat_template: bool = opt(False, "Take a chat request's own chat_template (jinja, sandboxed; "
                                             "else a 400, as vLLM's flag). A pool's router needs it too.",
                                             crd="model.trustRequestChatTemplate")
-    allowed_origins: list[str] = opt(["*"], _ORIGINS_HELP, crd="cors.allowedOrigins")
+    allowed_origins: list[str] = opt(["*"], _ORIGINS_HELP, crd="cors.allowedOrigins", pattern=HEADER_VALUE)
     allow_credentials: bool = opt(False, _CREDENTIALS_HELP, crd="cors.allowCredentials")
-    allowed_methods: list[str] = opt(["*"], _METHODS_HELP, crd="cors.allowedMethods")
-    allowed_headers: list[str] = opt(["*"], _HEADERS_HELP, crd="cors.allowedHeaders")
+    allowed_methods: list[str] = opt(["*"], _METHODS_HELP, crd="cors.allowedMethods", pattern=HEADER_VALUE)
+    allowed_headers: list[str] = opt(["*"], _HEADERS_HELP, crd="cors.allowedHeaders", pattern=HEADER_VALUE)
 
 
 @dataclass
@@ -239,10 +243,10 @@ class RouterConfig:
                                             crd="model.trustRequestChatTemplate")
     token_cache_chunks: int = opt(8192, "Prompt chunks (about 256 characters each) whose token ids the router keeps, "
                                   "so shared system prompts are tokenized once (0: no cache).", ge=0)
-    allowed_origins: list[str] = opt(["*"], _ORIGINS_HELP, crd="cors.allowedOrigins")
+    allowed_origins: list[str] = opt(["*"], _ORIGINS_HELP, crd="cors.allowedOrigins", pattern=HEADER_VALUE)
     allow_credentials: bool = opt(False, _CREDENTIALS_HELP, crd="cors.allowCredentials")
-    allowed_methods: list[str] = opt(["*"], _METHODS_HELP, crd="cors.allowedMethods")
-    allowed_headers: list[str] = opt(["*"], _HEADERS_HELP, crd="cors.allowedHeaders")
+    allowed_methods: list[str] = opt(["*"], _METHODS_HELP, crd="cors.allowedMethods", pattern=HEADER_VALUE)
+    allowed_headers: list[str] = opt(["*"], _HEADERS_HELP, crd="cors.allowedHeaders", pattern=HEADER_VALUE)
 
 
 @dataclass
@@ -269,10 +273,12 @@ def _check_auto_tool_choice(section) -> None:
 
 def _check_cors(section) -> None:
     """CORS values go into response headers as they are: printable ASCII only (a browser sends an origin so)."""
-    for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
-        for value in getattr(section, name):
-            if not value or not all(" " <= c <= "~" for c in value):
-                raise ConfigError(f"--{name.replace('_', '-')}: {value!r} is not a header value (printable ASCII)")
+    for f in options(type(section)):
+        if f.metadata["pattern"] == HEADER_VALUE:
+            for value in getattr(section, f.name):
+                if not re.fullmatch(HEADER_VALUE[1:-1], value):
+                    raise ConfigError(f"--{f.name.replace('_', '-')}: {value!r} is not a header value (printable "
+                                      "ASCII)")
 
 
 def auto_tool_parser(section) -> str | None:

@@ -9,6 +9,9 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
 from operator_examples import make_body
 from pdpool import config
@@ -90,7 +93,7 @@ def _spec_schema() -> dict:
 def test_the_crd_declares_lists_of_strings_with_the_configs_defaults():
     cors = _spec_schema()["properties"]["cors"]["properties"]
     for name in ("allowedOrigins", "allowedMethods", "allowedHeaders"):
-        assert cors[name]["type"] == "array" and cors[name]["items"] == {"type": "string"}
+        assert cors[name]["type"] == "array" and cors[name]["items"] == {"type": "string", "pattern": "^[ -~]+$"}
         assert cors[name]["default"] == ["*"]
     assert cors["allowCredentials"] == {**cors["allowCredentials"], "type": "boolean", "default": False}
     errors = crd.schema_errors({"cors": {"allowedOrigins": APP, "allowedMethods": [1]}}, _spec_schema(), "spec")
@@ -102,3 +105,17 @@ def test_the_crd_declares_lists_of_strings_with_the_configs_defaults():
 def test_a_value_no_header_can_carry_is_a_spec_error(origins):
     with pytest.raises(SpecError, match="--allowed-origins: .* is not a header value"):
         parse_pool(make_body({"cors": {"allowedOrigins": origins}}))
+
+
+@given(st.text(max_size=12))
+@hypothesis_settings(max_examples=300, deadline=None)
+def test_the_crd_refuses_at_apply_time_what_the_config_check_refuses(value):
+    """The CRD's item pattern and the config's check are one rule: a value the API server takes (its schema, with
+    Go's anchors) is a value the operator can render, and one it refuses would have been an InvalidSpec."""
+    refused_by_crd = bool(crd.schema_errors({"cors": {"allowedOrigins": [value]}}, _spec_schema(), "spec"))
+    try:
+        parse_pool(make_body({"cors": {"allowedOrigins": [value]}}))
+        refused_by_config = False
+    except SpecError:
+        refused_by_config = True
+    assert refused_by_crd == refused_by_config

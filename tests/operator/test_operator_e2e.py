@@ -372,6 +372,10 @@ def test_cors_reaches_the_router_and_the_nodes_and_goes_when_removed(cluster, op
     refused = cluster.kubectl("patch", POOL, "demo", "--type=merge", "-p",
                               '{"spec": {"cors": {"allowedOrigins": "https://app.example"}}}', check=False)
     assert refused.returncode != 0 and "allowedOrigins" in refused.stderr, refused.stderr
+    refused = cluster.kubectl("patch", POOL, "demo", "--type=merge", "-p",   # no header can carry it: the CRD's pattern
+                              json.dumps({"spec": {"cors": {"allowedOrigins": ["https://caf\u00e9.example"]}}}),
+                              check=False)
+    assert refused.returncode != 0 and "allowedOrigins" in refused.stderr, refused.stderr
     cluster.kubectl("patch", POOL, "demo", "--type=merge", "-p", '{"spec": {"cors": null}}')
     wait_until(lambda: not any(flags & set(v) for v in args().values()), what="CORS flags gone")
     assert get(cluster, POOL, "demo")["spec"]["cors"]["allowedOrigins"] == ["*"]   # the CRD's default
