@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import pathlib
-import re
 from typing import Any
 
 import yaml
@@ -217,12 +216,6 @@ def _json_type_ok(value, t: str) -> bool:
     return isinstance(value, {"string": str, "boolean": bool, "object": dict, "array": list}[t])
 
 
-def _matches(pattern: str, value: str) -> bool:
-    """The API server's (Go) search: its ``$`` is the end of the text, where Python's also matches before a final
-    newline."""
-    return re.search(pattern[:-1] + r"\Z" if pattern.endswith("$") else pattern, value) is not None
-
-
 def schema_errors(value, node: dict, path: str) -> list[str]:
     """What the API server would refuse (types, enums, bounds, patterns, required and unknown fields)."""
     if "anyOf" in node and not any(not schema_errors(value, alt, path) for alt in node["anyOf"]):
@@ -237,7 +230,7 @@ def schema_errors(value, node: dict, path: str) -> list[str]:
         errors.append(f"{path}: {value} is below the minimum {node['minimum']}")
     if "maximum" in node and value > node["maximum"]:
         errors.append(f"{path}: {value} is above the maximum {node['maximum']}")
-    if "pattern" in node and t == "string" and not _matches(node["pattern"], value):
+    if "pattern" in node and t == "string" and not config.matches_pattern(node["pattern"], value):
         errors.append(f"{path}: {value!r} does not match {node['pattern']}")
     if t == "object":
         props, extra = node.get("properties"), node.get("additionalProperties")

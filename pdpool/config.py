@@ -168,7 +168,7 @@ class NodeConfig:
     def __post_init__(self) -> None:
         validate(self)
         _check_auto_tool_choice(self.server)
-        _check_cors(self.server)
+        _check_patterns(self.server)
 
     @property
     def served_model_name(self) -> str:
@@ -257,7 +257,7 @@ class RouterCommandConfig:
     def __post_init__(self) -> None:
         validate(self)
         _check_auto_tool_choice(self.router)
-        _check_cors(self.router)
+        _check_patterns(self.router)
 
     @property
     def served_model_name(self) -> str:
@@ -271,14 +271,27 @@ def _check_auto_tool_choice(section) -> None:
                           f"{', '.join(TOOL_CALL_PARSERS)}): the model's tool-call format")
 
 
-def _check_cors(section) -> None:
-    """CORS values go into response headers as they are: printable ASCII only (a browser sends an origin so)."""
+def matches_pattern(pattern: str, value: str) -> bool:
+    """``value`` matches a setting's (a CRD's) ``pattern`` as the API server (Go) searches: its ``$`` is the end of
+    the text, where Python's also matches before a final newline."""
+    return re.search(pattern[:-1] + r"\Z" if pattern.endswith("$") else pattern, value) is not None
+
+
+_PATTERN_MEANINGS = {HEADER_VALUE: "a header value (printable ASCII)"}
+
+
+def _check_patterns(section) -> None:
+    """Every value (list item) of a setting that declares a ``pattern`` matches it, as the CRD asks at apply time:
+    a pattern holds wherever the setting comes from (flags, YAML, a pool file)."""
     for f in options(type(section)):
-        if f.metadata["pattern"] == HEADER_VALUE:
-            for value in getattr(section, f.name):
-                if not re.fullmatch(HEADER_VALUE[1:-1], value):
-                    raise ConfigError(f"--{f.name.replace('_', '-')}: {value!r} is not a header value (printable "
-                                      "ASCII)")
+        pattern = f.metadata["pattern"]
+        value = getattr(section, f.name)
+        if pattern is None or value is None:
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            if not matches_pattern(pattern, item):
+                raise ConfigError(f"{flag_name(f)}: {item!r} is not "
+                                  f"{_PATTERN_MEANINGS.get(pattern, 'a match for ' + pattern)}")
 
 
 def auto_tool_parser(section) -> str | None:
