@@ -159,6 +159,19 @@ def test_owner_references_cascade(client):
     assert "ownerReferences" not in kept["metadata"]
 
 
+def test_a_blocking_owner_reference_asks_for_update_on_the_owners_finalizers(k8s, client):
+    """As the OwnerReferencesPermissionEnforcement admission plugin authorizes it (OpenShift turns it on): an
+    RBAC audit of the request log sees the permission such a write needs, once, when the reference is set."""
+    owner = client.post(DEPLOYMENTS, make_deployment()).body
+    ref = {"apiVersion": "apps/v1", "kind": "Deployment", "name": "web", "uid": owner["metadata"]["uid"]}
+    client.post(CONFIGMAPS, make_configmap("plain", ownerReferences=[ref]))
+    client.post(CONFIGMAPS, make_configmap("child", ownerReferences=[{**ref, "blockOwnerDeletion": True}]))
+    client.patch(f"{CONFIGMAPS}/child", {"data": {"k": "v"}})  # the reference is unchanged: no new check
+    checks = k8s.requests(subresource="finalizers")
+    assert [(r["verb"], r["group"], r["resource"], r["namespace"], r["name"]) for r in checks] == [
+        ("update", "apps", "deployments", "default", "web")]
+
+
 def test_selectors_and_cluster_wide_lists(client):
     client.post("/api/v1/namespaces", {"metadata": {"name": "other"}})
     client.post(CONFIGMAPS, make_configmap("a", labels={"tier": "web", "env": "prod"}))

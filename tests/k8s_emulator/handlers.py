@@ -85,8 +85,11 @@ class Handlers:
             if target.subresource and not ((target.subresource == "status" and rt.status_subresource)
                                            or (target.subresource == "scale" and rt.scale)):
                 raise not_implemented(f"the {target.subresource!r} subresource of {rt.plural}")
+            before = self._current(rt, target) if request.method in ("PUT", "PATCH") else None
             response = await self._dispatch(request, target, rt)
             code = response.status
+            if request.method in ("POST", "PUT", "PATCH") and code < 300 and isinstance(response, web.Response):
+                self._record_owner_checks(request, target, before, json.loads(response.body))
             if isinstance(response, web.Response) and response.body and request.method in MUTATING:
                 try:
                     result_name = json.loads(response.body)["metadata"].get("name")
@@ -112,6 +115,32 @@ class Handlers:
                     "subresource": target.subresource if target else None,
                     "content_type": request.content_type, "user_agent": request.headers.get("User-Agent", ""),
                 })
+
+    def _current(self, rt, target) -> dict | None:
+        try:
+            return self.ctx.api.get(rt, target.namespace, target.name)
+        except ApiError:
+            return None
+
+    def _record_owner_checks(self, request: web.Request, target, before: dict | None, after: dict) -> None:
+        """What the OwnerReferencesPermissionEnforcement admission plugin (on by default in OpenShift, and in
+        many hardened clusters) asks the authorizer: setting ``blockOwnerDeletion: true`` on an owner reference
+        needs ``update`` on the owner's ``finalizers`` subresource, or the write is forbidden ("cannot set
+        blockOwnerDeletion if an ownerReference refers to a resource you can't set finalizers on")."""
+        def blocking(obj: dict | None) -> set[tuple[str, str, str]]:
+            refs = ((obj or {}).get("metadata") or {}).get("ownerReferences") or []
+            return {(r.get("apiVersion", ""), r.get("kind", ""), r.get("name", "")) for r in refs
+                    if r.get("blockOwnerDeletion")}
+
+        for api_version, kind, name in sorted(blocking(after) - blocking(before)):
+            owner = self.ctx.registry.by_kind(api_version, kind)
+            if owner is None:
+                continue
+            self.ctx.store.record_request({
+                "time": time.time(), "verb": "update", "group": owner.group, "resource": owner.plural,
+                "subresource": "finalizers", "namespace": target.namespace, "name": name,
+                "user_agent": request.headers.get("User-Agent", ""),
+            })
 
     async def _dispatch(self, request: web.Request, target, rt) -> web.StreamResponse:
         api, q = self.ctx.api, request.query
