@@ -383,3 +383,77 @@ def test_notes_tell_how_to_create_a_pool_and_reach_it():
 
 def test_template_is_deterministic():
     assert template(*VALUE_SETS["rdma"]) == template(*VALUE_SETS["rdma"])
+
+
+EVERY_FEATURE = ["--set", "examplePool.enabled=true", "--set", "monitoring.podMonitors.enabled=true",
+                 "--set", "monitoring.dashboard.enabled=true", "--set", "rdma.enabled=true"]
+
+
+def value_paths() -> list[tuple[str, ...]]:
+    """Every key of values.yaml down to the chart's own sections: not inside what goes to Kubernetes as is
+    (resources, securityContext: a map the schema leaves open) or the partial pool specs (the CRD's schema)."""
+    paths = []
+
+    def walk(tree: dict, schema: dict, above: tuple[str, ...]) -> None:
+        for key, value in tree.items():
+            paths.append((*above, key))
+            sub = schema["properties"][key]
+            if isinstance(value, dict) and "properties" in sub and key not in ("poolDefaults", "spec"):
+                walk(value, sub, (*above, key))
+
+    walk(yaml.safe_load((CHART / "values.yaml").read_text()),
+         json.loads((CHART / "values.schema.json").read_text()), ())
+    return paths
+
+
+def required_by_schema(path: tuple[str, ...]) -> bool:
+    node = json.loads((CHART / "values.schema.json").read_text())
+    for key in path[:-1]:
+        node = node["properties"][key]
+    return path[-1] in node.get("required", [])
+
+
+def with_null(path: tuple[str, ...]) -> dict:
+    """Every feature on (as EVERY_FEATURE), and ``path`` null, as `key:` with nothing after it writes it."""
+    values = {"examplePool": {"enabled": True}, "monitoring": {"podMonitors": {"enabled": True},
+                                                               "dashboard": {"enabled": True}},
+              "rdma": {"enabled": True}}
+    tree = values
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = None
+    return values
+
+
+def test_a_value_left_empty_is_refused_by_name_or_renders_valid_objects(tmp_path):
+    """`key:` with nothing after it (a section whose lines were all commented out) is null, and Helm then drops
+    the chart's default. A value the templates need is refused by the schema, naming it; any other renders as
+    "none". Before, `poolDefaults:` failed with "error calling deepCopy: reflect: call of reflect.Value.Type on
+    zero Value", a null section with "Use --debug flag to render out invalid YAML", and `operator.leaseSeconds:`
+    rendered an operator that exits on `--lease-seconds=`."""
+    default = {json.dumps(d, sort_keys=True) for d in render(*EVERY_FEATURE)}
+    for path in value_paths():
+        key = ".".join(path)
+        values = tmp_path / "values.yaml"
+        values.write_text(yaml.safe_dump(with_null(path)))
+        out = helm("template", "r", str(CHART), "-f", str(values), check=False)
+        if required_by_schema(path):
+            assert out.returncode != 0 and f"missing property '{path[-1]}'" in out.stderr, (key, out.stderr)
+            continue
+        assert out.returncode == 0, (key, out.stderr)
+        docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+        for doc in docs:
+            if json.dumps(doc, sort_keys=True) in default:
+                continue
+            if doc["apiVersion"] in BUILT_IN_API_GROUPS:
+                kubernetes_validate.validate(doc, "1.35", strict=True)
+            elif doc["kind"] == "InferencePool":
+                assert schema_errors(doc["spec"], spec_schema(), "spec") == [], key
+        args = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert not [a for a in args if a.endswith("=")], (key, args)
+
+
+@pytest.mark.parametrize("key", ["poolDefaults", "examplePool.spec"])
+def test_an_empty_partial_pool_spec_is_no_spec(key):
+    assert template(*EVERY_FEATURE, "--set-json", f"{key}=null") == template(*EVERY_FEATURE, "--set-json",
+                                                                             f"{key}={{}}")

@@ -52,7 +52,7 @@ The pool defaults the operator applies under every pool: .Values.poolDefaults, w
 scrapers' NetworkPolicy peers merged in (poolDefaults wins where both set a key).
 */}}
 {{- define "pdpool.poolDefaults" -}}
-{{- $d := deepCopy .Values.poolDefaults -}}
+{{- $d := deepCopy (.Values.poolDefaults | default dict) -}}
 {{- $derived := dict -}}
 {{- if .Values.rdma.enabled -}}
 {{- $r := .Values.rdma -}}
