@@ -1,15 +1,15 @@
 /* The router's piece table: token ids of ASCII text through GPT-2's byte-level pre-tokenizer pieces, each piece's
- * ids cached, in C (pdpool.frontend.PieceEncoder's ASCII path without a regex pass, a str per piece, a dict lookup
+ * ids cached, in C (pdpool.token_cache.PieceEncoder's ASCII path without a regex pass, a str per piece, a dict lookup
  * per piece and a JSON join per chunk in Python).
  *
  *   PieceTable(miss, capacity)     miss(piece: str) -> list[int]: the BPE model's ids of a piece not seen yet
  *   table.encode(text) -> (ids, b"1,2,3")   text: an ASCII str; the ids and their JSON without the brackets
- *   chunks(text, chunk_chars) -> [str]      TokenChunkCache's cuts (pdpool/frontend.py), any str
+ *   chunks(text, chunk_chars) -> [str]      TokenChunkCache's cuts (pdpool/token_cache.py), any str
  *   hash_chain(parent, tokens, step, tail)  the engines' chained block hashes (pdpool/block_hash.py), SHA-256 here
  *   sha256_path([name]) -> str              "sha-ni" (x86 SHA extensions, chosen at load where the CPU has them)
  *                                           or "portable"; naming one switches to it (the tests check both)
  *   ApproxTable(capacity)                   the router's approximate prefix index (router/prefix_index.py), below
- *   ChunkLRU(capacity, encode_fresh)        TokenChunkCache's chunk LRU and per-request loop (pdpool/frontend.py)
+ *   ChunkLRU(capacity, encode_fresh)        TokenChunkCache's chunk LRU and per-request loop (pdpool/token_cache.py)
  *
  * The pieces are those of the GPT-2 pattern on ASCII text (White_Space = \t \n \v \f \r and space):
  *   's|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\s A-Za-z0-9]+|\s+(?!\S)|\s+
@@ -1124,7 +1124,7 @@ static PyTypeObject ApproxTableType = {
               "(router/prefix_index.py's PyApproxIndex, in C).",
 };
 
-/* ---- ChunkLRU: TokenChunkCache's chunk loop (pdpool/frontend.py's encode_chunked), in C -------------------------
+/* ---- ChunkLRU: TokenChunkCache's chunk loop (pdpool/token_cache.py's encode_chunked), in C -------------------------
  *
  *   ChunkLRU(capacity, encode_fresh)      chunk text -> (ids, their JSON), LRU-bounded to `capacity` chunks;
  *                                         encode_fresh(chunk) -> (ids, JSON without brackets) or [ids, None]
@@ -1378,7 +1378,7 @@ static PyTypeObject ChunkLRUType = {
     .tp_dealloc = (destructor)chunk_dealloc,
     .tp_methods = chunk_methods,
     .tp_as_sequence = &chunk_as_sequence,
-    .tp_doc = "TokenChunkCache's LRU of chunk ids and their JSON, and its per-request loop (pdpool/frontend.py), in C.",
+    .tp_doc = "TokenChunkCache's LRU of chunk ids and their JSON, and its per-request loop (pdpool/token_cache.py).",
 };
 
 static PyMethodDef module_methods[] = {

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from pdpool.frontend import BlockHashMemo, Frontend, PieceEncoder, TokenChunkCache
+from pdpool.frontend import Frontend
+from pdpool.token_cache import BlockHashMemo, PieceEncoder, TokenChunkCache
 
 # Fragments chosen to stress the pre-tokenizer's pieces: runs of spaces, other whitespace (Unicode too), the
 # contractions, digits, punctuation runs, non-Latin letters, emoji, and the tokenizer's added tokens.
@@ -244,10 +245,10 @@ def test_the_memo_hashes_only_the_fresh_tail(frontend, monkeypatch):
         ids, _, shared = cached.encode_prompt_chunked(system + f" Question {i}: what is {i} squared?")
         cached.block_hashes(ids, fp, None, shared)
     hashed = []
-    import pdpool.frontend as frontend_module
+    import pdpool.token_cache as token_cache_module
 
-    real = frontend_module.extend_block_hashes
-    monkeypatch.setattr(frontend_module, "extend_block_hashes",
+    real = token_cache_module.extend_block_hashes
+    monkeypatch.setattr(token_cache_module, "extend_block_hashes",
                         lambda hashes, token_ids, *a: hashed.append(len(token_ids) // 16 - len(hashes))
                         or real(hashes, token_ids, *a))
     ids, _, shared = cached.encode_prompt_chunked(system + " Question 7: and what is 7 squared, then?")
