@@ -40,8 +40,21 @@ def template(*values: str, namespace: str = NAMESPACE) -> str:
     return helm("template", RELEASE, str(CHART), "--namespace", namespace, *values).stdout
 
 
+class StrictLoader(yaml.SafeLoader):
+    """Refuses a mapping with a key twice, as `helm install` and kubectl do ("mapping key already defined"),
+    where PyYAML keeps the last one."""
+
+    def construct_mapping(self, node, deep=False):
+        keys = [self.construct_object(k, deep=True) for k, _ in node.value]
+        twice = sorted({k for k in keys if keys.count(k) > 1}, key=str)
+        if twice:
+            raise yaml.constructor.ConstructorError(None, None, f"mapping key(s) {twice} defined twice",
+                                                    node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
 def render(*values: str, namespace: str = NAMESPACE) -> list[dict]:
-    return [d for d in yaml.safe_load_all(template(*values, namespace=namespace)) if d]
+    return [d for d in yaml.load_all(template(*values, namespace=namespace), Loader=StrictLoader) if d]
 
 
 def by_key(docs: list[dict]) -> dict[str, dict]:

@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from chart import CHART, NAMESPACE, ROOT, VALUE_SETS, helm, one, render, template
+from chart import CHART, NAMESPACE, ROOT, VALUE_SETS, StrictLoader, helm, one, render, template
 from operator_examples import _selects
 from pdpool.operator import crd
 from pdpool.operator.main import defaulted_paths
@@ -441,7 +441,7 @@ def test_a_value_left_empty_is_refused_by_name_or_renders_valid_objects(tmp_path
             assert out.returncode != 0 and f"missing property '{path[-1]}'" in out.stderr, (key, out.stderr)
             continue
         assert out.returncode == 0, (key, out.stderr)
-        docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+        docs = [d for d in yaml.load_all(out.stdout, Loader=StrictLoader) if d]
         for doc in docs:
             if json.dumps(doc, sort_keys=True) in default:
                 continue
@@ -457,3 +457,25 @@ def test_a_value_left_empty_is_refused_by_name_or_renders_valid_objects(tmp_path
 def test_an_empty_partial_pool_spec_is_no_spec(key):
     assert template(*EVERY_FEATURE, "--set-json", f"{key}=null") == template(*EVERY_FEATURE, "--set-json",
                                                                              f"{key}={{}}")
+
+
+def test_extra_labels_and_annotations_replace_the_charts_own_but_never_the_selector():
+    """operator.podLabels, podAnnotations and the monitoring labels may name a key the chart sets too. Before,
+    the key came out twice in one mapping, which `helm install` refuses ("mapping key already defined"); and
+    last-wins, app.kubernetes.io/name would have left the pods outside their Deployment's selector."""
+    docs = render("--set", "monitoring.podMonitors.enabled=true", "--set", "monitoring.dashboard.enabled=true",
+                  "--set-json", 'operator.podLabels={"app.kubernetes.io/name": "mine", '
+                                '"app.kubernetes.io/version": "v9", "team": "serving"}',
+                  "--set-json", 'operator.podAnnotations={"pdpool.io/pool-defaults-hash": "x", "a": "b"}',
+                  "--set-json", 'monitoring.podMonitors.labels={"app.kubernetes.io/part-of": "obs"}',
+                  "--set-json", 'monitoring.dashboard.labels={"helm.sh/chart": "d", "grafana_dashboard": "1"}')
+    dep = one(docs, "Deployment")
+    pod = dep["spec"]["template"]["metadata"]
+    assert dep["spec"]["selector"]["matchLabels"].items() <= pod["labels"].items()
+    assert pod["labels"]["app.kubernetes.io/version"] == "v9" and pod["labels"]["team"] == "serving"
+    assert pod["annotations"]["a"] == "b" and pod["annotations"]["pdpool.io/pool-defaults-hash"] != "x"
+    assert one(docs, "PodMonitor", "pdpool-operator")["metadata"]["labels"]["app.kubernetes.io/part-of"] == "obs"
+    assert one(docs, "ConfigMap", "pdpool-dashboard")["metadata"]["labels"]["helm.sh/chart"] == "d"
+    for doc in docs:
+        if doc["apiVersion"] in BUILT_IN_API_GROUPS:
+            kubernetes_validate.validate(doc, "1.35", strict=True)

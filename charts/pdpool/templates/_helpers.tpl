@@ -23,6 +23,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 
+{{/* The release's labels with the user's extra ones (a dict, "extra") merged in: an extra label replaces a
+standard one of the same key (one key each: a mapping with a key twice is refused at install), except the selector
+labels, which always stay what the Deployment selects. Called with (dict "ctx" $ "extra" <labels>). */}}
+{{- define "pdpool.labelsWith" -}}
+{{- $selector := include "pdpool.selectorLabels" .ctx | fromYaml -}}
+{{- toYaml (merge $selector (deepCopy (.extra | default dict)) (include "pdpool.labels" .ctx | fromYaml)) -}}
+{{- end -}}
+
 {{- define "pdpool.selectorLabels" -}}
 app.kubernetes.io/name: pdpool-operator
 app.kubernetes.io/instance: {{ .Release.Name }}
