@@ -33,7 +33,7 @@ from aiohttp import web
 from pdpool import internal_api
 from pdpool.kv_metrics import KVMetrics
 from pdpool.server.app import create_app
-from pdpool.server.errors import APIError, http_logger
+from pdpool.server.errors import APIError, NodeRunner, http_logger
 from pdpool.server.metrics import ServerMetrics
 from pdpool.utils import raise_open_files_limit, wait_for_stop_signal
 
@@ -321,8 +321,8 @@ class Node:
 async def serve(config, *, stop: asyncio.Event | None = None) -> None:
     """Run one node until ``stop`` is set or SIGINT/SIGTERM arrives."""
     node = Node(config)
-    runner = web.AppRunner(node.app, handler_cancellation=True, access_log=None, shutdown_timeout=STOP_GRACE_SECONDS,
-                           logger=http_logger())
+    runner = NodeRunner(node.app, handler_cancellation=True, access_log=None, shutdown_timeout=STOP_GRACE_SECONDS,
+                        logger=http_logger())
     await runner.setup()
     site = web.TCPSite(runner, config.server.host, config.server.port)
     await site.start()

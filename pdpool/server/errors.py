@@ -7,6 +7,7 @@ import uuid
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
 
 logger = logging.getLogger("pdpool.server")
 
@@ -81,6 +82,11 @@ async def error_middleware(request: web.Request, handler):
                                        "details)", status=500), path=request.path)
 
 
+def _parse_reason(exc: HttpProcessingError) -> str:
+    """The first line of the parser's message (aiohttp adds the offending bytes and a caret below it)."""
+    return (exc.message or type(exc).__name__).strip().split("\n", 1)[0].rstrip(":")[:200]
+
+
 class _MalformedRequestLine(logging.Filter):
     """aiohttp logs a request it cannot parse (conflicting framing, a missing Host, a line over its limits) as an
     error with a traceback, before it answers 400. The fault is the client's, and a client could fill the log with
@@ -91,7 +97,7 @@ class _MalformedRequestLine(logging.Filter):
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, HttpProcessingError) and record.levelno > logging.INFO:
             remote = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
-            reason = (exc.message or type(exc).__name__).strip().split("\n", 1)[0][:200]
+            reason = _parse_reason(exc)
             record.levelno, record.levelname = logging.INFO, "INFO"
             record.msg, record.args = "malformed HTTP request from %s: %s (answered %d)", (remote, reason, exc.code)
             record.exc_info = record.exc_text = None
@@ -104,3 +110,34 @@ def http_logger() -> logging.Logger:
     if not any(isinstance(f, _MalformedRequestLine) for f in log.filters):
         log.addFilter(_MalformedRequestLine())
     return log
+
+
+class _OpenAIErrorRequestHandler(RequestHandler):
+    """A connection whose own error answers (a request aiohttp's parser refuses, a failure outside the app's
+    middlewares) are OpenAI error JSON, as the router's are, where aiohttp answered plain text. aiohttp still logs
+    the error (one info line through ``http_logger``) and closes the connection."""
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        plain = super().handle_error(request, status, exc, message)
+        if isinstance(exc, HttpProcessingError):
+            text = f"malformed HTTP request: {_parse_reason(exc)}"
+        else:
+            text = "internal server error" if status == 500 else (message or plain.reason)
+        answer = error_response(APIError(text, status=status))
+        answer.force_close()
+        return answer
+
+
+class _OpenAIErrorServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _OpenAIErrorRequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+class NodeRunner(web.AppRunner):
+    """``web.AppRunner`` whose connections answer aiohttp's own errors in the OpenAI shape."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _OpenAIErrorServer   # the app's server as built, with the error answers above
+        return server

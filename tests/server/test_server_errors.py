@@ -165,19 +165,34 @@ MALFORMED_HTTP = [   # what aiohttp's parser refuses before any handler runs
 ]
 
 
-def test_malformed_http_is_400_and_one_log_line_without_a_traceback(server):
-    """A request the HTTP parser refuses gets its 400, the node logs one info line per request naming the client,
-    never aiohttp's error with a traceback (a client could fill the log with them), and goes on serving."""
+def raw_exchange(server, raw: bytes) -> tuple[int, dict, bytes]:
+    """``raw`` sent on a new connection, read to its close: the answer's status, headers (lower-case names), body."""
     import socket
 
+    with socket.create_connection((server.host, server.port), timeout=30) as sock:
+        sock.sendall(raw)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = dict((name.strip().lower(), value.strip()) for name, _, value in (line.partition(":") for line in lines))
+    return int(status_line.split(" ")[1]), headers, body
+
+
+def test_malformed_http_is_400_and_one_log_line_without_a_traceback(server):
+    """A request the HTTP parser refuses gets its 400 as OpenAI error JSON, as the router answers it (aiohttp
+    answered plain text), the node logs one info line per request naming the client, never aiohttp's error with a
+    traceback (a client could fill the log with them), and goes on serving."""
     start = server.log_path.stat().st_size
     for raw in MALFORMED_HTTP:
-        with socket.create_connection((server.host, server.port), timeout=30) as sock:
-            sock.sendall(raw)
-            answer = b""
-            while chunk := sock.recv(65536):
-                answer += chunk
-        assert answer.split(b"\r\n", 1)[0].split(b" ")[1] == b"400", answer[:200]
+        status, headers, body = raw_exchange(server, raw)
+        assert status == 400, body[:200]
+        assert headers["content-type"].startswith("application/json"), (headers, body[:200])
+        err = json.loads(body)["error"]
+        assert set(err) == {"message", "type", "param", "code"}, err
+        assert err["type"] == "invalid_request_error" and err["code"] == 400, err
+        assert err["message"].startswith("malformed HTTP request: ") and "\n" not in err["message"], err
     assert httpx.get(server.url + "/health", timeout=30).status_code == 200
     log = server.log_path.read_bytes()[start:].decode(errors="replace")
     assert "Traceback" not in log and "Error handling request" not in log, log[-3000:]
