@@ -251,6 +251,16 @@ def test_monitoring():
                                                                                                       "batch"]}
 
 
+def test_scrapers_reach_the_operator_and_the_nodes_without_the_chart_s_pod_monitors():
+    """monitoring.scrapeFrom is where the scrapers are, whoever configures them (a Prometheus of one's own, other
+    monitors): before, with podMonitors off, the operator's policy admitted them and every pool's kept them out."""
+    peer = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    docs = render("--set-json", f"monitoring.scrapeFrom={json.dumps([peer])}")
+    assert "PodMonitor" not in {d["kind"] for d in docs}
+    assert one(docs, "NetworkPolicy")["spec"]["ingress"][0]["from"] == [peer]
+    assert pool_defaults(docs) == {"networkPolicy": {"scrapeFrom": [peer]}}
+
+
 def test_dashboard_configmap_embeds_the_dashboard_file():
     path = CHART / "files" / "grafana-dashboard.json"
     if not path.exists():  # (written by the dashboard's owner) the chart still renders, and says so

@@ -78,7 +78,7 @@ scrapers' NetworkPolicy peers merged in (poolDefaults wins where both set a key)
 {{- $_ := set $derived "placement" (dict "topologyKey" $r.topologyKey "mode" $r.placement) -}}
 {{- end -}}
 {{- end -}}
-{{- if and .Values.monitoring.podMonitors.enabled .Values.monitoring.scrapeFrom -}}
+{{- if .Values.monitoring.scrapeFrom -}}
 {{- $_ := set $derived "networkPolicy" (dict "scrapeFrom" .Values.monitoring.scrapeFrom) -}}
 {{- end -}}
 {{- toYaml (mergeOverwrite $derived $d) -}}
