@@ -339,13 +339,14 @@ class DecodeSide:
 
     async def _notify(self, job: LoadJob) -> bool:
         job.lease_ended = True  # whatever the answer, the prefill node frees the blocks
-        reply = await self._post(job, "notify", {})
+        reply = await self._post(job, "notify", {"binding": job.handle.binding()})
         return bool(reply.get("held"))
 
     async def _push(self, job: LoadJob, peer: str) -> bool:
         job.lease_ended = True
         body = {"agent_metadata": base64.b64encode(self.worker.metadata()).decode(),
-                "block_ids": job.plan.local_ids, "remote_block_ids": job.plan.remote_ids}
+                "block_ids": job.plan.local_ids, "remote_block_ids": job.plan.remote_ids,
+                "binding": job.handle.binding()}
         job.push_unanswered = True
         try:
             reply = await self._post(job, "push", body)

@@ -30,6 +30,7 @@ class Lease:
     request_id: str
     block_ids: list[int]
     expires_at: float  # time.monotonic() of this node
+    binding: str | None = None  # the issued handle's ``KVHandle.binding()``, checked at notification and push
 
 
 class LeaseTable:
@@ -45,7 +46,6 @@ class LeaseTable:
         self.num_notified = 0
         self.num_renewed = 0
         self.num_leased_blocks = 0  # sum over leases, kept up to date by issue/notify/expire
-        self._ended: dict[str, bool] = {}  # lease id -> held at notification (answers a repeated notify)
         self._by_request: dict[str, str] = {}  # request id -> its live lease's id
 
     def reserve(self, request_id: str, num_blocks: int) -> bool:
@@ -100,12 +100,11 @@ class LeaseTable:
         """End the lease on the decode node's word: (was it held, the lease whose blocks to release)."""
         lease = self.get(lease_id)
         if lease is None:
-            return self._ended.get(lease_id, False), None
+            return False, None
         del self.leases[lease_id]
         self._by_request.pop(lease.request_id, None)
         self.num_leased_blocks -= len(lease.block_ids)
         self.num_notified += 1
-        self._remember(lease_id, True)
         return True, lease
 
     def expire(self) -> list[Lease]:
@@ -118,12 +117,6 @@ class LeaseTable:
             del self.leases[lease.lease_id]
             self._by_request.pop(lease.request_id, None)
             self.num_leased_blocks -= len(lease.block_ids)
-            self._remember(lease.lease_id, False)
             ended.append(lease)
         self.num_expired += len(ended)
         return ended
-
-    def _remember(self, lease_id: str, held: bool) -> None:
-        self._ended[lease_id] = held
-        while len(self._ended) > 4096:
-            self._ended.pop(next(iter(self._ended)))

@@ -35,7 +35,8 @@ def lease_routes(node, token: str | None) -> list[web.RouteDef]:
 
     async def notify(request: web.Request) -> web.Response:
         internal_api.check(request, token)
-        held = await node.require_llm().call(node.prefill.notify, request.match_info["lease_id"])
+        held = await node.require_llm().call(node.prefill.notify, request.match_info["lease_id"],
+                                             _binding(await request.read()))
         return web.json_response({"held": held})
 
     async def renew(request: web.Request) -> web.Response:
@@ -60,10 +61,11 @@ def lease_routes(node, token: str | None) -> list[web.RouteDef]:
         if (not isinstance(dst, list) or not isinstance(src, list) or len(dst) != len(src)
                 or not all(type(b) is int and b >= 0 for b in dst + src)):
             raise APIError("push: block_ids and remote_block_ids must be lists of block ids of equal length")
-        held_blocks = await llm.call(side.lease_blocks, lease_id)
+        binding = _binding_of(body)
+        held_blocks = await llm.call(side.lease_blocks, lease_id, binding)
         if held_blocks is None:
             await llm.call(side.notify, lease_id)
-            return web.json_response({"held": False, "reason": "lease expired or unknown"})
+            return web.json_response({"held": False, "reason": "lease expired, unknown or not this handle's"})
         if not set(src) <= set(held_blocks):
             raise APIError("push: remote_block_ids are not the lease's blocks")
         try:
@@ -73,10 +75,24 @@ def lease_routes(node, token: str | None) -> list[web.RouteDef]:
         except (KVTransferError, KeyError, ValueError) as exc:
             await llm.call(side.notify, lease_id)
             return web.json_response({"held": False, "reason": f"push failed: {exc}"}, status=502)
-        held = await llm.call(side.notify, lease_id)
+        held = await llm.call(side.notify, lease_id, binding)
         return web.json_response({"held": held})
 
     return [web.post("/internal/kv/leases/renew", renew),
             web.post("/internal/kv/leases/{lease_id}/notify", notify),
             web.post("/internal/kv/leases/{lease_id}/push", push),
             web.post("/internal/kv/responses/{request_id}/release", release_response)]
+
+
+def _binding(raw: bytes) -> str | None:
+    """A notification's ``binding`` (``KVHandle.binding()`` of the handle its sender read by); None for a plain
+    release (``{"release": true}``, an empty or unreadable body), which frees the lease all the same."""
+    try:
+        return _binding_of(protocol.read_json_body(raw)) if raw else None
+    except APIError:
+        return None
+
+
+def _binding_of(body: dict) -> str | None:
+    binding = body.get("binding")
+    return binding if isinstance(binding, str) else None

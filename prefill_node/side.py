@@ -87,7 +87,9 @@ class PrefillSide:
                 self.table.unreserve(out.request_id)
                 continue
             lease = self.table.issue(out.request_id, block_ids)
-            out.kv_transfer_params = self._handle(request, lease, out).to_dict()
+            handle = self._handle(request, lease, out)
+            lease.binding = handle.binding()
+            out.kv_transfer_params = handle.to_dict()
 
     def on_abort(self, request_ids: list[str]) -> set[str]:
         for rid in request_ids:
@@ -113,12 +115,17 @@ class PrefillSide:
         self.metrics.lease_expiries += len(ended)
         return len(ended)
 
-    def notify(self, lease_id: str) -> bool:
-        """The decode node is done with the lease: was it still held? Frees its blocks either way."""
+    def notify(self, lease_id: str, binding: str | None = None) -> bool:
+        """The decode node is done with the lease: was it still held, for the handle it was issued with (its
+        ``binding``, when the caller read by it)? Frees its blocks either way."""
         self.expire_leases()
         held, lease = self.table.notify(lease_id)
         if lease is not None:
             self.scheduler.release_held_blocks(lease.request_id)
+            if binding is not None and binding != lease.binding:
+                logger.warning("lease %s: notified for a handle it was not issued with (edited or forged); "
+                               "released, not held", lease_id)
+                return False
         return held
 
     def release_response(self, response_id: str) -> int:
@@ -143,9 +150,12 @@ class PrefillSide:
         self.metrics.lease_renewals += len(renewed)
         return renewed
 
-    def lease_blocks(self, lease_id: str) -> list[int] | None:
+    def lease_blocks(self, lease_id: str, binding: str | None = None) -> list[int] | None:
+        """The held lease's blocks; None when it is gone or ``binding`` is not the issued handle's."""
         lease = self.table.get(lease_id)
-        return None if lease is None else list(lease.block_ids)
+        if lease is None or (binding is not None and binding != lease.binding):
+            return None
+        return list(lease.block_ids)
 
     def release_all(self) -> None:
         for lease_id in list(self.table.leases):

@@ -19,6 +19,8 @@ Version 2 added ``partial_block_hash`` and requires every full block's hash (ver
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Sequence
@@ -157,6 +159,14 @@ class KVHandle:
                    f"implied by the fingerprint")
             bad = [b for b in self.remote_block_ids if b >= region.num_blocks]
             _check(not bad, f"remote_block_ids {bad[:4]} outside rank {i}'s {region.num_blocks} blocks")
+
+    def binding(self) -> str:
+        """What the handle claims of its lease: the blocks a decode node reads and the prompt they hold. The
+        prefill node keeps the issued handle's binding with the lease and counts a notification (or a push) as
+        held only when it names the same one, so a handle edited to read other blocks, or to pass for another
+        prompt, never counts as held."""
+        claim = [self.lease_id, self.remote_block_ids, self.num_tokens, self.block_hashes, self.partial_block_hash]
+        return hashlib.sha256(json.dumps(claim, separators=(",", ":")).encode()).hexdigest()
 
     def check_compatible(self, local: KVFingerprint, num_ranks: int = 1) -> None:
         """Raise ``IncompatibleKVError`` naming the first field where the peer's KV differs from ours."""

@@ -110,6 +110,37 @@ def test_a_response_whose_handle_was_never_read_is_released_by_its_request_id(no
     assert pf.kv()["leases"] == 0
 
 
+def churn(node, num_prompts: int = 12) -> None:
+    """Prefill other prompts on ``node`` until every block it freed has been taken again (96 blocks)."""
+    for i in range(num_prompts):
+        node.complete(completion_body(f"Number {i}: " + " ".join(f"w{i}x{j}" for j in range(60)), 1))
+
+
+def test_a_replayed_handle_is_recomputed_not_read_from_reused_blocks(nodes, expected):
+    """The first decode ended the lease and freed its blocks; a replay of the same handle read blocks that other
+    prompts had taken since, and the prefill node answered the repeated notification as held (wrong tokens)."""
+    pf, df = nodes["pf"], nodes["df"]
+    proxy = DisaggProxy(pf.url, df.url)
+    body = completion_body(PROMPT + " green", 6)
+    expected(body)
+    handle = proxy.handle(body)
+    assert token_ids(proxy.decode(body, handle).json()) == expected(body)
+    churn(pf)
+    recovers_by_recompute(nodes, expected, body, handle)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_handle_edited_to_read_other_blocks_is_recomputed(nodes, expected, mode):
+    """A client edits its own handle to read its lease's blocks in another order (or any other block of the prefill
+    node): the prefill node held the lease, so it answered held and the decode node used the wrong KV."""
+    pf = nodes["pf"]
+    body = completion_body(PROMPT + " red", 6)
+    expected(body)
+    handle = DisaggProxy(pf.url, nodes["df"].url).handle(body)
+    edited = {**handle, "transfer_mode": mode, "remote_block_ids": handle["remote_block_ids"][::-1]}
+    recovers_by_recompute(nodes, expected, body, edited)
+
+
 def test_prefill_killed_between_handle_and_pull(nodes, expected):
     pf = nodes["pf"]
     body = completion_body(PROMPT + " kind", 6)

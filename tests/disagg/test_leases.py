@@ -24,7 +24,8 @@ def test_notify_before_expiry_is_held_once():
     lease = table.issue("r1", [3, 4])
     clock.now += 1.9
     assert table.notify(lease.lease_id) == (True, lease)
-    assert table.notify(lease.lease_id) == (True, None)  # a repeated notify answers the same, frees nothing
+    # A repeated notify is not held: the first one freed the blocks, which another request may have taken since.
+    assert table.notify(lease.lease_id) == (False, None)
     assert table.expire() == [] and table.num_leased_blocks == 0
 
 

@@ -26,7 +26,7 @@ def make_handle(**overrides) -> KVHandle:
         node_id="prefill-0", incarnation="a1b2", agent_name="prefill-0#a1b2", lease_id="lease-42",
         lease_remaining_s=29.5, block_hashes=[h.hex() for h in hashes], num_tokens=40,
         partial_block_hash=partial_block_hash(TOKENS, hashes, 16, ROOT),
-        first_token_id=1234, first_token_logprobs={"1234": -0.25}, fingerprint=FP, transfer_mode="pull",
+        first_token_id=1234, first_token_logprobs={"token_id": 1234, "logprob": -0.25, "top": [[1234, -0.25]]}, fingerprint=FP, transfer_mode="pull",
         rank_layouts=[KVRegion(base_addr=0x7F0000000000, num_blocks=64, block_bytes=FP.block_bytes)])
     fields.update(overrides)
     return KVHandle(**fields)
@@ -44,6 +44,19 @@ def test_unknown_fields_are_kept_aside():
     wire = make_handle().to_dict()
     wire["future_field"] = 1
     assert KVHandle.from_dict(wire).extra == {"future_field": 1}
+
+
+def test_binding_names_the_blocks_and_the_prompt_the_handle_claims():
+    """What the prefill node checks at notification: a handle edited to read other blocks of the lease, or to
+    pass for another prompt, binds to something else; the round trip and the lease's remaining time do not."""
+    handle = make_handle()
+    assert KVHandle.from_dict(json.loads(json.dumps(handle.to_dict()))).binding() == handle.binding()
+    assert make_handle(lease_remaining_s=3.0, first_token_id=5).binding() == handle.binding()
+    hashes = handle.block_hashes
+    for edit in ({"remote_block_ids": [3, 7, 12]}, {"remote_block_ids": [7, 3, 13]}, {"lease_id": "lease-43"},
+                 {"block_hashes": hashes[::-1]}, {"partial_block_hash": hashes[0]},
+                 {"num_tokens": 41, "block_hashes": hashes}):
+        assert make_handle(**edit).binding() != handle.binding(), edit
 
 
 def test_compatible_fingerprint_passes():
@@ -116,3 +129,4 @@ def test_partial_block_hash_covers_the_tail_and_chains_on_the_full_blocks():
     assert partial_block_hash(full, hashes, 16, ROOT) != partial_block_hash(full[:16], hashes[:1], 16, ROOT)
     with pytest.raises(ValueError, match="2 full blocks"):
         partial_block_hash(TOKENS, hashes[:1], 16, ROOT)
+
