@@ -133,6 +133,12 @@ class DecodeSide:
             raise InvalidRequestError(str(exc), param="kv_transfer_params") from None
         if handle.first_token_id is None:
             raise InvalidRequestError("kv_transfer_params has no first_token_id", param="kv_transfer_params")
+        top = (handle.first_token_logprobs or {}).get("top") or ()
+        outside = [t for t in (handle.first_token_id, *(t for t, _ in top)) if t >= self.engine.vocab_size]
+        if outside:
+            raise InvalidRequestError(f"kv_transfer_params' first_token_id (or its top logprobs) names token "
+                                      f"{outside[0]}, outside this model's vocabulary of {self.engine.vocab_size}",
+                                      param="kv_transfer_params")
         if handle.num_tokens != request.num_prompt_tokens:
             raise InvalidRequestError(f"kv_transfer_params are for a prompt of {handle.num_tokens} tokens, this "
                                       f"one has {request.num_prompt_tokens}", param="kv_transfer_params")

@@ -90,6 +90,10 @@ def _is_int(value: Any, lo: int = 0) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= lo
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass
 class KVHandle:
     # vLLM's disaggregation params
@@ -149,8 +153,16 @@ class KVHandle:
         _check(_is_hex16(self.partial_block_hash), "partial_block_hash must be a 32-digit hex string")
         _check(self.first_token_id is None or _is_int(self.first_token_id),
                f"first_token_id must be an int >= 0 or null, got {self.first_token_id!r}")
-        _check(self.first_token_logprobs is None or isinstance(self.first_token_logprobs, dict),
-               "first_token_logprobs must be an object or null")
+        lp = self.first_token_logprobs
+        _check(lp is None or isinstance(lp, dict), "first_token_logprobs must be an object or null")
+        if lp is not None:
+            _check(_is_number(lp.get("logprob")), f"first_token_logprobs.logprob must be a number, "
+                                                  f"got {lp.get('logprob')!r}")
+            top = lp.get("top")
+            _check(top is None or (isinstance(top, list) and all(
+                isinstance(e, list) and len(e) == 2 and _is_int(e[0]) and _is_number(e[1]) for e in top)),
+                "first_token_logprobs.top must be a list of [token id, logprob] pairs or null")
+        _check(isinstance(self.extra, dict), f"extra must be an object, got {type(self.extra).__name__}")
         _check(isinstance(self.rank_layouts, list) and len(self.rank_layouts) >= 1, "rank_layouts is empty")
         for i, region in enumerate(self.rank_layouts):
             _check(region.rank == i, f"rank_layouts[{i}] is for rank {region.rank}")
@@ -194,7 +206,9 @@ class KVHandle:
         missing = sorted(n for n in names - set(d) if fields_required(n))
         _check(not missing, f"KV handle is missing {missing}")
         kwargs = {k: v for k, v in d.items() if k in names}
-        kwargs["extra"] = {**d.get("extra", {}), **{k: v for k, v in d.items() if k not in names}}
+        extra = d.get("extra", {})
+        _check(isinstance(extra, dict), f"extra must be an object, got {type(extra).__name__}")
+        kwargs["extra"] = {**extra, **{k: v for k, v in d.items() if k not in names}}
         try:
             kwargs["fingerprint"] = KVFingerprint(**d["fingerprint"])
             kwargs["rank_layouts"] = [KVRegion.from_dict(r) for r in d["rank_layouts"]]

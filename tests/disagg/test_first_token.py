@@ -102,6 +102,32 @@ def test_a_handle_without_block_hashes_is_refused(nodes):
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize("edit,match", [
+    ({"extra": "x"}, "extra must be an object"),
+    ({"first_token_logprobs": {}}, "first_token_logprobs.logprob must be a number"),
+    ({"first_token_logprobs": {"logprob": -0.5, "top": [["a"]]}}, "first_token_logprobs.top must be a list"),
+])
+def test_a_malformed_handle_field_is_a_400_not_a_500(nodes, edit, match):
+    pe = nodes["pe"]
+    body = completion_body(PROMPT + " Cluny", 4, logprobs=2)
+    proxy = DisaggProxy(pe.url, nodes["de"].url)
+    handle = proxy.handle(body)
+    refused(nodes, body, {**handle, **edit}, match)
+    r = proxy.decode(body, handle)  # the real handle still works, ends the lease
+    assert r.status_code == 200, r.text
+
+
+def test_a_first_token_outside_the_vocabulary_is_a_400_not_a_500(nodes):
+    """It was appended as the request's first output token, and the engine step failed on it (a 500)."""
+    pe = nodes["pe"]
+    body = completion_body(PROMPT + " Giverny", 4, logprobs=2)
+    handle = DisaggProxy(pe.url, nodes["de"].url).handle(body)
+    refused(nodes, body, {**handle, "first_token_id": 10**9}, "outside this model's vocabulary")
+    lp = handle["first_token_logprobs"]
+    refused(nodes, body, {**handle, "first_token_logprobs": {**lp, "top": [[10**9, -0.1]]}}, "outside")
+    wait_for(lambda: pe.kv()["leases"] == 0, 5, "the refusing decode node to release the lease")
+
+
 def test_a_handle_for_another_trailing_partial_block_is_refused(nodes):
     pe = nodes["pe"]
     ids = [2000 + 7 * i for i in range(40)]   # 2 full blocks of 16, then 8 tokens

@@ -130,3 +130,15 @@ def test_partial_block_hash_covers_the_tail_and_chains_on_the_full_blocks():
     with pytest.raises(ValueError, match="2 full blocks"):
         partial_block_hash(TOKENS, hashes[:1], 16, ROOT)
 
+
+@pytest.mark.parametrize("edit,match", [
+    ({"extra": "x"}, "extra must be an object"), ({"extra": [1]}, "extra must be an object"),
+    ({"first_token_logprobs": {"top": None}}, "first_token_logprobs.logprob"),
+    ({"first_token_logprobs": {"logprob": True}}, "first_token_logprobs.logprob"),
+    ({"first_token_logprobs": {"logprob": -1.0, "top": [[1, -1.0, 2]]}}, "first_token_logprobs.top"),
+    ({"first_token_logprobs": {"logprob": -1.0, "top": "x"}}, "first_token_logprobs.top"),
+])
+def test_a_malformed_field_is_a_handle_error(edit, match):
+    """Not a TypeError or a KeyError later (a 500 at the decode node)."""
+    with pytest.raises(KVHandleError, match=match):
+        KVHandle.from_dict({**make_handle().to_dict(), **edit})
