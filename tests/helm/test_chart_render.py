@@ -316,11 +316,24 @@ def test_name_overrides_rename_every_object_and_its_references(values, name):
     (["--set", "examplePool.name=7b"], "examplePool/name"),  # the CRD's name rule: a DNS-1035 label
     (["--set", "examplePool.name=" + "p" * 56], "examplePool/name"),
     (["--set", "nameOverride=Ops"], "nameOverride"),
+    (["--set", "operator.leaseSeconds=0"], "leaseSeconds': exclusiveMinimum"),
+    (["--set", "operator.statusInterval=5s"], "/operator/statusInterval"),
 ])
 def test_values_schema_rejects_typos_and_wrong_types(values, message):
     out = helm("template", "r", str(CHART), *values, check=False)
     assert out.returncode != 0, f"{values} was accepted"
     assert message in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("flag, value", [("--set", "7.5"), ("--set", "0.5"), ("--set-json", "7.5"), ("--set", "20")])
+def test_operator_seconds_take_a_fraction_from_set(flag, value):
+    """helm --set passes 7.5 as the string "7.5" (it parses integers and booleans only): the schema refused
+    `--set operator.leaseSeconds=7.5` ("got string, want number"), so a fraction needed --set-json or a file."""
+    docs = render(flag, f"operator.leaseSeconds={value}", flag, f"operator.statusInterval={value}")
+    args = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert f"--lease-seconds={value}" in args and f"--status-interval={value}" in args
+    from pdpool.operator.main import parser
+    assert parser().parse_args(args[:4]).lease_seconds == float(value)
 
 
 def test_values_schema_embeds_the_crd_spec_schema():
