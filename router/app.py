@@ -272,10 +272,9 @@ class Router:
         return _json(self._model_card())
 
     def _body(self, request: Request) -> dict:
-        content_type = request.headers.get("content-type")
-        if content_type is not None and not _is_json_type(content_type):
-            raise APIError(f"Content-Type must be application/json, got {protocol.short_repr(content_type)}")
-        return protocol.read_json_body(request.body)
+        if "content-encoding" in request.headers:   # decoded in place: the request path forwards the raw body too
+            request.body = protocol.decode_content(request.body, request.headers["content-encoding"])
+        return protocol.request_json(request.body, request.headers.get("content-type"))
 
     async def tokenize_page(self, request: Request):
         """vLLM's ``POST /tokenize``, from the router's own front end (no node is asked)."""
@@ -318,8 +317,3 @@ class _MethodNotAllowed(Exception):
     def __init__(self, allowed: list[str]) -> None:
         super().__init__("method not allowed")
         self.allowed = allowed
-
-
-def _is_json_type(content_type: str) -> bool:
-    media = content_type.split(";", 1)[0].strip().lower()
-    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))

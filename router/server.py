@@ -33,13 +33,13 @@ import httptools
 
 from pdpool.router.eager import start_eagerly
 from pdpool.server.errors import APIError
+from pdpool.server.protocol import MAX_BODY_BYTES as MAX_BODY
 
 logger = logging.getLogger("pdpool.router")
 
 # A request's task starts eagerly on Python 3.12+ (asyncio's own eager_start, in C). On 3.11 the hand-made start
 # of router/eager.py costs more than the loop iteration it saves (docs/performance.md, router overhead round 12).
 EAGER = sys.version_info >= (3, 12)
-MAX_BODY = 64 * 1024 * 1024     # as aiohttp's client_max_size was
 MAX_HEAD = 64 * 1024            # request line and headers, counted over the reads wholly inside one head (431)
 MAX_QUEUED = 16                 # pipelined requests waiting before reading pauses
 KEEPALIVE_SECONDS = 75.0        # an idle connection is closed after this long (aiohttp's default)

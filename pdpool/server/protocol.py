@@ -16,8 +16,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import zlib
 from dataclasses import dataclass
 from typing import Any
+
+from aiohttp import web
 
 from pdpool.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, SamplingParamsError, short_repr
 from pdpool.engine.structured import StructuredOutputs
@@ -28,6 +31,7 @@ from pdpool.server.tools import ToolChoice, parse_tools
 MAX_LOGPROBS = 20
 MAX_N = 16
 MAX_JSON_DEPTH = 32  # an OpenAI body needs about 5 (messages[i].content[j].text); deeper is an attack or a bug
+MAX_BODY_BYTES = 64 * 1024 * 1024   # a request body, as sent and decompressed: the router's and the nodes' limit
 INT64_MIN, INT64_MAX = SEED_MIN, SEED_MAX
 
 Prompt = str | list[int]
@@ -72,12 +76,58 @@ class GenerationRequest:
 
 
 async def read_json(request) -> dict:
-    """The body of an aiohttp request as a JSON object (``read_json_body``). A ``Content-Type`` other than JSON
-    is a 400; none at all is taken as JSON, as simple clients send none. Too large a body is aiohttp's 413."""
-    content_type = request.headers.get("Content-Type")
-    if content_type is not None and not _is_json_type(request.content_type):
+    """The body of an aiohttp request (the app reads it compressed: ``decode_content``) as a JSON object
+    (``request_json``). A ``Content-Length`` over ``MAX_BODY_BYTES`` is a 413 at once, before the body is read."""
+    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+        raise body_too_large()
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:   # a chunked body past aiohttp's client_max_size (MAX_BODY_BYTES)
+        raise body_too_large() from None
+    encoding = request.headers.get("Content-Encoding")
+    if encoding is not None:
+        raw = decode_content(raw, encoding)
+    return request_json(raw, request.headers.get("Content-Type"))
+
+
+def request_json(raw: bytes, content_type: str | None) -> dict:
+    """A request's body as a JSON object (``read_json_body``), the router's and the nodes'. A ``Content-Type``
+    other than JSON is a 400; none at all is taken as JSON, as simple clients send none."""
+    if content_type is not None and not _is_json_type(content_type):
         raise APIError(f"Content-Type must be application/json, got {short_repr(content_type)}")
-    return read_json_body(await request.read())
+    return read_json_body(raw)
+
+
+def body_too_large() -> APIError:
+    return APIError(f"the request body is larger than {MAX_BODY_BYTES} bytes", status=413)
+
+
+_INFLATE_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+def decode_content(raw: bytes, content_encoding: str) -> bytes:
+    """``raw`` decoded by its ``Content-Encoding``: gzip, deflate or identity, the last listed undone first, at
+    most ``MAX_BODY_BYTES`` decoded (413 past it, a compressed bomb included). Another coding is a 415; bytes
+    that are not what the header says a 400."""
+    for coding in reversed(content_encoding.lower().split(",")):
+        coding = coding.strip()
+        if coding in ("identity", ""):
+            continue
+        wbits = _INFLATE_WBITS.get(coding)
+        if wbits is None:
+            raise APIError(f"Content-Encoding {short_repr(coding)} is not supported; send gzip, deflate or "
+                           "identity", status=415)
+        inflater = zlib.decompressobj(wbits)
+        try:
+            decoded = inflater.decompress(raw, MAX_BODY_BYTES + 1)
+        except zlib.error as exc:
+            raise APIError(f"the request body is not valid {coding} data ({exc})") from None
+        if len(decoded) > MAX_BODY_BYTES:
+            raise body_too_large()
+        if not inflater.eof:
+            raise APIError(f"the request body is not valid {coding} data (it ends before its end marker)")
+        raw = decoded
+    return raw
 
 
 def read_json_body(raw: bytes) -> dict:
@@ -104,8 +154,8 @@ def read_json_body(raw: bytes) -> dict:
 
 
 def _is_json_type(content_type: str) -> bool:
-    return content_type == "application/json" or (content_type.startswith("application/")
-                                                  and content_type.endswith("+json"))
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
 def _refuse_constant(name: str):

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import httpx
@@ -294,6 +295,38 @@ def test_a_refused_prompt_gets_the_answer_a_node_gives_the_client(cluster, route
 def test_malformed_json_is_400(router):
     r = httpx.post(router.url + "/v1/completions", content=b"{nope", timeout=30)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def _gzip(data: bytes) -> bytes:
+    import gzip
+
+    return gzip.compress(data, compresslevel=1)
+
+
+COMPLETION = json.dumps({"model": "demo", "prompt": "hi", "max_tokens": 2}).encode()
+ENCODED_BODIES = [   # (Content-Encoding, body, status): the router and a node give the same answer
+    pytest.param("gzip", _gzip(COMPLETION), 200, id="gzip"),   # the router read the gzip bytes as JSON: a 400
+    pytest.param("deflate", zlib.compress(COMPLETION), 200, id="deflate"),
+    pytest.param("gzip", COMPLETION, 400, id="not-gzip"),        # the node answered 500
+    pytest.param("br", COMPLETION, 415, id="br"),   # the node: aiohttp's text/plain 400 "install Brotli"; router 200
+    pytest.param("gzip", _gzip(b"{" + b" " * (65 * 1024 * 1024) + b"}"), 413, id="gzip-bomb"),   # 65 MiB decoded
+]
+
+
+@pytest.mark.parametrize("encoding, body, status", ENCODED_BODIES)
+def test_a_content_encoded_body_gets_the_nodes_answer(cluster, router, encoding, body, status):
+    """A request body with a Content-Encoding: gzip and deflate are read as a node reads them (where the router
+    took the compressed bytes for the JSON), any other coding is a 415 at both, and a body that is not what its
+    header says is a 400 at both (a node answered 500)."""
+    headers = {"Content-Type": "application/json", "Content-Encoding": encoding}
+    want = httpx.post(cluster["d0"].url + "/v1/completions", content=body, headers=headers, timeout=60)
+    got = httpx.post(router.url + "/v1/completions", content=body, headers=headers, timeout=60)
+    assert got.status_code == want.status_code == status, (got.text, want.text)
+    if status != 200:
+        assert got.json() == want.json(), (got.text, want.text)
+        assert set(got.json()["error"]) == {"message", "type", "param", "code"}
+    else:
+        assert got.json()["usage"]["completion_tokens"] == want.json()["usage"]["completion_tokens"] == 2
 
 
 def test_several_prompts_and_n_go_decode_only(router):

@@ -199,6 +199,40 @@ def test_malformed_http_is_400_and_one_log_line_without_a_traceback(server):
     assert log.count("malformed HTTP request from 127.0.0.1") == len(MALFORMED_HTTP), log[-3000:]
 
 
+def test_a_body_declared_past_the_limit_is_413_at_once(server):
+    """A Content-Length over the 64 MiB limit is a 413 before any of the body arrives, as the router answers it,
+    where the node waited for the body (a client that sends only the head never got an answer)."""
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + server.api_key.encode() +
+            b"\r\nContent-Type: application/json\r\nContent-Length: 999999999999\r\nConnection: close\r\n\r\n")
+    import socket
+
+    with socket.create_connection((server.host, server.port), timeout=10) as sock:
+        sock.sendall(head)
+        answer = sock.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+    err = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
+    assert err == {"message": "the request body is larger than 67108864 bytes", "type": "invalid_request_error",
+                   "param": None, "code": 413}
+
+
+def test_a_body_that_is_not_its_content_encoding_is_400(server):
+    """A body whose Content-Encoding (gzip, deflate) it does not hold is the client's error, where aiohttp's
+    decompression error was a 500; a coding the node does not read is a 415, where aiohttp's parser answered
+    text/plain 400 ("install Brotli") or took the bytes as they were."""
+    body = json.dumps({"model": "demo", "prompt": "hi", "max_tokens": 1}).encode()
+    for encoding in ("gzip", "deflate", "x-gzip"):
+        err = assert_error(post(server, "/v1/completions", content=body, headers={"Content-Encoding": encoding}), 400)
+        assert f"not valid {encoding} data" in err["message"], err
+    for encoding in ("br", "zstd", "compress"):
+        assert_error(post(server, "/v1/completions", content=body, headers={"Content-Encoding": encoding}), 415)
+    import gzip
+
+    r = post(server, "/v1/completions", content=gzip.compress(body), headers={"Content-Encoding": "gzip"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
+    r = post(server, "/v1/completions", content=gzip.compress(body)[:-12], headers={"Content-Encoding": "gzip"})
+    assert "ends before its end marker" in assert_error(r, 400)["message"]
+
+
 def test_unknown_route_and_method_are_json(server):
     assert_error(httpx.get(server.url + "/v1/nope", headers=server.headers(), timeout=30), 404)
     assert_error(httpx.get(server.url + "/v1/completions", headers=server.headers(), timeout=30), 405)
