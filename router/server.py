@@ -33,7 +33,7 @@ import httptools
 
 from pdpool.router.eager import start_eagerly
 from pdpool.server.errors import APIError
-from pdpool.server.protocol import MAX_BODY_BYTES as MAX_BODY
+from pdpool.server.protocol import MAX_BODY_BYTES as MAX_BODY, REQUEST_SECONDS
 
 logger = logging.getLogger("pdpool.router")
 
@@ -42,7 +42,7 @@ logger = logging.getLogger("pdpool.router")
 EAGER = sys.version_info >= (3, 12)
 MAX_HEAD = 64 * 1024            # request line and headers, counted over the reads wholly inside one head (431)
 MAX_QUEUED = 16                 # pipelined requests waiting before reading pauses
-KEEPALIVE_SECONDS = 75.0        # an idle connection is closed after this long (aiohttp's default)
+KEEPALIVE_SECONDS = REQUEST_SECONDS   # an idle connection is closed after this long (aiohttp's default)
 REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
            405: "Method Not Allowed", 408: "Request Timeout", 413: "Payload Too Large", 415: "Unsupported Media Type",
            422: "Unprocessable Entity", 429: "Too Many Requests", 431: "Request Header Fields Too Large",

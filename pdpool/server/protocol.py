@@ -13,6 +13,7 @@ object at the top. Anything else is a 400, never a 500.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import math
@@ -32,6 +33,7 @@ MAX_LOGPROBS = 20
 MAX_N = 16
 MAX_JSON_DEPTH = 32  # an OpenAI body needs about 5 (messages[i].content[j].text); deeper is an attack or a bug
 MAX_BODY_BYTES = 64 * 1024 * 1024   # a request body, as sent and decompressed: the router's and the nodes' limit
+REQUEST_SECONDS = 75.0   # a request must arrive whole within this (408 past it): the router's and the nodes' limit
 INT64_MIN, INT64_MAX = SEED_MIN, SEED_MAX
 
 Prompt = str | list[int]
@@ -77,13 +79,17 @@ class GenerationRequest:
 
 async def read_json(request) -> dict:
     """The body of an aiohttp request (the app reads it compressed: ``decode_content``) as a JSON object
-    (``request_json``). A ``Content-Length`` over ``MAX_BODY_BYTES`` is a 413 at once, before the body is read."""
+    (``request_json``). A ``Content-Length`` over ``MAX_BODY_BYTES`` is a 413 at once, before the body is read; a
+    body not whole within ``REQUEST_SECONDS`` a 408, as the router answers both."""
     if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
         raise body_too_large()
     try:
-        raw = await request.read()
+        async with asyncio.timeout(REQUEST_SECONDS):   # a client that stops mid-body would hold its handler for ever
+            raw = await request.read()
     except web.HTTPRequestEntityTooLarge:   # a chunked body past aiohttp's client_max_size (MAX_BODY_BYTES)
         raise body_too_large() from None
+    except TimeoutError:
+        raise APIError(f"the request was not received within {REQUEST_SECONDS:g} s", status=408) from None
     encoding = request.headers.get("Content-Encoding")
     if encoding is not None:
         raw = decode_content(raw, encoding)

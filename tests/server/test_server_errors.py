@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import re
+import time
 
 import httpx
 import openai
@@ -14,6 +15,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from pdpool.server.errors import APIError, error_middleware
+from pdpool.server import protocol
 from pdpool.server.protocol import MAX_JSON_DEPTH, read_json_body
 
 
@@ -280,6 +282,32 @@ async def _unexpected_exception():
         error_id = re.search(r"error id ([0-9a-f]+)", err["message"]).group(1)
         assert (await c.get("/fine")).status == 200
     return error_id
+
+
+async def _stalled_body_answer() -> tuple[bytes, float]:
+    async def echo(request):
+        return web.json_response(await protocol.read_json(request))
+
+    app = web.Application(middlewares=[error_middleware])
+    app.router.add_post("/echo", echo)
+    async with TestServer(app) as server:
+        reader, writer = await asyncio.open_connection(server.host, server.port)
+        writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 20\r\n\r\n{\"a\":")   # then stalls
+        start = time.monotonic()
+        answer = await asyncio.wait_for(reader.read(65536), 10)
+        writer.close()
+        return answer, time.monotonic() - start
+
+
+def test_a_body_that_stops_arriving_is_408(monkeypatch):
+    """A client that sends the head and part of the body, then nothing, gets a 408 after ``REQUEST_SECONDS``, as
+    the router answers it, where the node's handler waited for the rest for ever."""
+    monkeypatch.setattr(protocol, "REQUEST_SECONDS", 0.5, raising=False)   # (absent before the limit)
+    answer, waited = asyncio.run(_stalled_body_answer())
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["message"] == \
+        "the request was not received within 0.5 s"
+    assert 0.4 < waited < 10
 
 
 def test_a_500_names_an_error_id_that_the_log_has_with_the_traceback(caplog):
