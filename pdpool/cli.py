@@ -19,12 +19,17 @@ def _serve(argv: list[str]) -> int:
         cfg = config.from_args(parser.parse_args(argv))
     except config.ConfigError as exc:
         parser.error(str(exc))
+    from pdpool.models.demo import check_model
+
+    try:   # a model that cannot load is the command line's error, before anything listens
+        check_model(cfg.model.model)
+    except FileNotFoundError as exc:
+        print(f"pdpool serve: error: {exc}", file=sys.stderr)
+        return 2
     from pdpool import logs
-    from pdpool.node import run
+    from pdpool.node import run  # torch loads only when serving
 
     logs.configure()
-  # torch loads only when serving
-
     run(cfg)
     return 0
 

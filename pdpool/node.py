@@ -65,10 +65,12 @@ _EMPTY_STATS = dict(num_running=0, num_waiting=0, kv_cache_usage=0.0, num_free_b
 
 
 class Node:
-    def __init__(self, config) -> None:
+    def __init__(self, config, on_load_failed=None) -> None:
+        """``on_load_failed()``: called on the loop when the engine fails to load (``serve``: stop the node)."""
         from pdpool.kv_index.redis_index import new_incarnation
 
         self.config = config
+        self.on_load_failed = on_load_failed
         self.role = config.server.role
         self.node_id = config.node_id
         self.incarnation = new_incarnation()
@@ -153,7 +155,7 @@ class Node:
         try:
             engine = LLMEngine(self.config, connector_factory=self._make_connector if self.pooled else None)
             llm = AsyncLLM(self.config, engine=engine, latency_observer=_LatencyObserver(self.metrics))
-        except Exception as exc:  # noqa: BLE001 - reported by /health/ready and 503s
+        except Exception as exc:  # noqa: BLE001 - /health/ready and 503s say it until the node stops
             logger.exception("engine failed to load")
             self.loop.call_soon_threadsafe(self._set_failed, f"{type(exc).__name__}: {exc}")
             return
@@ -172,6 +174,8 @@ class Node:
         self.error = error
         if self.status == "loading":
             self.status = "failed"
+            if self.on_load_failed is not None:
+                self.on_load_failed()
 
     def _make_connector(self, engine):
         """The KV connector of a pool node (engine thread, during load)."""
@@ -318,9 +322,11 @@ class Node:
         self.index.deregister()
 
 
-async def serve(config, *, stop: asyncio.Event | None = None) -> None:
-    """Run one node until ``stop`` is set or SIGINT/SIGTERM arrives."""
-    node = Node(config)
+async def serve(config, *, stop: asyncio.Event | None = None) -> str | None:
+    """Run one node until ``stop`` is set, SIGINT/SIGTERM arrives or the engine fails to load; returns the load
+    error in that last case (else None)."""
+    stop = stop or asyncio.Event()
+    node = Node(config, on_load_failed=stop.set)
     runner = NodeRunner(node.app, handler_cancellation=True, access_log=None, shutdown_timeout=STOP_GRACE_SECONDS,
                         logger=http_logger())
     await runner.setup()
@@ -334,9 +340,14 @@ async def serve(config, *, stop: asyncio.Event | None = None) -> None:
     finally:
         logger.info("shutting down")
         await node.stop(runner)
+    return node.error   # set only by a failed load
 
 
 def run(config) -> None:
-    """``pdpool serve``: one node, in this process."""
+    """``pdpool serve``: one node, in this process. An engine that fails to load ends the process with status 1, as
+    vLLM's does: a supervisor (Kubernetes, ``pdpool up``) sees the exit and restarts it with a back-off, where a node
+    left up and never ready would only look stuck."""
     raise_open_files_limit()
-    asyncio.run(serve(config))
+    error = asyncio.run(serve(config))
+    if error is not None:
+        raise SystemExit(f"pdpool serve: the engine failed to load: {error}")

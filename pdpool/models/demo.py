@@ -31,6 +31,20 @@ def resolve_model(model: str) -> Path:
     """'demo' -> the converted folder (converting once); anything else -> that local folder."""
     if model == DEMO_NAME:
         return ensure_demo_model()
+    return _local_folder(model)
+
+
+def check_model(model: str) -> None:
+    """Raise ``FileNotFoundError`` now, as ``resolve_model`` would later, for a model that cannot load: a folder
+    without a config.json, or the demo model neither converted nor convertible (its package missing). Cheap: it
+    converts nothing (a command checks its ``--model`` with it before it starts serving)."""
+    if model != DEMO_NAME:
+        _local_folder(model)
+    elif not (cache_dir() / "models" / DEMO_DIR / "config.json").is_file():
+        gguf_path()
+
+
+def _local_folder(model: str) -> Path:
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"--model {model!r}: not 'demo' and not a local folder with a config.json "

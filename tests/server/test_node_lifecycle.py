@@ -41,6 +41,39 @@ def test_sigterm_while_loading_stops_the_node(demo_model_dir, tmp_path):
         node.kill()
 
 
+def test_a_model_folder_that_does_not_exist_is_a_command_line_error(tmp_path):
+    """No server starts for a --model that cannot load: exit status 2 and one line naming the flag, at once (vLLM
+    fails at once too), not a node that listens and is never ready."""
+    node = NodeProcess("no-model")
+    node.launch(node.serve_argv([], model=str(tmp_path / "missing")), dict(os.environ), tmp_path / "missing.log")
+    try:
+        assert node.proc.wait(timeout=60) == 2
+        tail = node.log_tail()
+        assert "pdpool serve: error: --model" in tail and "missing" in tail and "Traceback" not in tail, tail
+    finally:
+        node.kill()
+
+
+def test_an_engine_that_fails_to_load_ends_the_node_with_status_1(demo_model_dir, tmp_path):
+    """A model folder whose weights are not safetensors: the load fails after the server listens. The node logs
+    the traceback and exits with status 1 and the reason, so a supervisor (Kubernetes, pdpool up) restarts it,
+    where it used to stay up, live and never ready."""
+    model = tmp_path / "broken-model"
+    model.mkdir()
+    for f in demo_model_dir.iterdir():
+        if f.is_file() and f.name != "model.safetensors":
+            shutil.copy(f, model / f.name)
+    (model / "model.safetensors").write_bytes(b"not a safetensors file")
+    node = NodeProcess("broken")
+    node.launch(node.serve_argv(["--dtype", "float32"], model=str(model)), dict(os.environ), tmp_path / "broken.log")
+    try:
+        assert node.proc.wait(timeout=180) == 1, node.log_tail()
+        tail = node.log_tail()
+        assert "engine failed to load" in tail and "pdpool serve: the engine failed to load:" in tail, tail
+    finally:
+        node.kill()
+
+
 @pytest.fixture(scope="module")
 def small_queue(launch_server):
     srv = launch_server("--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "64",
