@@ -124,7 +124,8 @@ DEPLOYMENT_FIELDS: dict[str, dict] = {
                                      minimum=30, default=600),
     **_role("prefill"),
     **_role("decode"),
-    "router.replicas": _int("Router pods (unset: an autoscaler owns them).", minimum=0, default=1),
+    "router.replicas": _int("Router pods. Leave unset when an HPA or KEDA scales them (a new Deployment starts "
+                            "with 1); the operator then never writes the Deployment's replicas.", minimum=0),
     "router.resources": RESOURCES,
     "router.service.type": _str("Service type of the router.", enum=["ClusterIP", "NodePort", "LoadBalancer"],
                                 default="ClusterIP"),

@@ -180,6 +180,7 @@ def test_an_autoscaled_role_is_never_fought(cluster, operator, tmp_path):
     body = yaml.safe_load((EXAMPLES / "cpu-demo.yaml").read_text())
     body["metadata"]["name"] = "hpa"
     del body["spec"]["decode"]["replicas"]  # an HPA owns decode
+    body["spec"].get("router", {}).pop("replicas", None)  # and one the router (the CRD defaulted it to 1: fought)
     path = tmp_path / "hpa.yaml"
     path.write_text(yaml.safe_dump(body))
     cluster.kubectl("apply", "-f", str(path))
@@ -187,7 +188,9 @@ def test_an_autoscaled_role_is_never_fought(cluster, operator, tmp_path):
     # as an HPA would (the emulator has no /scale subresource, so through the Deployment itself)
     scale = lambda name, n: cluster.kubectl("patch", "deployment", name, "--type=merge",  # noqa: E731
                                             "-p", json.dumps({"spec": {"replicas": n}}))
+    assert "replicas" not in get(cluster, POOL, "hpa")["spec"]["router"]
     scale("hpa-decode", 5)
+    scale("hpa-router", 4)
     scale("hpa-prefill", 3)  # replicas the pool owns
     wait_until(lambda: get(cluster, "deployment", "hpa-prefill")["spec"]["replicas"] == 1, timeout=10,
                what="the pool's prefill replicas restored")
@@ -195,6 +198,7 @@ def test_an_autoscaled_role_is_never_fought(cluster, operator, tmp_path):
     wait_until(lambda: "4" in get(cluster, "deployment", "hpa-decode")["spec"]["template"]["spec"]
                ["containers"][0]["args"], what="decode re-rendered")
     assert get(cluster, "deployment", "hpa-decode")["spec"]["replicas"] == 5
+    assert get(cluster, "deployment", "hpa-router")["spec"]["replicas"] == 4
     cluster.kubectl("delete", POOL, "hpa", "--timeout=20s")
 
 
