@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(__file__))  # the tests/ folder: the API emul
 from k8s_fixtures import k8s, kubeconfig, kubectl  # noqa: E402,F401
 from k8s_tools import kubectl_path  # noqa: E402
 
-from pdpool.diag import (RESULT_PREFIX, TOKEN_PREFIX, HostFacts, diagnose_failure, parse_ucx_protocols, pick_pair,
-                         preflight, transfer_transports)
+from pdpool.diag import RESULT_PREFIX, TOKEN_PREFIX, pick_pair
+from pdpool.diag_host import HostFacts, diagnose_failure, parse_ucx_protocols, preflight, transfer_transports
 
 pytestmark = pytest.mark.timeout(300)
 
