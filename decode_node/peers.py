@@ -5,6 +5,12 @@ does not have it, from the peer itself (``GET /internal/kv/agent``), which answe
 incarnation only. A handle whose incarnation is not the one found is stale (the prefill node restarted):
 ``StaleHandleError``, and nothing is read from the new agent. Loading a peer and its connection warm-up run in a
 thread, off the event loop.
+
+The handle names the address to call (``remote_host``, ``remote_port``), and the call carries this node's internal
+token. ``vouch`` is asked before any call: where Redis is reachable, the address must be the one the named node
+heartbeats (``hb:<node>``), else ``UnknownPeerError`` and nothing is sent, so an edited or forged handle never gets
+the token sent to an address of its choosing. Where Redis is not set or down, the handle is taken as it is (the pool
+keeps serving without Redis).
 """
 
 from __future__ import annotations
@@ -30,6 +36,10 @@ class StaleHandleError(PeerUnavailableError):
     """The handle names an incarnation of the prefill node that is gone."""
 
 
+class UnknownPeerError(PeerUnavailableError):
+    """The handle's address is not where the pool's index has the node it names."""
+
+
 class PeerDirectory:
     def __init__(self, worker, *, reader=None, session_of, token: str | None, timeout: float) -> None:
         self.worker = worker
@@ -40,9 +50,28 @@ class PeerDirectory:
         self.loaded: dict[str, tuple[str, str]] = {}  # node id -> (incarnation, agent name)
         self.num_fetches = 0
         self._locks: dict[str, asyncio.Lock] = {}  # node id -> one load at a time
+        self._vouched: set[tuple[str, str, int]] = set()  # (node id, host, port) the index confirmed
+
+    async def vouch(self, handle: KVHandle) -> None:
+        """Raise ``UnknownPeerError`` unless the index has the handle's node at the handle's address (or cannot
+        say: no Redis, or Redis down)."""
+        peer = (handle.node_id, handle.remote_host, handle.remote_port)
+        if self.reader is None or peer in self._vouched:
+            return
+        try:
+            info = await asyncio.get_running_loop().run_in_executor(None, self.reader.heartbeat, handle.node_id)
+        except Exception as exc:  # IndexUnavailableError: the handle is taken as it is
+            logger.info("could not check node %s's address in Redis (%s); trusting the handle", handle.node_id, exc)
+            return
+        address = f"http://{handle.remote_host}:{handle.remote_port}"
+        if info is None or info.url != address:
+            raise UnknownPeerError(f"the pool's index has no node {handle.node_id!r} at {address} "
+                                   f"({'no live node of that id' if info is None else 'it is at ' + info.url})")
+        self._vouched.add(peer)
 
     async def agent(self, handle: KVHandle) -> str:
         """The NIXL peer name of the handle's agent, its metadata loaded."""
+        await self.vouch(handle)
         async with self._locks.setdefault(handle.node_id, asyncio.Lock()):
             return await self._agent(handle)
 

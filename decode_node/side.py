@@ -258,6 +258,7 @@ class DecodeSide:
         url = internal_api.url(h.remote_host, h.remote_port, "kv/leases/renew")
         sent = time.monotonic()
         try:
+            await self.peers.vouch(h)
             async with self.session_of().post(url, json={"lease_ids": [j.handle.lease_id for j in jobs]},
                                               headers=internal_api.headers(self.token),
                                               timeout=aiohttp.ClientTimeout(total=self.timeout)) as resp:
@@ -333,6 +334,7 @@ class DecodeSide:
     async def _post(self, job: LoadJob, action: str, body: dict) -> dict:
         h = job.handle
         url = internal_api.url(h.remote_host, h.remote_port, f"kv/leases/{h.lease_id}/{action}")
+        await self.peers.vouch(h)
         try:
             async with self.session_of().post(url, json=body, headers=internal_api.headers(self.token),
                                               timeout=aiohttp.ClientTimeout(total=self.timeout)) as resp:

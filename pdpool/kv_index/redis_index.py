@@ -436,6 +436,14 @@ class IndexReader:
         except (*_REDIS_ERRORS, KeyError) as exc:
             raise IndexUnavailableError(f"server info failed: {exc}") from exc
 
+    def heartbeat(self, node_id: str) -> NodeInfo | None:
+        """A node's last heartbeat while it is live, else None."""
+        try:
+            data = self.client.get(self.keys.heartbeat(node_id))
+        except _REDIS_ERRORS as exc:
+            raise IndexUnavailableError(f"heartbeat fetch failed: {exc}") from exc
+        return None if data is None else NodeInfo.from_json(data)
+
     def agent_metadata(self, node_id: str, incarnation: str) -> bytes | None:
         """A peer's KV agent metadata, or None (unknown node, or another incarnation of it)."""
         try:

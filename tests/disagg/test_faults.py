@@ -6,6 +6,10 @@ correct answer (the colocated tokens), the recompute counter +1, and no leaked b
 
 from __future__ import annotations
 
+import http.server
+import socketserver
+import threading
+
 import httpx
 import pytest
 from cluster import assert_no_leaks, completion_body, internal_post, token_ids, wait_for
@@ -139,6 +143,54 @@ def test_a_handle_edited_to_read_other_blocks_is_recomputed(nodes, expected, mod
     handle = DisaggProxy(pf.url, nodes["df"].url).handle(body)
     edited = {**handle, "transfer_mode": mode, "remote_block_ids": handle["remote_block_ids"][::-1]}
     recovers_by_recompute(nodes, expected, body, edited)
+
+
+class Listener:
+    """An HTTP server on a free local port that records what reaches it (path, internal token) and answers held."""
+
+    def __init__(self) -> None:
+        seen = self.seen = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                seen.append((self.path, self.headers.get("X-PDPool-Internal-Token")))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(b'{"held": true, "renewed": {}}')
+
+            do_GET = do_POST
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_handle_naming_another_address_gets_no_call_and_no_token(nodes, expected):
+    """A handle edited to name an address that is not its node's (the pool's index has the node elsewhere): the
+    decode node recomputes without calling it, where it sent its internal token there (agent, notify)."""
+    pf, df = nodes["pf"], nodes["df"]
+    proxy = DisaggProxy(pf.url, df.url)
+    body = completion_body(PROMPT + " blue", 6)
+    expected(body)
+    handle = proxy.handle(body)
+    listener = Listener()
+    try:
+        for edit in ({"remote_port": listener.port}, {"remote_port": listener.port, "incarnation": "x" * 12,
+                                                      "agent_name": "pf#" + "x" * 12}):
+            recovers_by_recompute(nodes, expected, body, {**handle, **edit})
+    finally:
+        listener.close()
+    assert listener.seen == []
+    r = proxy.decode(body, handle)  # the real handle still works, and ends the lease
+    assert r.status_code == 200 and token_ids(r.json()) == expected(body)
 
 
 def test_prefill_killed_between_handle_and_pull(nodes, expected):

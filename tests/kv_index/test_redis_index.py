@@ -329,3 +329,15 @@ def test_raw_all_is_the_per_hash_conversion(items):
     assert new == old
     if new[0] == "ok":
         assert all(type(h) is bytes for h in new[1])
+
+
+def test_reader_heartbeat_is_the_live_nodes_payload(redis_server):
+    """What a decode node checks a handle's address against (``decode_node.peers.PeerDirectory.vouch``)."""
+    keys = PoolKeys("ns", "hb")
+    a = NodeIndex(redis_server.client(), keys, "a", "inc1")
+    reader = IndexReader(redis_server.client(), keys)
+    assert reader.heartbeat("a") is None
+    assert a.heartbeat(NodeInfo("a", "prefill", "http://10.0.0.1:8000", "inc1", "a#inc1"))
+    info = reader.heartbeat("a")
+    assert (info.url, info.incarnation, info.agent_name) == ("http://10.0.0.1:8000", "inc1", "a#inc1")
+    assert a.deregister() and reader.heartbeat("a") is None
