@@ -12,9 +12,10 @@ a body read whole (the handler parses JSON anyway), a small route table, JSON or
 Keep-alive per HTTP/1.1 (``Connection: close`` and HTTP/1.0 honoured); a connection with nothing to answer for
 ``KEEPALIVE_SECONDS`` is closed, with a 408 if a request was still arriving. Pipelined requests are answered in order,
 one at a time; reading pauses while ``MAX_QUEUED`` wait. ``Expect: 100-continue`` gets its interim answer once the
-request is next. A malformed request, a head over ``MAX_HEAD`` bytes or a body over ``MAX_BODY`` bytes gets its
-OpenAI error (400, 431, 413) after the answers before it, and the connection closes. A client that disconnects
-cancels its request's task: the handler's ``CancelledError`` closes the node legs (the nodes abort).
+request is next; any other expectation is a 417. A malformed request, a head over ``MAX_HEAD`` bytes or a body over
+``MAX_BODY`` bytes gets its OpenAI error (400, 431, 413) after the answers before it, and the connection closes. A
+client that disconnects cancels its request's task: the handler's ``CancelledError`` closes the node legs (the nodes
+abort).
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ MAX_QUEUED = 16                 # pipelined requests waiting before reading paus
 KEEPALIVE_SECONDS = REQUEST_SECONDS   # an idle connection is closed after this long (aiohttp's default)
 REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
            405: "Method Not Allowed", 408: "Request Timeout", 413: "Payload Too Large", 415: "Unsupported Media Type",
-           422: "Unprocessable Entity", 429: "Too Many Requests", 431: "Request Header Fields Too Large",
-           500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable", 504: "Gateway Timeout"}
+           417: "Expectation Failed", 422: "Unprocessable Entity", 429: "Too Many Requests",
+           431: "Request Header Fields Too Large", 500: "Internal Server Error", 502: "Bad Gateway",
+           503: "Service Unavailable", 504: "Gateway Timeout"}
 
 
 def error_body(message: str, status: int) -> bytes:
@@ -264,7 +266,11 @@ class HttpConnection(asyncio.Protocol):
         if length is not None and length.isdigit() and int(length) > MAX_BODY:
             self._refuse(413, f"the request body is larger than {MAX_BODY} bytes")   # without reading it
             return
-        if r.headers.get("expect", "").lower() == "100-continue":
+        expect = r.headers.get("expect")
+        if expect is not None:
+            if expect.lower() != "100-continue":   # as a node answers (aiohttp)
+                self._refuse(417, f"Unknown Expect: {expect}")
+                return
             if self.task is None and not self.queue:
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             else:

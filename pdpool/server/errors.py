@@ -114,8 +114,14 @@ def http_logger() -> logging.Logger:
 
 class _OpenAIErrorRequestHandler(RequestHandler):
     """A connection whose own error answers (a request aiohttp's parser refuses, a failure outside the app's
-    middlewares) are OpenAI error JSON, as the router's are, where aiohttp answered plain text. aiohttp still logs
-    the error (one info line through ``http_logger``) and closes the connection."""
+    middlewares, an ``Expect`` other than ``100-continue``) are OpenAI error JSON, as the router's are, where
+    aiohttp answered plain text. aiohttp still logs a parse error (one info line through ``http_logger``) and
+    closes the connection."""
+
+    async def finish_response(self, request, resp: web.StreamResponse, start_time):
+        if isinstance(resp, web.HTTPException) and resp.status >= 400:   # raised before the middlewares ran:
+            resp = error_response(APIError(resp.text or resp.reason, status=resp.status))   # aiohttp's Expect check
+        return await super().finish_response(request, resp, start_time)
 
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:

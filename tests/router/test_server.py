@@ -206,6 +206,18 @@ def test_expect_100_continue_then_the_body(app):
         echo_ok(r.response(), body)
 
 
+def test_another_expectation_is_417_then_close(app):
+    """As a node answers it (aiohttp), where the router ignored the header and served the request."""
+    with connect(app) as s:
+        s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nExpect: teapot\r\n\r\n{}")
+        r = Reader(s)
+        status, headers, data = r.response()
+        assert status == 417 and headers["connection"] == "close"
+        assert json.loads(data)["error"] == {"message": "Unknown Expect: teapot", "type": "invalid_request_error",
+                                             "param": None, "code": 417}
+        assert r.closed()
+
+
 def test_httpx_client_keeps_its_connection_and_sends_large_bodies(app):
     with httpx.Client(base_url=f"http://127.0.0.1:{app.port}") as client:
         for size in (0, 10, 3_000_000):

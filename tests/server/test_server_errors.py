@@ -235,6 +235,20 @@ def test_a_body_that_is_not_its_content_encoding_is_400(server):
     assert "ends before its end marker" in assert_error(r, 400)["message"]
 
 
+def test_an_expectation_the_node_cannot_meet_is_417_json(server):
+    """``Expect`` other than ``100-continue`` is a 417 in the OpenAI shape (aiohttp answered text/plain, its check
+    runs before the app's middlewares); ``100-continue`` gets its interim answer, then the request's."""
+    body = json.dumps({"model": "demo", "prompt": "hi", "max_tokens": 1}).encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + server.api_key.encode() +
+            b"\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: %d\r\n" % len(body))
+    status, headers, answer = raw_exchange(server, head + b"Expect: teapot\r\n\r\n" + body)
+    assert status == 417 and headers["content-type"].startswith("application/json"), (headers, answer)
+    assert json.loads(answer)["error"] == {"message": "Unknown Expect: teapot", "type": "invalid_request_error",
+                                           "param": None, "code": 417}
+    status, _, answer = raw_exchange(server, head + b"Expect: 100-continue\r\n\r\n" + body)
+    assert status == 100 and b"HTTP/1.1 200 OK" in answer, answer[:300]
+
+
 def test_unknown_route_and_method_are_json(server):
     assert_error(httpx.get(server.url + "/v1/nope", headers=server.headers(), timeout=30), 404)
     assert_error(httpx.get(server.url + "/v1/completions", headers=server.headers(), timeout=30), 405)
