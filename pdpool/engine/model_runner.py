@@ -27,7 +27,8 @@ from pdpool.config import NodeConfig
 from pdpool.engine.block_tables import BlockTableRows
 from pdpool.engine.cuda_graphs import DecodeGraphs, graph_safe
 from pdpool.engine.pinned import PinnedRing
-from pdpool.engine.sampler import PendingSample, Sampler, SamplingPlan, make_generator
+from pdpool.engine.sampler import PendingSample, Sampler, make_generator
+from pdpool.engine.sampling_ops import SamplingPlan
 from pdpool.frontend import ModelFiles
 from pdpool.kernels.cpu_features import default_cpu_dtype
 from pdpool.models.demo import resolve_model

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from pdpool import LLM, SamplingParams
-from pdpool.engine.sampler import Sampler, SamplingPlan
+from pdpool.engine.sampler import Sampler
+from pdpool.engine.sampling_ops import SamplingPlan
 from pdpool.engine.sampling_params import SamplingParamsError
 
 VOCAB = 64

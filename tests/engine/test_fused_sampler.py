@@ -12,7 +12,8 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
-from pdpool.engine.sampler import Sampler, _fusable  # noqa: E402
+from pdpool.engine.sampler import Sampler  # noqa: E402
+from pdpool.engine.sampling_ops import _fusable  # noqa: E402
 from pdpool.engine.sampling_params import SamplingParams  # noqa: E402
 from pdpool.kernels.sample import gumbel_argmax, gumbel_argmax_ref, hash_uniforms_ref  # noqa: E402
 

@@ -6,7 +6,8 @@ from transformers.generation.logits_process import (
     LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
     TopKLogitsWarper, TopPLogitsWarper)
 
-from pdpool.engine.sampler import Sampler, apply_penalties, filtered_probs, make_generator
+from pdpool.engine.sampler import Sampler, make_generator
+from pdpool.engine.sampling_ops import apply_penalties, filtered_probs
 from pdpool.engine.sampling_params import SamplingParams
 
 VOCAB = 64
