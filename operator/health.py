@@ -62,7 +62,8 @@ class Health:
         self._ready.set(1 if self.ready()[0] else 0)
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str | None, port: int) -> None:
+        """``host`` None: every address of every family this machine has."""
         app = web.Application()
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)

@@ -49,7 +49,8 @@ def parser() -> argparse.ArgumentParser:
                         "kvTransfer.ucxNetDevices, kvTransfer.rdma, placement; checked against the CRD schema.")
     p.add_argument("--health-port", type=int, default=0,
                    help="Serve /healthz, /readyz and /metrics on this port (0: off).")
-    p.add_argument("--health-host", default="0.0.0.0", help="Address of the health port.")
+    p.add_argument("--health-host", default="", help="Address of the health port (default: every address, IPv4 "
+                   "and IPv6: a kubelet probes the pod's IP, which is IPv6 only in an IPv6 cluster).")
     p.add_argument("--crd-wait-seconds", type=float, default=10.0,
                    help="Seconds between checks that the InferencePool CRD is served, before kopf starts.")
     p.add_argument("--verbose", "-v", action="store_true")
@@ -114,7 +115,7 @@ def load_pool_defaults(path: str | None) -> dict:
 async def run(args: argparse.Namespace) -> int:
     health = Health(args.lease_seconds)
     if args.health_port:
-        await health.start(args.health_host, args.health_port)
+        await health.start(args.health_host or None, args.health_port)
     connection = login()
     registry = kopf.OperatorRegistry()
     register(registry, Options(status_interval=args.status_interval, managed_redis_url=args.managed_redis_url,

@@ -4,9 +4,13 @@ whose kopf stopped; /metrics says which replica leads."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 
 import aiohttp
+import httpx
 import kopf
 
 from operator_procs import free_port
@@ -54,3 +58,26 @@ def test_probes_follow_the_crd_the_lease_and_kopf(cluster):
             await kube.close()
 
     asyncio.run(scenario())
+
+
+def test_the_probes_answer_on_ipv4_and_ipv6_as_the_chart_runs_the_operator(cluster, tmp_path):
+    """The chart gives no --health-host. It was 0.0.0.0, IPv4 only: in an IPv6-only cluster (EKS IPv6, say) the
+    kubelet probes the pod's IPv6 address, so liveness failed and every replica was restarted forever."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pdpool.cli", "operator", f"--health-port={port}",
+                             "--no-leader-election", "--crd-wait-seconds", "0.3"],
+                            env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig)},
+                            stdout=open(tmp_path / "operator.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        for host in ("127.0.0.1", "[::1]"):
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    assert httpx.get(f"http://{host}:{port}/healthz", timeout=2).status_code == 200
+                    break
+                except httpx.TransportError:
+                    assert time.monotonic() < deadline, (host, (tmp_path / "operator.log").read_text())
+                    time.sleep(0.2)
+    finally:
+        proc.terminate()
+        proc.wait(15)
