@@ -83,11 +83,9 @@ class PeerDirectory:
         name, _, _ = unpack_metadata(metadata)
         if name != handle.agent_name:
             raise StaleHandleError(f"agent of node {handle.node_id} is {name}, the handle names {handle.agent_name}")
-        loop = asyncio.get_running_loop()
-        if known is not None:  # a new incarnation: drop the old agent
-            await loop.run_in_executor(None, self.worker.remove_peer, known[1])
-        # NIXL loads the metadata and UCX connects and warms up (tens of ms): in a thread, not on the event loop.
-        await loop.run_in_executor(None, self._add_and_warm, metadata, name)
+        # NIXL loads the metadata (dropping an earlier incarnation's agent) and UCX connects and warms up (tens of
+        # ms): in a thread, not on the event loop.
+        await asyncio.get_running_loop().run_in_executor(None, self._add_and_warm, metadata, name)
         self.loaded[handle.node_id] = (handle.incarnation, name)
         return name
 

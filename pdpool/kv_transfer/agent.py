@@ -91,6 +91,12 @@ def _new_nixl_agent(name: str):
         bindings.nixlAgentConfig = base
 
 
+def node_of(agent_name: str) -> str | None:
+    """The node id of an agent named ``<node_id>#<incarnation>`` (``KVAgent.from_config``); None for another name."""
+    node, sep, _ = agent_name.rpartition("#")
+    return node if sep else None
+
+
 def pack_metadata(agent_name: str, regions: Sequence[KVRegion], nixl_md: bytes) -> bytes:
     """``PDKV | u8 version | u32 header length | header JSON | NIXL agent metadata``."""
     header = json.dumps({"agent_name": agent_name, "regions": [r.to_dict() for r in regions]}).encode()
@@ -305,13 +311,19 @@ class KVAgent:
         return pack_metadata(self.name, [self.region], self._nixl.get_agent_metadata())
 
     def add_peer(self, metadata: bytes) -> str:
-        """Load a peer's metadata (idempotent). The connection is made lazily, on the first transfer."""
+        """Load a peer's metadata (idempotent). The connection is made lazily, on the first transfer.
+
+        One incarnation of a node lives at a time: loading ``<node>#<incarnation>`` drops the agent of any other
+        incarnation of that node, so a node whose peers restart keeps one agent per peer, not one per restart."""
         name, regions, nixl_md = unpack_metadata(metadata)
         known = self._peers.get(name)
         if known is not None and known.metadata == metadata:
             return name
         if known is not None:
             self._disconnect(name)
+        node = node_of(name)
+        for other in [p for p in self._peers if p != name and node is not None and node_of(p) == node]:
+            self.remove_peer(other)
         loaded = self._nixl.add_remote_agent(nixl_md)
         loaded = loaded.decode() if isinstance(loaded, bytes) else loaded
         if loaded != name:

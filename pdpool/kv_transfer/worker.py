@@ -31,9 +31,6 @@ class KVWorker:
     def add_peer(self, metadata: bytes) -> str:
         return self.agent.add_peer(metadata)
 
-    def remove_peer(self, name: str) -> None:
-        self.agent.remove_peer(name)
-
     async def pull(self, peer: str, remote_ids: Sequence[int], local_ids: Sequence[int]) -> float:
         """READ the peer's blocks into ours; seconds it took. Raises ``KVTransferError``."""
         t = self.agent.start_read(peer, remote_ids, local_ids, timeout=self.timeout)
