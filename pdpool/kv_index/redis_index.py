@@ -5,7 +5,8 @@ errors**: it keeps a local mirror of the block hashes it holds, and when Redis i
 dirty and retries with exponential backoff (calls inside the backoff window return at once, without touching
 the network); the first call that reaches Redis again rewrites the node's whole state from the mirror. A
 Redis that restarted empty is noticed by the heartbeat (``SADD nodes`` answers 1 for a node already
-registered) and healed the same way.
+registered), and so is one that lost only the node's ``blocks:`` or ``nixl:`` key (its ``PEXPIRE`` answers 0), and
+healed the same way.
 
 * ``publish(stored, removed)``: one engine step's block events. It only queues them and returns (the engine thread
   never waits on Redis); the publisher thread drains the queue in order, coalescing what piled up into one
@@ -282,8 +283,13 @@ class NodeIndex:
         self._failures = 0
         self._dirty = False
         if check_registration:
-            if self._registered and not was_dirty and results[-1] == 1:
-                # The node was registered, yet SADD added it: Redis lost our keys (restart, flush, eviction).
+            # The heartbeat's replies end [PEXPIRE blocks, PEXPIRE nixl, SADD nodes]: a PEXPIRE of 0 is a key that
+            # is gone, and SADD adding the node means it was not registered.
+            expire_blocks, expire_nixl, added = results[-3:]
+            lost = added == 1 or (self._held and expire_blocks == 0) or (self._agent_md is not None
+                                                                          and expire_nixl == 0)
+            if self._registered and not was_dirty and lost:
+                # Redis lost our keys (a restart, a flush, an eviction of keys with a TTL, a failover).
                 logger.warning("Redis lost node %s's keys; rewriting them", self.node_id)
                 self._dirty = True
                 return self._attempt(lambda pipe: None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from pdpool.block_hash import ModelFingerprint, hash_prompt_blocks, root_hash
@@ -341,3 +342,21 @@ def test_reader_heartbeat_is_the_live_nodes_payload(redis_server):
     info = reader.heartbeat("a")
     assert (info.url, info.incarnation, info.agent_name) == ("http://10.0.0.1:8000", "inc1", "a#inc1")
     assert a.deregister() and reader.heartbeat("a") is None
+
+
+@pytest.mark.parametrize("lost", ["blocks", "nixl"])
+def test_a_lost_blocks_set_or_agent_metadata_is_noticed_by_the_heartbeat(redis_server, lost):
+    """Redis dropped one of the node's keys but kept the ``nodes`` set (eviction under maxmemory takes keys with a TTL
+    first: ``blocks:`` and ``nixl:`` have one, ``nodes`` has none; a failover that lost the last writes): the
+    ``SADD nodes`` check saw nothing, and the index lacked the node's blocks or agent until the periodic resync
+    (30 heartbeats, a minute at the default period)."""
+    a, info = make_node(redis_server, "a")
+    keys = PoolKeys("ns", "p1")
+    assert a.heartbeat(info) and a.set_agent_metadata(b"md")
+    a.publish(stored=HASHES[:4])
+    assert a.flush()
+    client = redis_server.client()
+    client.delete(keys.blocks("a") if lost == "blocks" else keys.nixl("a", "inc1"))
+    assert a.heartbeat(info)
+    assert make_reader(redis_server).lookup(HASHES) == {"a": 4}
+    assert make_reader(redis_server).agent_metadata("a", "inc1") == b"md"
