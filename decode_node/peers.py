@@ -83,6 +83,9 @@ class PeerDirectory:
         name, _, _ = unpack_metadata(metadata)
         if name != handle.agent_name:
             raise StaleHandleError(f"agent of node {handle.node_id} is {name}, the handle names {handle.agent_name}")
+        # Loading drops the node's other incarnation (KVAgent.add_peer): forget it first, so that a load that fails
+        # leaves no entry naming an agent that is gone.
+        self.loaded.pop(handle.node_id, None)
         # NIXL loads the metadata (dropping an earlier incarnation's agent) and UCX connects and warms up (tens of
         # ms): in a thread, not on the event loop.
         await asyncio.get_running_loop().run_in_executor(None, self._add_and_warm, metadata, name)
@@ -93,14 +96,25 @@ class PeerDirectory:
         self.worker.add_peer(metadata)
         self.worker.agent.warm_up(name, self.timeout)
 
+    def _from_index(self, handle: KVHandle) -> tuple[bytes | None, str | None]:
+        """The handle's agent metadata in Redis, and the incarnation the node heartbeats now (None: not live). An
+        incarnation killed without deregistering keeps its metadata there a while after its successor started."""
+        md = self.reader.agent_metadata(handle.node_id, handle.incarnation)
+        info = self.reader.heartbeat(handle.node_id) if md is not None else None
+        return md, None if info is None else info.incarnation
+
     async def _fetch(self, handle: KVHandle) -> bytes:
         self.num_fetches += 1
         if self.reader is not None:
             try:
-                md = await asyncio.get_running_loop().run_in_executor(
-                    None, self.reader.agent_metadata, handle.node_id, handle.incarnation)
+                md, live = await asyncio.get_running_loop().run_in_executor(None, self._from_index, handle)
                 if md is not None:
+                    if live is not None and live != handle.incarnation:
+                        raise StaleHandleError(f"prefill node {handle.node_id} is now incarnation {live}; the "
+                                               f"handle is from {handle.incarnation}")
                     return md
+            except StaleHandleError:
+                raise
             except Exception as exc:  # IndexUnavailableError: ask the peer itself
                 logger.info("agent metadata of %s not in Redis (%s); asking the node", handle.node_id, exc)
         try:

@@ -203,6 +203,30 @@ def test_prefill_killed_between_handle_and_pull(nodes, expected):
     pf.restart()
 
 
+def test_a_stale_handle_after_a_crash_does_not_break_the_new_incarnation(nodes, expected):
+    """The prefill node was killed and restarted; a handle of its old incarnation reached the decode node after one
+    of the new: the old agent's metadata was still in Redis (no deregistration), loading it dropped the new agent,
+    its warm-up failed, and the decode node went on naming the new agent as loaded, so every later handoff from that
+    node recomputed."""
+    pf, df = nodes["pf"], nodes["df"]
+    proxy = DisaggProxy(pf.url, df.url)
+    body = completion_body(PROMPT + " crashed", 6)
+    expected(body)
+    old = proxy.handle(body)
+    pf.kill()
+    pf.restart()
+
+    def pulled_from_the_new_incarnation() -> None:
+        ok = df.kv()["ok"]
+        assert token_ids(proxy.complete(body)) == expected(body)
+        assert df.kv()["ok"] == ok + 1
+
+    pulled_from_the_new_incarnation()
+    recovers_by_recompute(nodes, expected, body, old)
+    pulled_from_the_new_incarnation()
+    pulled_from_the_new_incarnation()
+
+
 def test_old_incarnation_handle_is_never_pulled_from_the_new_agent(nodes, expected, redis_module):
     from pdpool.kv_index.keys import PoolKeys
 
