@@ -34,14 +34,13 @@ import httptools
 
 from pdpool.router.eager import start_eagerly
 from pdpool.server.errors import APIError
-from pdpool.server.protocol import MAX_BODY_BYTES as MAX_BODY, REQUEST_SECONDS
+from pdpool.server.protocol import MAX_BODY_BYTES as MAX_BODY, MAX_HEAD_BYTES as MAX_HEAD, REQUEST_SECONDS
 
 logger = logging.getLogger("pdpool.router")
 
 # A request's task starts eagerly on Python 3.12+ (asyncio's own eager_start, in C). On 3.11 the hand-made start
 # of router/eager.py costs more than the loop iteration it saves (docs/performance.md, router overhead round 12).
 EAGER = sys.version_info >= (3, 12)
-MAX_HEAD = 64 * 1024            # request line and headers, counted over the reads wholly inside one head (431)
 MAX_QUEUED = 16                 # pipelined requests waiting before reading pauses
 KEEPALIVE_SECONDS = REQUEST_SECONDS   # an idle connection is closed after this long (aiohttp's default)
 REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
@@ -206,7 +205,7 @@ class HttpConnection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._refuse(400, f"malformed HTTP request: {exc}")
         else:
-            if r is not None and r is self.incoming and not r.method:
+            if r is not None and r is self.incoming and not r.method:   # MAX_HEAD: the request line and headers
                 # a read wholly inside one head: llhttp keeps the head (with no limit of its own) until it ends. The
                 # head's first and last reads are not counted (each at most a read's size, and shared with others).
                 r._size += len(data)

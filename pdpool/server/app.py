@@ -327,7 +327,9 @@ def create_app(node_config, node: ServedNode, routes: list[web.RouteDef] = ()) -
     app = web.Application(middlewares=[_cors_preflight_middleware(cors), _request_id_middleware, error_middleware,
                                        _auth_middleware(node_config.server.api_key)],
                           client_max_size=protocol.MAX_BODY_BYTES,
-                          handler_args={"auto_decompress": False})   # protocol.read_json decodes, as the router
+                          handler_args={"auto_decompress": False,   # protocol.read_json decodes, as the router
+                                        "max_line_size": protocol.MAX_HEAD_BYTES,
+                                        "max_field_size": protocol.MAX_HEAD_BYTES})
     app.on_response_prepare.append(_cors_response_headers(cors))
     app[NODE_KEY] = node
     app[CONFIG_KEY] = node_config

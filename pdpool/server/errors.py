@@ -6,7 +6,7 @@ import logging
 import uuid
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 
 logger = logging.getLogger("pdpool.server")
@@ -87,9 +87,16 @@ def _parse_reason(exc: HttpProcessingError) -> str:
     return (exc.message or type(exc).__name__).strip().split("\n", 1)[0].rstrip(":")[:200]
 
 
+def _refusal(exc: HttpProcessingError) -> tuple[int, str]:
+    """The status and message a node answers a request its parser refused with, as the router answers it."""
+    if isinstance(exc, LineTooLong):
+        return 431, f"the request line or a header is longer than {exc.args[1]} bytes"
+    return 400, f"malformed HTTP request: {_parse_reason(exc)}"
+
+
 class _MalformedRequestLine(logging.Filter):
     """aiohttp logs a request it cannot parse (conflicting framing, a missing Host, a line over its limits) as an
-    error with a traceback, before it answers 400. The fault is the client's, and a client could fill the log with
+    error with a traceback, before it is answered (400, 431). The fault is the client's, and a client could fill the log with
     tracebacks, so such a record becomes one info line that names the client and the parser's reason. Every other
     record passes unchanged."""
 
@@ -97,9 +104,9 @@ class _MalformedRequestLine(logging.Filter):
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, HttpProcessingError) and record.levelno > logging.INFO:
             remote = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
-            reason = _parse_reason(exc)
+            reason, status = _parse_reason(exc), _refusal(exc)[0]
             record.levelno, record.levelname = logging.INFO, "INFO"
-            record.msg, record.args = "malformed HTTP request from %s: %s (answered %d)", (remote, reason, exc.code)
+            record.msg, record.args = "malformed HTTP request from %s: %s (answered %d)", (remote, reason, status)
             record.exc_info = record.exc_text = None
         return True
 
@@ -127,7 +134,7 @@ class _OpenAIErrorRequestHandler(RequestHandler):
                      message: str | None = None) -> web.StreamResponse:
         plain = super().handle_error(request, status, exc, message)
         if isinstance(exc, HttpProcessingError):
-            text = f"malformed HTTP request: {_parse_reason(exc)}"
+            status, text = _refusal(exc)
         else:
             text = "internal server error" if status == 500 else (message or plain.reason)
         answer = error_response(APIError(text, status=status))

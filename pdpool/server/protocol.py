@@ -33,6 +33,7 @@ MAX_LOGPROBS = 20
 MAX_N = 16
 MAX_JSON_DEPTH = 32  # an OpenAI body needs about 5 (messages[i].content[j].text); deeper is an attack or a bug
 MAX_BODY_BYTES = 64 * 1024 * 1024   # a request body, as sent and decompressed: the router's and the nodes' limit
+MAX_HEAD_BYTES = 64 * 1024   # a request's line and headers (a node: each line): the router's and the nodes' limit (431)
 REQUEST_SECONDS = 75.0   # a request must arrive whole within this (408 past it): the router's and the nodes' limit
 INT64_MIN, INT64_MAX = SEED_MIN, SEED_MAX
 

@@ -161,7 +161,7 @@ def test_a_key_that_is_not_utf8_is_401_not_500(server):
 
 MALFORMED_HTTP = [   # what aiohttp's parser refuses before any handler runs
     b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
-    b"GET /health HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 10000 + b"\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
     b"GET /health HTTP/1.1\r\nBad Header Line\r\n\r\n",
     b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
 ]
@@ -233,6 +233,23 @@ def test_a_body_that_is_not_its_content_encoding_is_400(server):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
     r = post(server, "/v1/completions", content=gzip.compress(body)[:-12], headers={"Content-Encoding": "gzip"})
     assert "ends before its end marker" in assert_error(r, 400)["message"]
+
+
+def test_a_header_past_the_routers_limit_is_431_and_one_within_it_is_served(server):
+    """The node's line limit is the router's head limit (64 KiB), and past it the answer is the router's 431, where
+    aiohttp refused a header line over 8190 bytes with a 400 (a long token or cookie the router takes)."""
+    start = server.log_path.stat().st_size
+    status, _, body = raw_exchange(server, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Long: " +
+                                   b"a" * 20000 + b"\r\n\r\n")
+    assert status == 200, body[:200]
+    for raw in (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 70000 + b"\r\n\r\n",
+                b"GET /health?" + b"a" * 70000 + b" HTTP/1.1\r\nHost: x\r\n\r\n"):
+        status, _, body = raw_exchange(server, raw)
+        assert status == 431, body[:200]
+        assert json.loads(body)["error"] == {"message": "the request line or a header is longer than 65536 bytes",
+                                             "type": "invalid_request_error", "param": None, "code": 431}
+    log = server.log_path.read_bytes()[start:].decode(errors="replace")
+    assert log.count("(answered 431)") == 2 and "Traceback" not in log, log[-2000:]
 
 
 def test_an_expectation_the_node_cannot_meet_is_417_json(server):
