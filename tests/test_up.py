@@ -233,6 +233,29 @@ def test_status_with_nothing_running_is_one_line_of_error(tmp_path, url):
     assert "unknown url type" not in out.stderr
 
 
+def test_a_state_file_whose_pid_is_now_another_program_is_stale(tmp_path, monkeypatch):
+    """After a reboot (or a container's restart) the pid of a killed `pdpool up` runs something else: its state
+    file was taken for a running pool (`pdpool status` showed it, and the next up never cleaned it)."""
+    from pdpool.up import state
+
+    monkeypatch.setenv("PDPOOL_CACHE", str(tmp_path))
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        path = state.state_path(free_port())
+        run_dir = tmp_path / "run-stale"
+        run_dir.mkdir()
+        state.write(path, {"pid": other.pid, "pool": "demo", "namespace": "default", "model": "demo",
+                           "router_url": "http://127.0.0.1:1", "ready": True, "redis_url": None,
+                           "redis_password": None, "redis_pid": None, "run_dir": str(run_dir), "processes": []})
+        assert state.running() == []
+        assert state.reap_stale() == [(other.pid, [])]
+        assert not path.exists() and not run_dir.exists()
+        assert other.poll() is None, "a process that is not the pool's is left alone"
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_default_example_is_one_prefill_one_decode_on_cpu():
     out = subprocess.run([sys.executable, "-m", "pdpool.cli", "up", "--dry-run", "--port", "8123"],
                          capture_output=True, text=True, timeout=60)

@@ -48,13 +48,27 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _cmdline(pid: int) -> bytes | None:
+    """``pid``'s command line (empty once it is gone); None where the system has no /proc (macOS)."""
+    if not Path("/proc/self").exists():
+        return None
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def _ours(pid: int) -> bool:
     """``pid`` still runs a pool process (a pdpool child or a redis-server), not a process that reused the pid."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
+    cmdline = _cmdline(pid) or b""
     return b"pdpool" in cmdline or b"redis-server" in cmdline
+
+
+def _up_running(pid: int) -> bool:
+    """The ``pdpool up`` that wrote a state file still runs: its pid is alive and, where /proc says, still a
+    pdpool process (after a reboot, or a container's restart, that pid may run anything else)."""
+    cmdline = _cmdline(pid)
+    return _alive(pid) and (cmdline is None or b"pdpool" in cmdline)
 
 
 def reap_stale() -> list[tuple[int, list[int]]]:
@@ -64,7 +78,7 @@ def reap_stale() -> list[tuple[int, list[int]]]:
     for path in sorted(state_dir().glob("*.json")):
         with contextlib.suppress(OSError, ValueError, KeyError):
             saved = json.loads(path.read_text())
-            if _alive(int(saved["pid"])):
+            if _up_running(int(saved["pid"])):
                 continue
             pids = [p["pid"] for p in saved["processes"] if p.get("pid")]
             pids += [saved["redis_pid"]] if saved.get("redis_pid") else []
@@ -85,6 +99,6 @@ def running() -> list[dict]:
     for path in sorted(state_dir().glob("*.json")):
         with contextlib.suppress(OSError, ValueError):
             state = json.loads(path.read_text())
-            if _alive(int(state["pid"])):
+            if _up_running(int(state["pid"])):
                 out.append(state)
     return out
