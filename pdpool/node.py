@@ -23,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import os
 import socket
+import sys
 import threading
 import time
 
@@ -350,4 +352,10 @@ def run(config) -> None:
     raise_open_files_limit()
     error = asyncio.run(serve(config))
     if error is not None:
-        raise SystemExit(f"pdpool serve: the engine failed to load: {error}")
+        # Out without the interpreter's finalization: threads a failed load left in native code (torch's, say)
+        # may still run, and tearing the runtime down under them aborts the process (SIGABRT, "terminate called
+        # without an active exception") instead of exiting with this status. The node is already stopped.
+        print(f"pdpool serve: the engine failed to load: {error}", file=sys.stderr, flush=True)
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(1)
