@@ -329,7 +329,10 @@ def create_app(node_config, node: ServedNode, routes: list[web.RouteDef] = ()) -
                           client_max_size=protocol.MAX_BODY_BYTES,
                           handler_args={"auto_decompress": False,   # protocol.read_json decodes, as the router
                                         "max_line_size": protocol.MAX_HEAD_BYTES,
-                                        "max_field_size": protocol.MAX_HEAD_BYTES})
+                                        "max_field_size": protocol.MAX_HEAD_BYTES,
+                                        # an idle connection, or one whose request head stopped arriving, is
+                                        # closed after this, as the router's (aiohttp's default: 3630 s)
+                                        "keepalive_timeout": protocol.REQUEST_SECONDS})
     app.on_response_prepare.append(_cors_response_headers(cors))
     app[NODE_KEY] = node
     app[CONFIG_KEY] = node_config

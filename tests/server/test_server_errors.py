@@ -341,6 +341,36 @@ def test_a_body_that_stops_arriving_is_408(monkeypatch):
     assert 0.4 < waited < 10
 
 
+async def _seconds_until_closed(first_bytes: bytes) -> tuple[float, bytes]:
+    from pdpool.config import NodeConfig
+    from pdpool.server.app import create_app
+    from pdpool.server.errors import NodeRunner
+
+    runner = NodeRunner(create_app(NodeConfig(), node=None), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = site._server.sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(first_bytes)
+        start = time.monotonic()
+        rest = await asyncio.wait_for(reader.read(), 10)   # to the close
+        writer.close()
+        return time.monotonic() - start, rest
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("first_bytes", [b"", b"GET /health HTTP/1.1\r\nHo"], ids=["idle", "head-stopped"])
+def test_an_idle_or_stalled_connection_is_closed_after_request_seconds(monkeypatch, first_bytes):
+    """A node closes a connection that sends nothing, or stops inside a request head, after ``REQUEST_SECONDS``
+    (75 s), as the router does, where aiohttp's default held it for 3630 s."""
+    monkeypatch.setattr(protocol, "REQUEST_SECONDS", 0.5)
+    waited, rest = asyncio.run(_seconds_until_closed(first_bytes))
+    assert rest == b"" and waited < 5, (waited, rest)
+
+
 def test_a_500_names_an_error_id_that_the_log_has_with_the_traceback(caplog):
     with caplog.at_level(logging.ERROR, logger="pdpool.server"):
         error_id = asyncio.run(_unexpected_exception())
