@@ -258,6 +258,8 @@ class HttpConnection(asyncio.Protocol):
         r.keep_alive = self.parser.should_keep_alive()
         url = r._url.decode("latin-1")
         path, _, r.query = url.partition("?")
+        if path[:1] != "/" and "://" in path:   # absolute-form (RFC 9112, 3.2.2: a server must take it): its path
+            path = "/" + path.partition("://")[2].partition("/")[2]
         r.path = unquote(path) if "%" in path else path
         if "upgrade" in r.headers or r.method == "CONNECT":
             r.upgrade = self.parser.should_upgrade()

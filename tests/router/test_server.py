@@ -206,6 +206,19 @@ def test_expect_100_continue_then_the_body(app):
         echo_ok(r.response(), body)
 
 
+def test_an_absolute_form_target_is_served_by_its_path(app):
+    """``POST http://host/echo?q=1`` (RFC 9112's absolute-form, which a server must take) is ``/echo``, as a node
+    (aiohttp) serves it, where the router routed the whole URL: a 401 or 404."""
+    body = b"abc"
+    for target in ("http://x/echo?q=1", "https://x:8000/echo?q=1"):
+        with connect(app) as s:
+            s.sendall(post(target, body, "Connection: close\r\n"))
+            answer = Reader(s).response()
+            echo_ok(answer, body)
+            info = json.loads(answer[2])
+            assert (info["path"], info["query"]) == ("/echo", "q=1"), info
+
+
 def test_another_expectation_is_417_then_close(app):
     """As a node answers it (aiohttp), where the router ignored the header and served the request."""
     with connect(app) as s:
