@@ -21,19 +21,27 @@ _LOAD_METRICS = {"vllm:num_requests_waiting": "num_waiting", "vllm:num_requests_
 
 
 def parse_load(text: str) -> Load:
-    """The few unlabeled gauges the router needs, from Prometheus text (no full parse on the hot path)."""
-    load = Load()
+    """The few gauges the router needs, from Prometheus text (no full parse on the hot path). A pdpool node's are
+    unlabeled; vLLM's carry labels (``vllm:num_requests_running{engine="0",model_name="m"} 1.0``), one sample per
+    engine where it runs data-parallel: counts are summed over a gauge's samples, KV usage averaged."""
+    totals: dict[str, list[float]] = {}
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
-        name, _, value = line.partition(" ")
+        end = line.find(" ")
+        brace = line.find("{", 0, end if end >= 0 else len(line))
+        name = line[:brace] if brace >= 0 else line[:end]
         attr = _LOAD_METRICS.get(name)
         if attr:
+            rest = line[line.rfind("}") + 1:] if brace >= 0 else line[end:]
             try:
-                v = float(value.split()[0])
+                v = float(rest.split()[0])
             except (ValueError, IndexError):
                 continue
-            setattr(load, attr, v if attr == "kv_usage" else int(v))
+            totals.setdefault(attr, []).append(v)
+    load = Load()
+    for attr, values in totals.items():
+        setattr(load, attr, sum(values) / len(values) if attr == "kv_usage" else int(sum(values)))
     return load
 
 
