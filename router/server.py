@@ -268,7 +268,7 @@ class HttpConnection(asyncio.Protocol):
             self._refuse(413, f"the request body is larger than {MAX_BODY} bytes")   # without reading it
             return
         expect = r.headers.get("expect")
-        if expect is not None:
+        if expect is not None and not r.http_10:   # HTTP/1.0's is ignored (RFC 9110, 10.1.1), as a node does
             if expect.lower() != "100-continue":   # as a node answers (aiohttp)
                 self._refuse(417, f"Unknown Expect: {expect}")
                 return

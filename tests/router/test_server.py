@@ -206,6 +206,16 @@ def test_expect_100_continue_then_the_body(app):
         echo_ok(r.response(), body)
 
 
+@pytest.mark.parametrize("expect", ["100-continue", "teapot"])
+def test_an_http_10_expectation_is_ignored(app, expect):
+    """RFC 9110 (10.1.1): a server must ignore an HTTP/1.0 request's 100-continue; an HTTP/1.0 client reads an
+    interim ``100 Continue`` as its answer. The router sent it (and refused another expectation with 417), where a
+    node (aiohttp) answers the request."""
+    with connect(app) as s:
+        s.sendall(f"POST /echo HTTP/1.0\r\nContent-Length: 3\r\nExpect: {expect}\r\n\r\nabc".encode())
+        echo_ok(Reader(s).response(), b"abc")
+
+
 def test_an_absolute_form_target_is_served_by_its_path(app):
     """``POST http://host/echo?q=1`` (RFC 9112's absolute-form, which a server must take) is ``/echo``, as a node
     (aiohttp) serves it, where the router routed the whole URL: a 401 or 404."""
