@@ -90,7 +90,7 @@ class Node:
         self.index = None        # NodeIndex (with --redis)
         self.reader = None
         self.heartbeat = None
-        self.metrics = ServerMetrics(self.stats)
+        self.metrics = ServerMetrics(self.stats, config.served_model_name)
         self.kv_metrics = KVMetrics()
         if self.pooled:
             self.kv_metrics.register(self.metrics.registry)

@@ -611,7 +611,7 @@ def test_decode_failures_retry_or_end_the_stream(cluster, start_router):
             if line.startswith("data: "):
                 break
         victim = wait_for(lambda: next((n for n in ("d0", "d1")
-                                        if cluster[n].value("vllm:num_requests_running") > 0), None), 10,
+                                        if cluster[n].value("pdpool_num_requests_running") > 0), None), 10,
                           "the decode node serving the stream")
         cluster[victim].kill()
         rest = [line for line in lines if line.startswith("data: ")]

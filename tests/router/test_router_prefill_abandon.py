@@ -54,7 +54,7 @@ def test_clients_leaving_during_prefill_stop_the_prefill_work(pair, redis_module
 
     asyncio.run(burst())
     left = time.monotonic()
-    wait_for(lambda: p0.value("vllm:num_requests_running") + p0.value("vllm:num_requests_waiting") == 0, 10,
+    wait_for(lambda: p0.value("pdpool_num_requests_running") + p0.value("pdpool_num_requests_waiting") == 0, 10,
              "the prefill node to drop the abandoned prefills")
     assert_no_leaks([p0, d0], start, 10)
     idle_after = time.monotonic() - left

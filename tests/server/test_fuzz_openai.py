@@ -27,7 +27,7 @@ VALID_MAX_TOKENS = 2
 
 def node_counters(server) -> dict[str, float]:
     m = server.metrics()
-    return {k: m[k] for k in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+    return {k: m[k] for k in ("pdpool_num_requests_running", "pdpool_num_requests_waiting",
                               "pdpool_kv_cache_free_blocks")}
 
 
@@ -36,7 +36,7 @@ def settled(server, expected_free: float, timeout: float = 60.0) -> dict[str, fl
     deadline = time.monotonic() + timeout
     while True:
         counters = node_counters(server)
-        if (counters["vllm:num_requests_running"] == 0 and counters["vllm:num_requests_waiting"] == 0
+        if (counters["pdpool_num_requests_running"] == 0 and counters["pdpool_num_requests_waiting"] == 0
                 and counters["pdpool_kv_cache_free_blocks"] == expected_free) or time.monotonic() > deadline:
             return counters
         time.sleep(0.2)

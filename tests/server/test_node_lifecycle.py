@@ -100,7 +100,7 @@ def test_waiting_queue_is_bounded_with_429(small_queue):
         else:
             assert r.json()["usage"]["completion_tokens"] == 24
     m = small_queue.metrics()
-    assert m["vllm:num_requests_running"] == m["vllm:num_requests_waiting"] == 0
+    assert m["pdpool_num_requests_running"] == m["pdpool_num_requests_waiting"] == 0
     assert m["pdpool_kv_cache_free_blocks"] == 64
 
 

@@ -10,8 +10,7 @@ import time
 import httpx
 
 GAUGES = ["pdpool_num_requests_running", "pdpool_num_requests_waiting", "pdpool_kv_cache_usage_perc",
-          "pdpool_kv_cache_free_blocks", "pdpool_prefix_cache_hit_rate",
-          "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"]
+          "pdpool_kv_cache_free_blocks", "pdpool_prefix_cache_hit_rate"]
 COUNTERS = ["pdpool_prefill_chunks_total", "pdpool_prefix_cache_hit_tokens_total", "pdpool_preemptions_total",
             "pdpool_generation_tokens_total", "pdpool_prompt_tokens_total"]
 HISTOGRAMS = ["pdpool_time_to_first_token_seconds", "pdpool_inter_token_latency_seconds"]
@@ -43,8 +42,32 @@ def test_metric_names_and_cache_config(server, client):
     info = f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="{server.num_kv_blocks}"}}'
     assert m[info] == 1.0
     assert m["pdpool_kv_cache_free_blocks"] == server.num_kv_blocks
-    assert m["vllm:kv_cache_usage_perc"] == 0.0
     assert m["pdpool_generation_tokens_total"] >= 3
+
+
+def test_vllm_names_and_labels_as_vllm_serves_them(server, client):
+    """What reads a vLLM server reads a node: the endpoint picker's gauges, and the counters and histograms of
+    vLLM's Grafana dashboards, under vLLM's names with its labels (model_name, engine), equal to pdpool's own."""
+    client.completions.create(model="demo", prompt="Hello there, again", max_tokens=4, temperature=0)
+    m = idle(server)
+    labels = '{engine="0",model_name="demo"}'
+    same = {"vllm:num_requests_running": "pdpool_num_requests_running",
+            "vllm:num_requests_waiting": "pdpool_num_requests_waiting",
+            "vllm:kv_cache_usage_perc": "pdpool_kv_cache_usage_perc",
+            "vllm:prompt_tokens_total": "pdpool_prompt_tokens_total",
+            "vllm:generation_tokens_total": "pdpool_generation_tokens_total",
+            "vllm:num_preemptions_total": "pdpool_preemptions_total",
+            "vllm:prefix_cache_queries_total": "pdpool_prefix_cache_queried_tokens_total",
+            "vllm:prefix_cache_hits_total": "pdpool_prefix_cache_hit_tokens_total"}
+    for vllm_name, ours in same.items():
+        assert m[vllm_name + labels] == m[ours], vllm_name
+    assert m["vllm:kv_cache_usage_perc" + labels] == 0.0 and m["vllm:generation_tokens_total" + labels] >= 4
+    for vllm_name, ours in (("vllm:time_to_first_token_seconds", "pdpool_time_to_first_token_seconds"),
+                            ("vllm:inter_token_latency_seconds", "pdpool_inter_token_latency_seconds"),
+                            ("vllm:e2e_request_latency_seconds", "pdpool_e2e_request_latency_seconds")):
+        assert m[vllm_name + "_count" + labels] == m[ours + "_count"] >= 1, vllm_name
+        assert m[vllm_name + "_sum" + labels] == m[ours + "_sum"], vllm_name
+        assert m[f'{vllm_name}_bucket{{engine="0",le="0.5",model_name="demo"}}'] == m[f'{ours}_bucket{{le="0.5"}}']
 
 
 def test_ttft_and_itl_are_observed_per_request(server, client):
