@@ -27,6 +27,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from urllib.parse import quote
 
 import aiohttp
 
@@ -44,6 +45,25 @@ from pdpool.decode_node.peers import PeerDirectory
 logger = logging.getLogger(__name__)
 
 TEST_HOLD_KEY = "pdpool_test_hold"  # {"point": "before_transfer" | "after_transfer", "seconds": s}
+
+
+@dataclass(frozen=True)
+class LeaseRef:
+    """A lease and its prefill node's address: what a release needs of a handle (``KVHandle`` has these fields)."""
+    node_id: str
+    remote_host: str
+    remote_port: int
+    lease_id: str
+
+    @classmethod
+    def of(cls, params: dict) -> "LeaseRef | None":
+        """From ``kv_transfer_params`` that are no valid handle, if they still name a lease and an address."""
+        ref = cls(*(params.get(name) for name in ("node_id", "remote_host", "remote_port", "lease_id")))
+        port = ref.remote_port
+        if (all(isinstance(v, str) and v for v in (ref.node_id, ref.remote_host, ref.lease_id))
+                and type(port) is int and 1 <= port <= 65535):
+            return ref
+        return None
 
 
 class LeaseLostError(RuntimeError):
@@ -100,6 +120,9 @@ class DecodeSide:
         try:
             handle = KVHandle.from_dict(kv_transfer_params)
         except KVHandleError as exc:
+            lease = LeaseRef.of(kv_transfer_params)
+            if lease is not None:  # the prefill node need not hold blocks nobody will read
+                self._on_loop(self._release, lease)
             raise InvalidRequestError(f"invalid kv_transfer_params: {exc}", param="kv_transfer_params") from None
         if any(j.handle.lease_id == handle.lease_id for j in self.jobs.values()):
             raise InvalidRequestError("a KV handle serves one request (one prompt, n = 1)", param="kv_transfer_params")
@@ -206,12 +229,12 @@ class DecodeSide:
                 self._on_loop(self._end_lease, job)
         return deferred
 
-    def _on_loop(self, fn, job: LoadJob) -> None:
+    def _on_loop(self, fn, arg) -> None:
         assert self.loop is not None, "the decode side needs the server's event loop"
-        self.loop.call_soon_threadsafe(self._spawn, fn, job)
+        self.loop.call_soon_threadsafe(self._spawn, fn, arg)
 
-    def _spawn(self, fn, job: LoadJob) -> None:
-        task = self.loop.create_task(fn(job))
+    def _spawn(self, fn, arg) -> None:
+        task = self.loop.create_task(fn(arg))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
@@ -331,9 +354,8 @@ class DecodeSide:
         if job.test_hold.get("point") == point:
             await asyncio.sleep(float(job.test_hold.get("seconds", 0)))
 
-    async def _post(self, job: LoadJob, action: str, body: dict) -> dict:
-        h = job.handle
-        url = internal_api.url(h.remote_host, h.remote_port, f"kv/leases/{h.lease_id}/{action}")
+    async def _post(self, h: KVHandle | LeaseRef, action: str, body: dict) -> dict:
+        url = internal_api.url(h.remote_host, h.remote_port, f"kv/leases/{quote(h.lease_id, safe='')}/{action}")
         await self.peers.vouch(h)
         try:
             async with self.session_of().post(url, json=body, headers=internal_api.headers(self.token),
@@ -347,7 +369,7 @@ class DecodeSide:
 
     async def _notify(self, job: LoadJob) -> bool:
         job.lease_ended = True  # whatever the answer, the prefill node frees the blocks
-        reply = await self._post(job, "notify", {"binding": job.handle.binding()})
+        reply = await self._post(job.handle, "notify", {"binding": job.handle.binding()})
         return bool(reply.get("held"))
 
     async def _push(self, job: LoadJob, peer: str) -> bool:
@@ -357,7 +379,7 @@ class DecodeSide:
                 "binding": job.handle.binding()}
         job.push_unanswered = True
         try:
-            reply = await self._post(job, "push", body)
+            reply = await self._post(job.handle, "push", body)
         except KVTransferError as exc:
             if isinstance(exc.__cause__, aiohttp.ClientConnectorError):
                 job.push_unanswered = False  # it never reached the prefill node
@@ -367,9 +389,12 @@ class DecodeSide:
         return bool(reply.get("held"))
 
     async def _end_lease(self, job: LoadJob) -> None:
-        """Best effort: tell the prefill node to free the blocks now rather than at expiry."""
         job.lease_ended = True
+        await self._release(job.handle)
+
+    async def _release(self, lease: KVHandle | LeaseRef) -> None:
+        """Best effort: tell the prefill node to free the blocks now rather than at expiry."""
         try:
-            await self._post(job, "notify", {"release": True})
+            await self._post(lease, "notify", {"release": True})
         except Exception as exc:  # noqa: BLE001 - the lease expires on its own
-            logger.info("could not release lease %s at %s: %s", job.handle.lease_id, job.handle.node_id, exc)
+            logger.info("could not release lease %s at %s: %s", lease.lease_id, lease.node_id, exc)
