@@ -52,9 +52,10 @@ class PeerDirectory:
         self._locks: dict[str, asyncio.Lock] = {}  # node id -> one load at a time
         self._vouched: set[tuple[str, str, int]] = set()  # (node id, host, port) the index confirmed
 
-    async def vouch(self, handle: KVHandle) -> None:
+    async def vouch(self, handle) -> None:
         """Raise ``UnknownPeerError`` unless the index has the handle's node at the handle's address (or cannot
-        say: no Redis, or Redis down)."""
+        say: no Redis, or Redis down). ``handle``: a ``KVHandle``, or anything with its ``node_id``, ``remote_host``
+        and ``remote_port`` (``decode_node.side.LeaseRef``)."""
         peer = (handle.node_id, handle.remote_host, handle.remote_port)
         if self.reader is None or peer in self._vouched:
             return

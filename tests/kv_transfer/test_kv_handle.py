@@ -26,7 +26,8 @@ def make_handle(**overrides) -> KVHandle:
         node_id="prefill-0", incarnation="a1b2", agent_name="prefill-0#a1b2", lease_id="lease-42",
         lease_remaining_s=29.5, block_hashes=[h.hex() for h in hashes], num_tokens=40,
         partial_block_hash=partial_block_hash(TOKENS, hashes, 16, ROOT),
-        first_token_id=1234, first_token_logprobs={"token_id": 1234, "logprob": -0.25, "top": [[1234, -0.25]]}, fingerprint=FP, transfer_mode="pull",
+        first_token_id=1234, first_token_logprobs={"token_id": 1234, "logprob": -0.25, "top": [[1234, -0.25]]},
+        fingerprint=FP, transfer_mode="pull",
         rank_layouts=[KVRegion(base_addr=0x7F0000000000, num_blocks=64, block_bytes=FP.block_bytes)])
     fields.update(overrides)
     return KVHandle(**fields)
