@@ -405,12 +405,15 @@ class KVAgent:
 
     def _post(self, op: str, peer: str, local_descs, remote_descs, notif: bytes, remote_mem: str):
         nixl = self._nixl
+        handle = None
         try:
             handle = nixl.initialize_xfer(op, nixl.get_xfer_descs(local_descs, self.region.mem_type),
                                           nixl.get_xfer_descs(remote_descs, remote_mem), peer, notif)
             state = nixl.transfer(handle)
         except Exception as exc:  # nixlBind raises its own types (nixlNotFoundError, nixlBackendError...)
             self.stats.failures += 1
+            if handle is not None:  # made, then refused at post (a peer that disconnected): not left in NIXL
+                self._release(handle)
             if peer in self._peers:
                 self._peers[peer].warm = False  # reconnect (and warm up) on the next attempt
             raise KVTransferError(f"NIXL {op} with {peer} could not be posted: {exc}") from exc

@@ -1,5 +1,5 @@
-"""A node's loaded peers: one agent per peer node, whatever its restarts (real NIXL agents in this process, host
-memory, ``UCX_TLS=tcp,self``).
+"""A node's loaded peers: one agent per peer node, whatever its restarts, and nothing left in NIXL by a peer that
+went away (real NIXL agents in this process, host memory, ``UCX_TLS=tcp,self``).
 
 A prefill node that pushes loads each decode node's agent (``<node>#<incarnation>``) when asked to push; a decode
 node loads each prefill node's. Every restart of a peer is a new incarnation, so without dropping the old one a
@@ -7,6 +7,8 @@ long-running node collected a NIXL remote agent (and its UCX endpoint to a dead 
 """
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
@@ -43,3 +45,27 @@ def test_a_new_incarnation_of_a_peer_replaces_the_old_one():
 
 def test_node_of():
     assert node_of("prefill-0#a1b2") == "prefill-0" and node_of("a#b#c") == "a#b" and node_of("diag") is None
+
+
+def test_a_transfer_refused_at_post_releases_its_request():
+    """A peer gone between two transfers (a prefill node killed): NIXL makes the transfer request, then refuses to post
+    it (NIXL_ERR_REMOTE_DISCONNECT). Every such request was left in NIXL, one per failed handoff; the real agent's
+    calls are counted here."""
+    holders = [agent("prefill-0#a", 1.0)[0]]
+    reader, _ = agent("decode-0#a", 0.0)
+    try:
+        peer = reader.add_peer(holders[0].metadata())
+        reader.read_blocks(peer, remote_block_ids=[0], local_block_ids=[1], timeout=20.0)
+        made, released = [], []
+        nixl = reader._nixl
+        initialize, release = nixl.initialize_xfer, nixl.release_xfer_handle
+        nixl.initialize_xfer = lambda *a, **kw: made.append(1) or initialize(*a, **kw)
+        nixl.release_xfer_handle = lambda h: released.append(1) or release(h)
+        holders.pop().close()
+        gc.collect()  # the holder's NIXL agent goes: its process died
+        for _ in range(3):
+            with pytest.raises(KVTransferError):
+                reader.read_blocks(peer, remote_block_ids=[0], local_block_ids=[1], timeout=5.0)
+        assert made and len(released) == len(made)
+    finally:
+        reader.close()
