@@ -78,6 +78,10 @@ def _token_text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
+# Text from this length on is tokenized with the GIL released, and a server tokenizes it off its event loop: a
+# 20 MB prompt takes seconds, during which every other request on the loop (streams, /health) would stall.
+LONG_TEXT_CHARS = 32768
+
 # transformers' marker of where the final message's content ends (continue_final_message)
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
@@ -102,6 +106,8 @@ class Tokenizer:
         self.eos_token_id = self._tok.token_to_id(eos) if eos else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) >= LONG_TEXT_CHARS:   # the same ids; ``tokenizers`` releases the GIL only in its batch call
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def to_json(self) -> str:

@@ -34,7 +34,7 @@ from pdpool.engine.output_processor import OutputProcessor, RequestOutput
 from pdpool.engine.sampler import RequestFault
 from pdpool.engine.sampling_params import SamplingParams
 from pdpool.engine.structured import Grammars
-from pdpool.frontend import Frontend, ModelFiles, Tokenizer
+from pdpool.frontend import LONG_TEXT_CHARS, Frontend, ModelFiles, Tokenizer
 from pdpool.utils import release_free_heap
 
 logger = logging.getLogger(__name__)
@@ -158,8 +158,15 @@ class AsyncLLM:
             raise EngineClosedError("the engine is shut down")
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", param=None)
-        ids = self.frontend.encode_prompt(prompt if prompt_token_ids is None else prompt_token_ids,
-                                          add_special_tokens)
+        source = prompt if prompt_token_ids is None else prompt_token_ids
+        if isinstance(source, str) and len(source) >= LONG_TEXT_CHARS:   # off the loop, which serves every stream
+            ids = await asyncio.to_thread(self.frontend.encode_prompt, source, add_special_tokens)
+            if self._closed:
+                raise EngineClosedError("the engine is shut down")
+            if request_id in self._streams:   # the same id came in while this one was tokenized
+                raise InvalidRequestError(f"request id {request_id!r} is already in flight", param=None)
+        else:
+            ids = self.frontend.encode_prompt(source, add_special_tokens)
         kept = self.frontend.apply_prompt_options(ids, params, self.max_model_len)
         cut = len(kept) < len(ids)
         if cut:

@@ -14,6 +14,7 @@ the logs, and comes back as a response header. A request with an ``Origin`` is C
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Protocol
 
@@ -183,9 +184,9 @@ async def count_tokens_route(request: web.Request) -> web.Response:
     turn = anthropic_messages.translate(body, count_tokens=True)
     llm = request.app[NODE_KEY].require_llm()
     trusted = request.app[CONFIG_KEY].server.trust_request_chat_template
-    return web.json_response(anthropic_messages.counted(tokenize.tokenize(
-        anthropic_messages.count_tokens_body(turn), llm.frontend, _served_names(request), llm.max_model_len,
-        trust_chat_template=trusted)))
+    return web.json_response(anthropic_messages.counted(await asyncio.to_thread(
+        tokenize.tokenize, anthropic_messages.count_tokens_body(turn), llm.frontend, _served_names(request),
+        llm.max_model_len, trust_chat_template=trusted)))
 
 
 async def _generate(request: web.Request, llm, req: protocol.GenerationRequest,
@@ -241,8 +242,9 @@ async def tokenize_route(request: web.Request) -> web.Response:
     body = await protocol.read_json(request)
     llm = request.app[NODE_KEY].require_llm()
     trusted = request.app[CONFIG_KEY].server.trust_request_chat_template
-    return web.json_response(tokenize.tokenize(body, llm.frontend, _served_names(request), llm.max_model_len,
-                                               trust_chat_template=trusted))
+    # Off the event loop (rendering and tokenizing a long text takes seconds): as a generation request's prompt
+    return web.json_response(await asyncio.to_thread(tokenize.tokenize, body, llm.frontend, _served_names(request),
+                                                     llm.max_model_len, trust_chat_template=trusted))
 
 
 async def detokenize_route(request: web.Request) -> web.Response:
