@@ -24,6 +24,7 @@ import aiohttp
 from pdpool import internal_api
 from pdpool.kv_transfer.agent import unpack_metadata
 from pdpool.kv_transfer.handle import KVHandle
+from pdpool.utils import http_url
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class PeerDirectory:
         except Exception as exc:  # IndexUnavailableError: the handle is taken as it is
             logger.info("could not check node %s's address in Redis (%s); trusting the handle", handle.node_id, exc)
             return
-        address = f"http://{handle.remote_host}:{handle.remote_port}"
+        address = http_url(handle.remote_host, handle.remote_port)
         if info is None or info.url != address:
             raise UnknownPeerError(f"the pool's index has no node {handle.node_id!r} at {address} "
                                    f"({'no live node of that id' if info is None else 'it is at ' + info.url})")

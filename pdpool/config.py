@@ -34,6 +34,9 @@ _AUTO_TOOL_HELP = ("Serve tool_choice \"auto\" (the default with tools): the mod
 _PARSER_HELP = "The model's tool-call format, for --enable-auto-tool-choice (vLLM's names)."
 # CORS, as vLLM's flags (Starlette's CORSMiddleware; pdpool.server.cors): a list flag takes a JSON list, as vLLM's
 # --allowed-origins '["https://app.example"]', or one value per flag, repeated.
+# Unset: IPv4 and IPv6 both, each its own socket (pdpool.utils.bind_sockets): a kubelet probes the pod's IP, which is
+# IPv6 only in an IPv6-only cluster, where 0.0.0.0 was refused.
+LISTEN_HELP = "Address to listen on (default: every address, IPv4 and IPv6)."
 HEADER_VALUE = "^[ -~]+$"   # a value sent in a response header as it is: printable ASCII, not empty
 _ORIGINS_HELP = "Origins a browser may call from (CORS), a JSON list or repeated; * (the default): any (vLLM's flag)."
 _CREDENTIALS_HELP = "CORS: allow a browser's credentials (cookies, HTTP authentication) (vLLM's flag)."
@@ -111,7 +114,7 @@ class DeviceConfig:
 
 @dataclass
 class ServerConfig:
-    host: str = opt("0.0.0.0", "Address to listen on.")
+    host: str | None = opt(None, LISTEN_HELP)
     port: int = opt(8000, "HTTP port.", ge=0, le=65535)
     role: str = opt("both", "Node role in a disaggregated pool.", choices=ROLES)
     api_key: str | None = opt(None, "Bearer key clients must present.", secret=True)
@@ -192,7 +195,7 @@ class RouterConfig:
                           crd="engine.blockSize")
     config: str | None = opt(None, "YAML file: any of these settings, and the scheduler's filters, scorers and "
                              "picker with their weights (docs/router.md).")
-    host: str = opt("0.0.0.0", "Address to listen on.")
+    host: str | None = opt(None, LISTEN_HELP)
     port: int = opt(8000, "HTTP port of the router.", ge=1, le=65535, crd="router.port")
     api_key: str | None = opt(None, "Bearer key clients must present.", secret=True)
     internal_token: str | None = opt(None, "Token the router presents to the nodes.", secret=True)

@@ -11,6 +11,7 @@ import hmac
 from aiohttp import web
 
 from pdpool.server.errors import APIError
+from pdpool.utils import http_url
 
 HEADER = "X-PDPool-Internal-Token"
 PREFIX = "/internal/"
@@ -29,5 +30,4 @@ def check(request: web.Request, token: str | None) -> None:
 
 
 def url(host: str, port: int, path: str) -> str:
-    host = f"[{host}]" if ":" in host else host
-    return f"http://{host}:{port}{PREFIX}{path}"
+    return http_url(host, port, PREFIX + path)

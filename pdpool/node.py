@@ -37,7 +37,7 @@ from pdpool.kv_metrics import KVMetrics
 from pdpool.server.app import create_app
 from pdpool.server.errors import APIError, NodeRunner, http_logger
 from pdpool.server.metrics import ServerMetrics
-from pdpool.utils import raise_open_files_limit, wait_for_stop_signal
+from pdpool.utils import bind_sockets, http_url, raise_open_files_limit, wait_for_stop_signal
 
 logger = logging.getLogger("pdpool.node")
 
@@ -79,7 +79,7 @@ class Node:
         self.agent_name = f"{self.node_id}#{self.incarnation}"
         self.pooled = self.role != "both" or bool(config.disagg.redis)  # runs the KV connector
         host = config.disagg.advertise_host or config.server.host
-        self.host = socket.gethostname() if host in ("0.0.0.0", "::") else host
+        self.host = socket.gethostname() if host in (None, "", "0.0.0.0", "::") else host
         self.created = int(time.time())
         self.status = "loading"  # loading | ready | failed | draining | stopping
         self.error: str | None = None
@@ -227,7 +227,7 @@ class Node:
         self.reader = IndexReader(connect(d.redis, d.redis_password), keys)
         self.index.resync([])  # a new incarnation starts with an empty cache
         self.index.set_agent_metadata(self.worker.metadata())
-        url = f"http://{self.host}:{self.config.server.port}"
+        url = http_url(self.host, self.config.server.port)
         fp = engine.fingerprint
         fingerprint = {"model_id": fp.model_id, "dtype": fp.dtype, "block_size": fp.block_size}
         scheduler = engine.scheduler
@@ -332,10 +332,11 @@ async def serve(config, *, stop: asyncio.Event | None = None) -> str | None:
     runner = NodeRunner(node.app, handler_cancellation=True, access_log=None, shutdown_timeout=STOP_GRACE_SECONDS,
                         logger=http_logger())
     await runner.setup()
-    site = web.TCPSite(runner, config.server.host, config.server.port)
-    await site.start()
-    logger.info("pdpool %s node listening on http://%s:%d (model %s)", config.server.role, config.server.host,
-                config.server.port, config.served_model_name)
+    sockets = bind_sockets(config.server.host, config.server.port)
+    for sock in sockets:   # one site per address: IPv4 and IPv6 when --host is unset
+        await web.SockSite(runner, sock).start()
+    logger.info("pdpool %s node listening on %s (model %s)", config.server.role,
+                ", ".join(http_url(*sock.getsockname()[:2]) for sock in sockets), config.served_model_name)
     await node.start()
     try:
         await wait_for_stop_signal(stop)

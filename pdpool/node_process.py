@@ -26,6 +26,8 @@ import urllib.request
 from pathlib import Path
 from typing import IO
 
+from pdpool.utils import http_url
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (the usual race: bind it soon)."""
@@ -66,7 +68,7 @@ class NodeProcess:
         self.name = name
         self.host = host
         self.port = port or free_port(host)
-        self.url = f"http://{host}:{self.port}"
+        self.url = http_url(host, self.port)
         self.base_url = self.url + "/v1"
         self.proc: subprocess.Popen | None = None
         self.log_path: Path | None = None

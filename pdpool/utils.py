@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import socket
+
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling division: the number of ``b``-sized blocks that hold ``a`` items."""
@@ -58,3 +61,61 @@ def release_free_heap() -> bool:
         return False
     trim(0)
     return True
+
+
+def url_host(host: str) -> str:
+    """``host`` as a URL's authority writes it: an IPv6 literal in brackets (RFC 3986 3.2.2), as ``fd00::1`` ->
+    ``[fd00::1]``; a name, an IPv4 address or an already bracketed literal unchanged."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def http_url(host: str, port: int, path: str = "") -> str:
+    """``http://host:port`` plus ``path``, ``host`` bracketed when it is an IPv6 literal (``url_host``)."""
+    return f"http://{url_host(host)}:{port}{path}"
+
+
+# What socket() or bind() of a family this machine lacks fails with: no IPv6 in the kernel (EAFNOSUPPORT), or
+# IPv6 disabled by sysctl, as in many containers (EADDRNOTAVAIL for ::).
+_NO_SUCH_FAMILY = {errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL, errno.EPROTONOSUPPORT}
+
+
+def bind_sockets(host: str | None, port: int, *, reuse_port: bool = False) -> list[socket.socket]:
+    """Bound TCP sockets (not yet listening) for a server on ``host:port``, each address its own socket, as
+    ``asyncio``'s ``create_server`` binds them: SO_REUSEADDR, IPV6_V6ONLY on IPv6, SO_REUSEPORT if asked.
+
+    ``host`` None or "": every address of every family this machine has (``0.0.0.0`` and ``::``); a family it lacks
+    is skipped, where Python 3.11's asyncio and uvloop fail the whole server on it; with port 0 every socket takes
+    the first one's port. A named host binds exactly its addresses, and any failure raises ``OSError``."""
+    wildcard = not host
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):   # getaddrinfo may repeat an address
+            if sockets and port == 0 and wildcard:
+                address = (address[0], sockets[0].getsockname()[1], *address[2:])
+            try:
+                sock = socket.socket(family, kind, proto)
+            except OSError as exc:
+                if wildcard and exc.errno in _NO_SUCH_FAMILY:
+                    continue
+                raise
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if reuse_port:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+            except OSError as exc:
+                sock.close()
+                if wildcard and family == socket.AF_INET6 and exc.errno in _NO_SUCH_FAMILY:
+                    continue
+                raise OSError(exc.errno, f"cannot bind {address[0]} port {address[1]}: {exc.strerror}") from None
+            sockets.append(sock)
+        if not sockets:
+            raise OSError(errno.EADDRNOTAVAIL, f"no address to listen on for {host or 'every address'}")
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets

@@ -37,6 +37,7 @@ import yaml
 
 from pdpool.router.discovery_static import StaticDiscovery
 from pdpool.router.endpoints import Endpoint, Pool
+from pdpool.utils import http_url, url_host
 
 logger = logging.getLogger("pdpool.router")
 
@@ -126,7 +127,7 @@ def connect(kube_api: str | None, environ=os.environ, service_account: Path = SE
     else the kubeconfig's current context."""
     host, port = environ.get("KUBERNETES_SERVICE_HOST"), environ.get("KUBERNETES_SERVICE_PORT", "443")
     if host and (service_account / "token").exists():
-        server = kube_api or f"https://{'[' + host + ']' if ':' in host else host}:{port}"
+        server = kube_api or f"https://{url_host(host)}:{port}"
         ca = service_account / "ca.crt"
         return KubeConnection(server.rstrip("/"), token_file=str(service_account / "token"),
                               ssl=_ssl(server, str(ca) if ca.exists() else None, None, None, False))
@@ -137,10 +138,6 @@ def connect(kube_api: str | None, environ=os.environ, service_account: Path = SE
 
 
 # ---- EndpointSlices -> endpoints ------------------------------------------------------------------------
-
-def _host(address: str) -> str:
-    return f"[{address}]" if ":" in address else address
-
 
 def slice_endpoints(obj: dict, pool_name: str) -> list[Endpoint]:
     """The ready, not terminating endpoints of one slice, on its ``http`` port. Role: the slice's role label
@@ -155,7 +152,7 @@ def slice_endpoints(obj: dict, pool_name: str) -> list[Endpoint]:
         cond = ep.get("conditions") or {}
         if cond.get("ready") is False or cond.get("terminating") or not ep.get("addresses"):
             continue                                   # ready unset means ready (the API's rule)
-        url = f"http://{_host(ep['addresses'][0])}:{port}"
+        url = http_url(ep["addresses"][0], port)
         ref = ep.get("targetRef") or {}
         # A pdpool node's default id is hostname:port, and a pod's hostname is its name: ids match Redis's.
         node_id = f"{ref['name']}:{port}" if ref.get("kind") == "Pod" and ref.get("name") else url

@@ -27,6 +27,8 @@ from collections import deque
 from functools import lru_cache
 from urllib.parse import urlsplit
 
+from pdpool.utils import url_host
+
 try:
     import httptools
 except ImportError:  # the router then keeps aiohttp's client for every leg (router/upstream.py)
@@ -62,8 +64,7 @@ def _target(url: str) -> tuple[str, int, str, str]:
         raise ValueError(f"not an http:// URL: {url!r}")
     port = u.port or 80
     path = (u.path or "/") + (f"?{u.query}" if u.query else "")
-    host = f"[{u.hostname}]" if ":" in u.hostname else u.hostname
-    return u.hostname, port, path, f"{host}:{port}"
+    return u.hostname, port, path, f"{url_host(u.hostname)}:{port}"
 
 
 class Response:

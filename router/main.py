@@ -11,7 +11,7 @@ import time
 
 from pdpool import logs as log
 from pdpool.router import log_lines, settings
-from pdpool.utils import raise_open_files_limit, wait_for_stop_signal
+from pdpool.utils import http_url, raise_open_files_limit, wait_for_stop_signal
 
 logger = logging.getLogger("pdpool.router")
 
@@ -103,9 +103,10 @@ def _main_workers(cfg, profile) -> int:
 
     r = cfg.router
     try:
-        workers.check_port_free(r.host, r.port)
+        addresses = workers.check_port_free(r.host, r.port)
     except OSError as exc:
-        print(f"pdpool router: error: cannot listen on {r.host}:{r.port}: {exc}", file=sys.stderr)
+        where = r.host or "every address"
+        print(f"pdpool router: error: cannot listen on {where} port {r.port}: {exc}", file=sys.stderr)
         return 2
     # Before any import of prometheus_client, in this process and so in every worker (router/metrics.py).
     metrics_dir = tempfile.mkdtemp(prefix="pdpool-router-metrics-")
@@ -129,13 +130,13 @@ def _main_workers(cfg, profile) -> int:
 
         frontend = Frontend.from_model(r.model, token_cache_chunks=r.token_cache_chunks)
         try:
-            run(_serve(Router(cfg, profile, frontend), r.host, r.port, reuse_port=True, worker=index))
+            run(_serve(Router(cfg, profile, frontend), addresses, r.port, reuse_port=True, worker=index))
         finally:
             if workers.supervisor_gone(supervisor):  # its cleanup never ran: the last ones out
                 shutil.rmtree(metrics_dir, ignore_errors=True)
         return 0
 
-    logger.info("pdpool router: %d workers on http://%s:%d", r.workers, r.host, r.port)
+    logger.info("pdpool router: %d workers on %s", r.workers, ", ".join(http_url(a, r.port) for a in addresses))
     try:
         return workers.supervise(r.workers, run_worker, on_exit=lambda pid: multiprocess.mark_process_dead(
             pid, metrics_dir))
@@ -151,7 +152,8 @@ def _settle_gc() -> None:
     gc.freeze()
 
 
-async def _serve(router, host: str, port: int, reuse_port: bool = False, worker: int | None = None) -> None:
+async def _serve(router, host: str | None | list[str], port: int, reuse_port: bool = False,
+                 worker: int | None = None) -> None:
     from pdpool.router.server import start_server
 
     stop = asyncio.Event()
@@ -165,7 +167,7 @@ async def _serve(router, host: str, port: int, reuse_port: bool = False, worker:
     try:
         server = await start_server(router.handle, host, port, reuse_port=reuse_port)
         name = "pdpool router" if worker is None else f"pdpool router worker {worker} (pid {os.getpid()})"
-        logger.info("%s listening on http://%s:%d", name, host, port)
+        logger.info("%s listening on %s", name, ", ".join(http_url(*sock.getsockname()[:2]) for sock in server.sockets))
         try:
             await wait_for_stop_signal(stop)
         finally:

@@ -35,6 +35,7 @@ import httptools
 from pdpool.router.eager import start_eagerly
 from pdpool.server.errors import APIError
 from pdpool.server.protocol import MAX_BODY_BYTES as MAX_BODY, MAX_HEAD_BYTES as MAX_HEAD, REQUEST_SECONDS
+from pdpool.utils import bind_sockets
 
 logger = logging.getLogger("pdpool.router")
 
@@ -435,7 +436,34 @@ class HttpConnection(asyncio.Protocol):
             d.set_result(None)
 
 
-async def start_server(handler, host: str, port: int, *, reuse_port: bool = False) -> asyncio.AbstractServer:
+class Listeners:
+    """The router's servers, one per listening socket (``--host`` unset: IPv4 and IPv6), closed together."""
+
+    def __init__(self, servers: list[asyncio.AbstractServer]) -> None:
+        self.servers = servers
+
+    @property
+    def sockets(self) -> list[socket.socket]:
+        return [sock for server in self.servers for sock in server.sockets]
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.close()
+
+
+async def start_server(handler, host: str | None | list[str], port: int, *, reuse_port: bool = False) -> Listeners:
+    """Serve on ``host:port``; ``host`` None or "": every address, IPv4 and IPv6 (``pdpool.utils.bind_sockets``,
+    which leaves out a family this machine lacks, where uvloop's create_server fails); a list: each of them."""
     loop = asyncio.get_running_loop()
-    return await loop.create_server(lambda: HttpConnection(handler, loop), host, port, backlog=1024,
-                                    reuse_port=reuse_port or None)
+    sockets = [sock for one in (host if isinstance(host, list) else [host])
+               for sock in bind_sockets(one, port, reuse_port=reuse_port)]
+    servers = []
+    try:
+        for sock in sockets:
+            servers.append(await loop.create_server(lambda: HttpConnection(handler, loop), sock=sock, backlog=1024))
+    except BaseException:
+        Listeners(servers).close()
+        for sock in sockets:
+            sock.close()
+        raise
+    return Listeners(servers)

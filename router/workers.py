@@ -35,6 +35,7 @@ import time
 from typing import Callable
 
 from pdpool.router import log_lines
+from pdpool.utils import bind_sockets
 
 logger = logging.getLogger("pdpool.router")
 
@@ -44,16 +45,16 @@ YOUNG_SECONDS = 10.0        # a worker that dies younger than this counts as fai
 MAX_BACKOFF_SECONDS = 30.0
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Raise ``OSError`` when host:port is taken. Workers bind with SO_REUSEPORT, which would silently share a
-    port with another process that did the same (another router started on that port): bind without it first."""
-    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    for family, kind, proto, _, addr in infos:
-        with socket.socket(family, kind, proto) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            s.bind(addr)
+def check_port_free(host: str | None, port: int) -> list[str]:
+    """The addresses every worker must bind (``host`` unset: IPv4 and IPv6, or what of them this machine has);
+    raise ``OSError`` when host:port is taken. Workers bind with SO_REUSEPORT, which would silently share a port
+    with another process that did the same (another router started on that port): bind without it first. Each
+    worker then binds exactly these addresses, so all of them listen on the same set."""
+    sockets = bind_sockets(host, port)
+    addresses = [sock.getsockname()[0] for sock in sockets]
+    for sock in sockets:
+        sock.close()
+    return addresses
 
 
 class _Orphan:

@@ -33,6 +33,7 @@ from pdpool.up import redis as local_redis
 from pdpool.up import state
 from pdpool.up.pool import PoolFileError, connect_host, load_pool, plan, replicas, shared_env
 from pdpool.up.supervisor import Child, Output
+from pdpool.utils import http_url
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")  # what redis-py (the nodes', the router's client) takes
 ROUTER_STOP_GRACE = 30.0
@@ -84,7 +85,7 @@ class Up:
         self.first_signal = 0.0
         self.killed_by: int | None = None  # the second signal, which killed every process without a clean stop
         self.ready = False
-        self.router_url = f"http://{connect_host(args.host)}:{self.port}"
+        self.router_url = http_url(connect_host(args.host), self.port)
 
     def say(self, text: str) -> None:
         self.out.line("up", text)

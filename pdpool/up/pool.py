@@ -22,6 +22,7 @@ from pdpool.operator.builders import config_map
 from pdpool.operator.builders.nodes import node_config
 from pdpool.operator.builders.router import router_config
 from pdpool.operator.spec import NODE_ROLES, Pool, SpecError, parse_pool
+from pdpool.utils import http_url
 
 # With no file: the demo model, 1 prefill + 1 decode node on CPU, a managed Redis (examples/cpu-demo.yaml, minus
 # its Kubernetes resources).
@@ -53,7 +54,7 @@ class ProcessSpec:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return http_url(self.host, self.port)
 
 
 def ignored_fields(spec: dict) -> list[str]:
@@ -151,11 +152,8 @@ def router_spec(pool: Pool, host: str, port: int, redis_url: str) -> ProcessSpec
 
 
 def connect_host(host: str) -> str:
-    """Where a client on this machine reaches a server listening on ``host``, as a URL's host (an IPv6 address
-    in brackets)."""
-    if host in ("0.0.0.0", "::", ""):
-        return "127.0.0.1"
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+    """Where a client on this machine reaches a server listening on ``host``."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
 def plan(pool: Pool, *, redis_url: str, router_host: str, router_port: int, node_port: Callable[[], int],

@@ -33,8 +33,9 @@ def start_router(demo_model_dir, tmp_path_factory):
     started: list[RouterProcess] = []
     log_dir = tmp_path_factory.mktemp("routers")
 
-    def start(flags: list[str], name: str | None = None, api_key: str | None = None, wait: bool = True):
-        router = RouterProcess(name or f"router-{len(started)}", flags, log_dir, api_key)
+    def start(flags: list[str], name: str | None = None, api_key: str | None = None, wait: bool = True,
+              every_address: bool = False):
+        router = RouterProcess(name or f"router-{len(started)}", flags, log_dir, api_key, every_address)
         started.append(router)
         return router.wait_ready() if wait else router
 

@@ -18,14 +18,17 @@ BLOCK_SIZE = 16
 
 
 class RouterProcess(NodeProcess):
-    def __init__(self, name: str, flags: list[str], log_dir: Path, api_key: str | None = None) -> None:
+    def __init__(self, name: str, flags: list[str], log_dir: Path, api_key: str | None = None,
+                 every_address: bool = False) -> None:
+        """``every_address``: no --host (the router's default: every address); reached on 127.0.0.1 still."""
         super().__init__(name)
         self.api_key = api_key
         env = dict(os.environ, PDPOOL_INTERNAL_TOKEN=INTERNAL_TOKEN, PDPOOL_REDIS_PASSWORD=REDIS_PASSWORD)
         env.pop("PDPOOL_API_KEY", None)
         if api_key:
             env["PDPOOL_API_KEY"] = api_key
-        argv = ["router", "--model", "demo", "--host", self.host, "--port", str(self.port), "--dtype", "float32",
+        host = [] if every_address else ["--host", self.host]
+        argv = ["router", "--model", "demo", *host, "--port", str(self.port), "--dtype", "float32",
                 "--block-size", str(BLOCK_SIZE), "--discovery-seconds", "0.1", "--node-cooldown", "0.5", *flags]
         self.launch(argv, env, log_dir / f"{name}.log")
 

@@ -19,6 +19,9 @@ import pytest
 
 from pdpool.node_process import free_port, parse_metrics
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from listen_checks import loopbacks  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 N = 2
 
@@ -129,6 +132,20 @@ def test_probes_and_scrapes_are_not_counted_as_responses(upstream, start_router)
     m = scrape(router.url)
     assert {k: v for k, v in m.items() if k.startswith("pdpool_router_responses_total")} == {
         'pdpool_router_responses_total{status="200"}': 3}
+
+
+@pytest.mark.parametrize("workers", [1, N])
+def test_without_host_every_worker_answers_on_ipv4_and_ipv6(upstream, start_router, workers):
+    """The router listened on 0.0.0.0: in an IPv6-only cluster the kubelet's probes (the pod's IPv6 address) were
+    refused. Each worker binds the addresses its supervisor checked, so all of them answer on both."""
+    router = start_router(["--both", upstream, "--workers", str(workers)], name=f"every-address-{workers}",
+                          every_address=True)
+    for host in loopbacks():
+        url = f"http://{host}:{router.port}"
+        answering = pids_answering(url, workers)
+        assert len(answering) == workers, (host, answering)
+        complete(url, 2)
+    assert "listening on http://0.0.0.0:" in router.log_tail(20000)
 
 
 def test_a_taken_port_is_a_clear_error(upstream, start_router):
