@@ -94,6 +94,17 @@ class PeerDirectory:
         self.loaded[handle.node_id] = (handle.incarnation, name)
         return name
 
+    def forget(self, agent_name: str) -> None:
+        """The agent was removed (``PeerSweeper``: its node left the pool): the next handle of its node loads it
+        again, and what was kept about the node goes."""
+        for node, (_, name) in list(self.loaded.items()):
+            if name == agent_name:
+                del self.loaded[node]
+                lock = self._locks.get(node)
+                if lock is not None and not lock.locked():
+                    del self._locks[node]
+                self._vouched = {v for v in self._vouched if v[0] != node}
+
     def _add_and_warm(self, metadata: bytes, name: str) -> None:
         self.worker.add_peer(metadata)
         self.worker.agent.warm_up(name, self.timeout)

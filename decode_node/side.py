@@ -333,20 +333,21 @@ class DecodeSide:
         if not plan.local_ids:  # all of it is in the local prefix cache
             await self._end_lease(job)
             return
-        peer = await self.peers.agent(handle)
-        await self._hold(job, "before_transfer")
-        if job.cancelled:
-            raise LeaseLostError("the request was aborted before its transfer; lease released")
-        if time.monotonic() >= job.deadline:
-            raise LeaseLostError("the lease ran out before the transfer started")
-        if test_hooks_enabled():
-            self.worker.fill_garbage(plan.local_ids)
-        if handle.transfer_mode == "push":
-            held = await self._push(job, peer)
-        else:
-            await self.worker.pull(peer, plan.remote_ids, plan.local_ids)
-            await self._hold(job, "after_transfer")
-            held = await self._notify(job)
+        with self.worker.agent.using(handle.agent_name):  # the peer sweep leaves the agent loaded meanwhile
+            peer = await self.peers.agent(handle)
+            await self._hold(job, "before_transfer")
+            if job.cancelled:
+                raise LeaseLostError("the request was aborted before its transfer; lease released")
+            if time.monotonic() >= job.deadline:
+                raise LeaseLostError("the lease ran out before the transfer started")
+            if test_hooks_enabled():
+                self.worker.fill_garbage(plan.local_ids)
+            if handle.transfer_mode == "push":
+                held = await self._push(job, peer)
+            else:
+                await self.worker.pull(peer, plan.remote_ids, plan.local_ids)
+                await self._hold(job, "after_transfer")
+                held = await self._notify(job)
         if not held:
             raise LeaseLostError("the prefill node no longer held the lease when notified")
 

@@ -90,6 +90,7 @@ class Node:
         self.index = None        # NodeIndex (with --redis)
         self.reader = None
         self.heartbeat = None
+        self.peer_sweeper = None  # PeerSweeper: drops the NIXL peers of nodes that left the pool
         self.metrics = ServerMetrics(self.stats, config.served_model_name)
         self.kv_metrics = KVMetrics()
         if self.pooled:
@@ -170,6 +171,8 @@ class Node:
         if self.heartbeat is not None and not self.draining:  # a node stopping already does not register
             self.heartbeat.start()
             self._registered = True
+        if self.peer_sweeper is not None:  # every heartbeat TTL: when a node that left stops being live
+            self._tasks.append(self.loop.create_task(self.peer_sweeper.run(3 * self.config.disagg.heartbeat_seconds)))
         logger.info("engine ready: %s (max_model_len %d)", self.config.served_model_name, llm.max_model_len)
 
     def _set_failed(self, error: str) -> None:
@@ -184,6 +187,7 @@ class Node:
         from pdpool.decode_node.peers import PeerDirectory
         from pdpool.decode_node.side import DecodeSide
         from pdpool.engine.kv_connector import KVConnector, kv_fingerprint
+        from pdpool.kv_transfer.peer_sweep import PeerSweeper
         from pdpool.kv_transfer.worker import KVWorker
         from pdpool.prefill_node.side import NodeIdentity, PrefillSide
 
@@ -209,6 +213,8 @@ class Node:
                                      session_of=self.session, fail_request=self._fail_request, wake=self._wake)
             self.decode.loop = self.loop
             sides.append(self.decode)
+        self.peer_sweeper = PeerSweeper(self.worker.agent, reader=self.reader,
+                                        on_removed=[self.decode.peers.forget] if self.decode is not None else [])
         return KVConnector(engine.kv_cache_manager, sides, index=self.index)
 
     def _make_index(self, engine) -> None:

@@ -22,7 +22,7 @@ import logging
 from aiohttp import web
 
 from pdpool import internal_api
-from pdpool.kv_transfer.agent import KVTransferError
+from pdpool.kv_transfer.agent import KVTransferError, unpack_metadata
 from pdpool.server import protocol
 from pdpool.server.errors import APIError
 
@@ -70,8 +70,9 @@ def lease_routes(node, token: str | None) -> list[web.RouteDef]:
             raise APIError("push: remote_block_ids are not the lease's blocks")
         try:
             metadata = base64.b64decode(body["agent_metadata"], validate=True)
-            peer = await asyncio.get_running_loop().run_in_executor(None, worker.add_peer, metadata)  # off the loop
-            await worker.push(peer, dst, src)
+            with worker.agent.using(unpack_metadata(metadata)[0]):  # the peer sweep leaves it loaded meanwhile
+                peer = await asyncio.get_running_loop().run_in_executor(None, worker.add_peer, metadata)  # off loop
+                await worker.push(peer, dst, src)
         except (KVTransferError, KeyError, ValueError) as exc:
             await llm.call(side.notify, lease_id)
             return web.json_response({"held": False, "reason": f"push failed: {exc}"}, status=502)

@@ -16,18 +16,24 @@ connection set-up. Every wait is bounded and raises ``KVTransferError``. ``start
 ``PendingTransfer`` that an asyncio loop can await (``await t.wait_async(timeout)``) without blocking. A wait that
 is cancelled waits the transfer out (to its deadline) before the cancellation goes on, so a caller that sees it may
 reuse the blocks.
+
+A peer is never removed while it is in use: a transfer with it posted and not ended, or a caller's hold
+(``with agent.using(peer):`` around a handoff's load, warm-up and transfer). ``remove_idle_peers`` removes the others
+that a predicate names (``peer_sweep.PeerSweeper``: the peers whose node left the pool).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import struct
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from pdpool.kv_transfer.layout import KVRegion, descriptors, region_of
 
@@ -131,6 +137,7 @@ class _Peer:
     metadata: bytes
     loaded: bool = True   # NIXL holds its metadata (False after a forced disconnect)
     warm: bool = False
+    last_used: float = field(default_factory=time.monotonic)  # when its last use ended (or it was loaded)
 
 
 @dataclass
@@ -146,6 +153,9 @@ class PendingTransfer:
     counted: bool = True     # False for the warm-up, which moves no KV
     done: bool = False
     elapsed_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.agent._hold(self.peer)  # in flight until done: the peer is not removed meanwhile
 
     def poll(self) -> bool:
         if self.done:
@@ -215,6 +225,7 @@ class PendingTransfer:
         if self.done:
             return
         self.done = True
+        self.agent._unhold(self.peer)
         self.agent.stats.failures += 1
         logger.warning("NIXL %s of %d B with %s given up in flight; it may still land in its blocks", self.op,
                        self.nbytes, self.peer)
@@ -223,6 +234,7 @@ class PendingTransfer:
 
     def _finish(self) -> None:
         self.done = True
+        self.agent._unhold(self.peer)
         self.elapsed_s = time.perf_counter() - self.started
         self.agent._release(self.handle)
         if not self.counted:
@@ -269,6 +281,10 @@ class KVAgent:
         self._scratch = None      # small registered buffer for warm-up reads
         self._reg_descs: list = []
         self._peers: dict[str, _Peer] = {}
+        # Per peer name: transfers posted and not ended, plus the callers' holds (``using``). A peer with any is
+        # never removed. Counted from the event loop and from the threads that load and warm up peers.
+        self._in_use: dict[str, int] = {}
+        self._in_use_lock = threading.Lock()
         self.stats = TransferStats()
         # NIXL does not report which UCX transport carried a transfer; UCX_PROTO_INFO=y makes UCX print
         # its per-operation selection (e.g. "remote memory read by ucp_get* ... tcp/lo" or "cma/memory").
@@ -322,8 +338,9 @@ class KVAgent:
         if known is not None:
             self._disconnect(name)
         node = node_of(name)
-        for other in [p for p in self._peers if p != name and node is not None and node_of(p) == node]:
-            self.remove_peer(other)
+        for other in [p for p in list(self._peers) if p != name and node is not None and node_of(p) == node]:
+            if not self.in_use(other):  # one in use goes at a later sweep (remove_idle_peers), once idle
+                self.remove_peer(other)
         loaded = self._nixl.add_remote_agent(nixl_md)
         loaded = loaded.decode() if isinstance(loaded, bytes) else loaded
         if loaded != name:
@@ -334,6 +351,59 @@ class KVAgent:
     def remove_peer(self, peer: str) -> None:
         self._disconnect(peer)
         self._peers.pop(peer, None)
+
+    @property
+    def peers(self) -> list[str]:
+        """The names of the peers whose metadata is loaded (or will be reloaded at their next transfer)."""
+        return list(self._peers)
+
+    @contextlib.contextmanager
+    def using(self, peer: str):
+        """Hold ``peer`` for the block (its load, warm-up and transfers): ``remove_idle_peers`` leaves it alone. The
+        name may be held before its metadata is loaded."""
+        self._hold(peer)
+        try:
+            yield peer
+        finally:
+            self._unhold(peer)
+
+    def in_use(self, peer: str) -> int:
+        """Transfers with ``peer`` in flight plus the holds on it (``using``)."""
+        return self._in_use.get(peer, 0)
+
+    def idle_seconds(self, peer: str) -> float:
+        """Seconds since ``peer`` was last in use or loaded; 0 while in use."""
+        known = self._peers.get(peer)
+        if known is None or self.in_use(peer):
+            return 0.0
+        return time.monotonic() - known.last_used
+
+    def remove_idle_peers(self, gone: Callable[[str], bool]) -> list[str]:
+        """Remove every peer that is not in use and ``gone(name)`` says has left; the removed names. A peer with a
+        transfer in flight or queued (``using``) stays, to be removed at a later call once idle. Call from the
+        thread that holds peers (the event loop), so that no hold is taken between the check and the removal."""
+        removed = []
+        for name in list(self._peers):
+            if self.in_use(name) or not gone(name):
+                continue
+            self.remove_peer(name)
+            removed.append(name)
+        return removed
+
+    def _hold(self, peer: str) -> None:
+        with self._in_use_lock:
+            self._in_use[peer] = self._in_use.get(peer, 0) + 1
+
+    def _unhold(self, peer: str) -> None:
+        with self._in_use_lock:
+            left = self._in_use.get(peer, 0) - 1
+            if left > 0:
+                self._in_use[peer] = left
+            else:
+                self._in_use.pop(peer, None)
+            known = self._peers.get(peer)
+            if known is not None:
+                known.last_used = time.monotonic()
 
     def peer_region(self, peer: str, rank: int = 0) -> KVRegion:
         try:

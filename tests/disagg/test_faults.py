@@ -295,3 +295,30 @@ def test_push_into_an_expired_lease_is_recomputed(nodes, expected):
             **held("before_transfer", LEASE_S + 0.5)}
     recovers_by_recompute(nodes, expected, body, late)
     assert pf.kv()["pushed"] == pushed
+
+
+def test_a_prefill_node_that_left_has_its_agent_dropped_and_loaded_again_when_it_returns(nodes, expected):
+    """A prefill node that stops leaves the pool (its heartbeat goes): the decode node's peer sweep removes its NIXL
+    agent (it kept every peer it ever loaded, and pods get new names at every rollout). The node comes back as a new
+    incarnation: its handoffs are pulled again, cycle after cycle, and the decode node holds one agent at most."""
+    pf, df = nodes["pf"], nodes["df"]
+    proxy = DisaggProxy(pf.url, df.url)
+    body = completion_body(PROMPT + " returns", 6)
+    expected(body)
+
+    def sweeps() -> list[str]:
+        return [line for line in df.log_path.read_text(errors="replace").splitlines()
+                if "peers that left the pool" in line]
+
+    for _ in range(2):
+        ok = df.kv()["ok"]
+        assert token_ids(proxy.complete(body)) == expected(body)
+        assert df.kv()["ok"] == ok + 1
+        before = len(sweeps())
+        pf.stop()
+        removed = wait_for(lambda: sweeps()[before:], 10.0, "the decode node's sweep to remove the prefill agent")
+        assert "removed 1 peers that left the pool: pf#" in removed[0] and removed[0].endswith("; 0 loaded")
+        pf.restart()
+    ok = df.kv()["ok"]
+    assert token_ids(proxy.complete(body)) == expected(body)
+    assert df.kv()["ok"] == ok + 1

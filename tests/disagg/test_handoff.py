@@ -13,7 +13,7 @@ import copy
 
 import httpx
 import pytest
-from cluster import BLOCK_SIZE, assert_no_leaks, completion_body, internal_post, token_ids
+from cluster import BLOCK_SIZE, assert_no_leaks, completion_body, internal_post, token_ids, wait_for
 from proxy import DisaggProxy
 
 PROMPTS = [
@@ -249,3 +249,26 @@ def test_concurrent_handoffs(nodes):
     for body, result in zip(bodies, results):
         assert token_ids(result) == token_ids(b1.complete(body))
     assert d1.kv()["ok"] == before["ok"] + 4 and d1.kv()["recomputes"] == before["recomputes"]
+
+
+def test_a_pushing_node_drops_the_agent_of_a_decode_node_that_left(nodes):
+    """Push mode: the prefill side loads each decode node's agent. A decode node that stops leaves the pool; the
+    pushing node's peer sweep removes its agent, and pushes to its next incarnation work."""
+    b1, d1 = nodes["b1"], nodes["d1"]
+    proxy = DisaggProxy(b1.url, d1.url)
+    body = completion_body(PROMPTS[3] + " then", 6)
+    expected = token_ids(b1.complete(body))
+
+    def sweeps() -> list[str]:
+        return [line for line in b1.log_path.read_text(errors="replace").splitlines()
+                if "peers that left the pool" in line]
+
+    assert token_ids(proxy.complete(body)) == expected
+    before = len(sweeps())
+    d1.stop()
+    removed = wait_for(lambda: sweeps()[before:], 10.0, "the pushing node's sweep to remove the decode agent")
+    assert "removed 1 peers that left the pool: d1#" in removed[0]
+    d1.restart()
+    pushed = b1.kv()["pushed"]
+    assert token_ids(proxy.complete(body)) == expected
+    assert b1.kv()["pushed"] > pushed
