@@ -23,6 +23,8 @@ class KVMetrics:
         self.num_leases = lambda: 0
         self.bytes_pulled = lambda: 0    # set by the worker
         self.bytes_pushed = lambda: 0
+        self.peers_loaded = lambda: 0    # set by the node: peer agents its NIXL agent holds
+        self.peers_removed = lambda: 0   # and those its peer sweep removed
         self.latency = Histogram("pdpool_kv_transfer_seconds", "KV transfer of one request, start to confirmation.",
                                  buckets=_BUCKETS, registry=None)
 
@@ -59,3 +61,7 @@ class KVMetricsCollector:
         yield GaugeMetricFamily("pdpool_kv_leased_blocks", "KV blocks held under lease for decode nodes.",
                                 value=m.leased_blocks())
         yield GaugeMetricFamily("pdpool_kv_leases", "Leases currently held.", value=m.num_leases())
+        yield GaugeMetricFamily("pdpool_kv_peers_loaded", "Peer NIXL agents this node's agent holds.",
+                                value=m.peers_loaded())
+        yield CounterMetricFamily("pdpool_kv_peers_removed", "Peer NIXL agents removed after their node left the pool.",
+                                  value=m.peers_removed())

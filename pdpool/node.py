@@ -215,6 +215,8 @@ class Node:
             sides.append(self.decode)
         self.peer_sweeper = PeerSweeper(self.worker.agent, reader=self.reader,
                                         on_removed=[self.decode.peers.forget] if self.decode is not None else [])
+        self.kv_metrics.peers_loaded = lambda: len(self.worker.agent.peers)
+        self.kv_metrics.peers_removed = lambda: self.peer_sweeper.num_removed
         return KVConnector(engine.kv_cache_manager, sides, index=self.index)
 
     def _make_index(self, engine) -> None:

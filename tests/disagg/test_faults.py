@@ -314,10 +314,15 @@ def test_a_prefill_node_that_left_has_its_agent_dropped_and_loaded_again_when_it
         ok = df.kv()["ok"]
         assert token_ids(proxy.complete(body)) == expected(body)
         assert df.kv()["ok"] == ok + 1
+        m = df.metrics()   # what an operator watches: the agents held, and those removed so far
+        assert m["pdpool_kv_peers_loaded"] == 1
+        removed_so_far = m["pdpool_kv_peers_removed_total"]
         before = len(sweeps())
         pf.stop()
         removed = wait_for(lambda: sweeps()[before:], 10.0, "the decode node's sweep to remove the prefill agent")
         assert "removed 1 peers that left the pool: pf#" in removed[0] and removed[0].endswith("; 0 loaded")
+        m = df.metrics()
+        assert m["pdpool_kv_peers_loaded"] == 0 and m["pdpool_kv_peers_removed_total"] == removed_so_far + 1
         pf.restart()
     ok = df.kv()["ok"]
     assert token_ids(proxy.complete(body)) == expected(body)
