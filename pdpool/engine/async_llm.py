@@ -154,17 +154,11 @@ class AsyncLLM:
                           prompt_token_ids: Sequence[int] | None = None) -> RequestStream:
         """Tokenize (unless ``prompt_token_ids`` are given: a router computed them), validate and add one
         request; raises ``InvalidRequestError``, ``SamplingParamsError``, ``QueueFullError``. Returns its stream."""
-        if self._closed:
-            raise EngineClosedError("the engine is shut down")
-        if request_id in self._streams:
-            raise InvalidRequestError(f"request id {request_id!r} is already in flight", param=None)
+        self._check_admissible(request_id)
         source = prompt if prompt_token_ids is None else prompt_token_ids
         if isinstance(source, str) and len(source) >= LONG_TEXT_CHARS:   # off the loop, which serves every stream
             ids = await asyncio.to_thread(self.frontend.encode_prompt, source, add_special_tokens)
-            if self._closed:
-                raise EngineClosedError("the engine is shut down")
-            if request_id in self._streams:   # the same id came in while this one was tokenized
-                raise InvalidRequestError(f"request id {request_id!r} is already in flight", param=None)
+            self._check_admissible(request_id)   # the engine closed, or the same id came in, meanwhile
         else:
             ids = self.frontend.encode_prompt(source, add_special_tokens)
         kept = self.frontend.apply_prompt_options(ids, params, self.max_model_len)
@@ -194,6 +188,12 @@ class AsyncLLM:
         assert self._work is not None
         self._work.set()
         return stream
+
+    def _check_admissible(self, request_id: str) -> None:
+        if self._closed:
+            raise EngineClosedError("the engine is shut down")
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight", param=None)
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        **kwargs: Any) -> AsyncIterator[RequestOutput]:
