@@ -209,11 +209,12 @@ class KubernetesDiscovery:
                 current[e.node_id] = e
         for node_id in set(self.known) ^ set(current):
             logger.info("kubernetes node %s %s", node_id, "joined" if node_id in current else "left")
-        joined = [e for node_id, e in current.items() if node_id not in self.known]
+        # New endpoints (a node that joined, or one back at another address) are not ready until probed.
+        unprobed = [e for node_id, e in current.items() if self.known.get(node_id) is not e]
         self.known = current
         self.pool.replace("kubernetes", list(current.values()))
-        if joined:  # routed to once a probe has told whether it is ready and speaks pdpool
-            task = asyncio.get_running_loop().create_task(self._probe(joined))
+        if unprobed:  # routed to once a probe has told whether it is ready and speaks pdpool
+            task = asyncio.get_running_loop().create_task(self._probe(unprobed))
             self._probes.add(task)
             task.add_done_callback(self._probes.discard)
 

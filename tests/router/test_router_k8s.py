@@ -350,3 +350,20 @@ def test_router_process_routes_to_the_nodes_its_endpointslices_name(k8s, stubs, 
     api.patch(f"{SLICES}/demo-decode-a", {"endpoints": [make_endpoint("127.0.0.3", "demo-decode-1")]})
     wait_for((200, {f"demo-decode-1:{port}": "decode"}))
     assert f"kubernetes node demo-decode-0:{port} left" in router.log_tail(50000)
+
+
+def test_a_pod_back_at_a_new_address_is_probed_at_once(k8s, stubs):  # noqa: F811
+    """A pod that keeps its name and changes its IP (a StatefulSet pod, or the pod's other-family address in a
+    dual-stack slice) is a new endpoint for the same node id: it is probed when the event arrives, as a joining
+    node is, not left unroutable until the next periodic probe (30 s here)."""
+    serve_endpointslices(k8s)
+    api, port = k8s.client(), stubs
+
+    async def body(pool: Pool, d: KubernetesDiscovery):
+        node = f"demo-decode-0:{port}"
+        api.post(SLICES, make_slice("demo-decode-a", "decode", port, [make_endpoint("127.0.0.2", "demo-decode-0")]))
+        await until(lambda: view(pool) == {node: ("decode", f"http://127.0.0.2:{port}", True)})
+        api.patch(f"{SLICES}/demo-decode-a", {"endpoints": [make_endpoint("127.0.0.3", "demo-decode-0")]})
+        await until(lambda: view(pool) == {node: ("decode", f"http://127.0.0.3:{port}", True)}, timeout=5)
+
+    asyncio.run(run_discovery(k8s.url, body))
