@@ -40,24 +40,58 @@ def request_body(req: BenchRequest, endpoint: str, model: str, sampling: dict) -
 
 
 def _chunk_text(data: dict) -> str:
+    """The generated text of one chunk; ``ValueError`` when the chunk is not shaped as OpenAI's."""
     choices = data.get("choices") or []
-    if not choices or not isinstance(choices[0], dict):
+    if not isinstance(choices, list):
+        raise ValueError("a stream chunk's choices is not a list")
+    if not choices:
         return ""
     choice = choices[0]
+    if not isinstance(choice, dict):
+        raise ValueError("a stream chunk's choice is not an object")
     if "delta" in choice:
         delta = choice.get("delta") or {}
-        return (delta.get("content") or "") + (delta.get("reasoning_content") or delta.get("reasoning") or "")
-    return choice.get("text") or ""
+        if not isinstance(delta, dict):
+            raise ValueError("a stream chunk's delta is not an object")
+        parts = (delta.get("content"), delta.get("reasoning_content") or delta.get("reasoning"))
+    else:
+        parts = (choice.get("text"),)
+    if not all(part is None or isinstance(part, str) for part in parts):
+        raise ValueError("a stream chunk's text is not a string")
+    return "".join(part or "" for part in parts)
+
+
+def _token_count(counts: dict, key: str) -> int | None:
+    value = counts.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"usage.{key} is not a count: {value!r}")
+    return value
+
+
+def _read_usage(record: RequestRecord, usage) -> None:
+    if not isinstance(usage, dict) or not isinstance(usage.get("prompt_tokens_details") or {}, dict):
+        raise ValueError(f"usage is not an object of counts: {json.dumps(usage)[:200]}")
+    prompt, completion = _token_count(usage, "prompt_tokens"), _token_count(usage, "completion_tokens")
+    if completion is None:
+        raise ValueError("usage has no completion_tokens")
+    record.usage_reported = True
+    record.prompt_tokens = record.prompt_tokens if prompt is None else prompt
+    record.completion_tokens = completion
+    record.cached_tokens = _token_count(usage.get("prompt_tokens_details") or {}, "cached_tokens") or 0
 
 
 async def send(session: aiohttp.ClientSession, url: str, body: dict, record: RequestRecord,
                headers: dict | None = None, count_tokens=None) -> RequestRecord:
     """Stream ``body`` to ``url`` and fill ``record``: TTFT, ITL, latency, the usage counts, or the error.
-    ``count_tokens(text)`` estimates the output tokens when the server reports no usage."""
+    ``count_tokens(text)`` estimates the output tokens when the server reports no usage. A request succeeds only
+    when its stream ends with ``data: [DONE]``; a chunk not shaped as OpenAI's is the request's error."""
     start = time.perf_counter()
     last = start
     text_parts: list[str] = []
     usage = None
+    events = 0
     try:
         async with session.post(url, json=body, headers=headers) as resp:
             if resp.status != 200:
@@ -67,10 +101,13 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict, record: Req
                 line = raw.strip()
                 if not line.startswith(b"data:"):
                     continue
+                events += 1
                 payload = line[5:].strip()
                 if payload == b"[DONE]":
                     break
                 data = json.loads(payload)
+                if not isinstance(data, dict):
+                    raise ValueError(f"a stream chunk is not a JSON object: {payload[:200]!r}")
                 if "error" in data and "choices" not in data:
                     record.error = f"stream error: {json.dumps(data['error'])[:300]}"
                     return record
@@ -85,17 +122,18 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict, record: Req
                     text_parts.append(text)
                 if data.get("usage"):
                     usage = data["usage"]
-    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
+            else:
+                record.error = ("the stream ended before data: [DONE]" if events else
+                                f"no event stream in the response (Content-Type {resp.content_type})")
+                return record
+        record.latency = time.perf_counter() - start
+        if usage is not None:
+            _read_usage(record, usage)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:  # ValueError: JSON, shape, line size
         record.error = f"{type(exc).__name__}: {exc}"[:300]
+        record.latency = None
         return record
-    record.latency = time.perf_counter() - start
-    if usage is not None:
-        record.usage_reported = True
-        record.prompt_tokens = int(usage.get("prompt_tokens", record.prompt_tokens))
-        record.completion_tokens = int(usage.get("completion_tokens", 0))
-        details = usage.get("prompt_tokens_details") or {}
-        record.cached_tokens = int(details.get("cached_tokens") or 0)
-    else:
+    if usage is None:
         text = "".join(text_parts)
         record.completion_tokens = count_tokens(text) if count_tokens else len(text_parts)
     return record

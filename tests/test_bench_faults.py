@@ -1,0 +1,128 @@
+"""``pdpool bench`` against a server that misbehaves: a tiny aiohttp server in a thread whose first path segment
+picks the fault (``http://host:port/<fault>/v1/completions``), and whose ``replay`` fault streams back the chunks
+that the request body names, so that any stream shape can be tried."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdpool.bench import client
+from pdpool.bench.datasets import BenchRequest
+from pdpool.bench.stats import RequestRecord
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+async def _stream(request: web.Request, payloads: list[bytes], done: bool = True) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for payload in payloads:
+        await resp.write(b"data: " + payload + b"\n\n")
+    if done:
+        await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+def _text_chunks(n: int) -> list[bytes]:
+    return [json.dumps({"choices": [{"index": 0, "text": f" w{i}"}]}).encode() for i in range(n)]
+
+
+async def _handle(request: web.Request) -> web.StreamResponse:
+    fault = request.match_info["fault"]
+    body = await request.json()
+    if fault == "replay":  # the chunks the client asked for, verbatim, then [DONE] unless told not to
+        return await _stream(request, [c.encode() for c in body["chunks"]], done=body.get("done", True))
+    if fault == "ok":
+        return await _stream(request, _text_chunks(3))
+    if fault == "html":  # a web server that answers 200 to anything
+        return web.Response(text="<html><body>hello</body></html>", content_type="text/html")
+    if fault == "not-streamed":  # a server that ignores stream: true
+        return web.json_response({"choices": [{"index": 0, "text": "hi"}],
+                                  "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
+    if fault == "cut":  # the stream ends cleanly after some text, with no [DONE]
+        return await _stream(request, _text_chunks(2), done=False)
+    if fault == "slow":
+        await asyncio.sleep(1.0)
+        return await _stream(request, _text_chunks(1))
+    raise web.HTTPNotFound()
+
+
+@pytest.fixture(scope="module")
+def fault_server():
+    """The base URL of the fault server (``{url}/<fault>`` is a --url for pdpool bench)."""
+    loop = asyncio.new_event_loop()
+    app = web.Application()
+    app.router.add_post("/{fault}/v1/completions", _handle)
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{port}"
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    loop.close()
+
+
+def _send(url: str, extra: dict | None = None) -> RequestRecord:
+    body = client.request_body(BenchRequest("hello", None, 1, 4), "completions", "m", extra or {})
+
+    async def go() -> RequestRecord:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            return await client.send(session, client.endpoint_url(url, "completions"), body,
+                                     RequestRecord(index=0, send_time=0.0, prompt_tokens=1, max_tokens=4))
+
+    return asyncio.run(go())
+
+
+def test_a_complete_stream_is_a_success(fault_server):
+    record = _send(f"{fault_server}/ok")
+    assert record.ok and record.completion_tokens == 3 and len(record.itl) == 2
+
+
+@pytest.mark.parametrize("fault, error", [
+    ("html", "no event stream in the response (Content-Type text/html)"),
+    ("not-streamed", "no event stream in the response (Content-Type application/json)"),
+    ("cut", "the stream ended before data: [DONE]"),
+])
+def test_a_response_that_is_not_a_whole_event_stream_is_a_failure(fault_server, fault, error):
+    """A 200 that is no stream, or a stream cut before [DONE], counted as a completed request (with 0 tokens, or
+    the tokens before the cut), so a wrong URL or a server dying mid-stream gave a run of 'successes'."""
+    record = _send(f"{fault_server}/{fault}")
+    assert not record.ok and record.error == error
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                 max_size=3), max_leaves=8)
+_keys = st.sampled_from(["choices", "usage", "error", "delta", "text", "content", "prompt_tokens",
+                         "completion_tokens", "prompt_tokens_details", "cached_tokens", "reasoning_content"])
+# chunks shaped like OpenAI's, with any value in any place: the keys the client reads, nested
+_chunk = st.recursive(_json, lambda inner: st.dictionaries(_keys, inner, max_size=3)
+                      | st.lists(st.dictionaries(_keys, inner, max_size=3), max_size=2), max_leaves=12)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(_chunk.map(json.dumps) | st.sampled_from(["{", "not json", "\u00e9"]), max_size=4), st.booleans())
+def test_any_stream_gives_a_record_never_an_exception(fault_server, chunks, done):
+    """A chunk that was JSON but not OpenAI-shaped ('data: [1, 2]', a string delta, usage with null counts)
+    raised out of client.send, and the whole run ended in a traceback with every result lost."""
+    record = _send(f"{fault_server}/replay", {"chunks": chunks, "done": done})
+    assert record.ok or isinstance(record.error, str)
+    if record.ok:
+        assert isinstance(record.completion_tokens, int) and record.completion_tokens >= 0
+        assert isinstance(record.prompt_tokens, int) and isinstance(record.cached_tokens, int)
