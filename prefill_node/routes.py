@@ -23,7 +23,7 @@ from aiohttp import web
 
 from pdpool import internal_api
 from pdpool.kv_transfer.agent import KVTransferError, unpack_metadata
-from pdpool.server import protocol
+from pdpool.server import json_body
 from pdpool.server.errors import APIError
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ def lease_routes(node, token: str | None) -> list[web.RouteDef]:
 
     async def renew(request: web.Request) -> web.Response:
         internal_api.check(request, token)
-        lease_ids = protocol.read_json_body(await request.read()).get("lease_ids")
+        lease_ids = json_body.read_json_body(await request.read()).get("lease_ids")
         if not isinstance(lease_ids, list) or not all(isinstance(i, str) for i in lease_ids):
             raise APIError("renew: lease_ids must be a list of lease ids")
         renewed = await node.require_llm().call(node.prefill.renew, lease_ids)
@@ -55,7 +55,7 @@ def lease_routes(node, token: str | None) -> list[web.RouteDef]:
     async def push(request: web.Request) -> web.Response:
         internal_api.check(request, token)
         lease_id = request.match_info["lease_id"]
-        body = protocol.read_json_body(await request.read())
+        body = json_body.read_json_body(await request.read())
         llm, side, worker = node.require_llm(), node.prefill, node.worker
         dst, src = body.get("block_ids"), body.get("remote_block_ids")
         if (not isinstance(dst, list) or not isinstance(src, list) or len(dst) != len(src)
@@ -89,7 +89,7 @@ def _binding(raw: bytes) -> str | None:
     """A notification's ``binding`` (``KVHandle.binding()`` of the handle its sender read by); None for a plain
     release (``{"release": true}``, an empty or unreadable body), which frees the lease all the same."""
     try:
-        return _binding_of(protocol.read_json_body(raw)) if raw else None
+        return _binding_of(json_body.read_json_body(raw)) if raw else None
     except APIError:
         return None
 

@@ -36,7 +36,7 @@ from pdpool.router.scheduler import Scheduler
 from pdpool.router.server import Exchange, Request
 from pdpool.router.settings import SchedulerProfile
 from pdpool.router.upstream import Upstream
-from pdpool.server import anthropic_messages, protocol, tokenize
+from pdpool.server import anthropic_messages, json_body, protocol, tokenize
 from pdpool.server.auth import check_api_key
 from pdpool.server.cors import PLAIN_TEXT, CorsPolicy
 from pdpool.server.errors import APIError
@@ -273,8 +273,8 @@ class Router:
 
     def _body(self, request: Request) -> dict:
         if "content-encoding" in request.headers:   # decoded in place: the request path forwards the raw body too
-            request.body = protocol.decode_content(request.body, request.headers["content-encoding"])
-        return protocol.request_json(request.body, request.headers.get("content-type"))
+            request.body = json_body.decode_content(request.body, request.headers["content-encoding"])
+        return json_body.request_json(request.body, request.headers.get("content-type"))
 
     async def tokenize_page(self, request: Request):
         """vLLM's ``POST /tokenize``, from the router's own front end (no node is asked)."""

@@ -34,7 +34,7 @@ import httptools
 
 from pdpool.router.eager import start_eagerly
 from pdpool.server.errors import APIError
-from pdpool.server.protocol import MAX_BODY_BYTES as MAX_BODY, MAX_HEAD_BYTES as MAX_HEAD, REQUEST_SECONDS
+from pdpool.server.json_body import MAX_BODY_BYTES as MAX_BODY, MAX_HEAD_BYTES as MAX_HEAD, REQUEST_SECONDS
 from pdpool.utils import bind_sockets
 
 logger = logging.getLogger("pdpool.router")

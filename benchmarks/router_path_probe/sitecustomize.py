@@ -118,8 +118,8 @@ if _out and sys.argv[1:2] == ["router"]:
             return r
         http1._Connection.start = start2
         timed(handoff.RequestPath, "_note")
-        from pdpool.server import protocol
-        stamp_after(protocol, "read_json_body", "json")
+        from pdpool.server import json_body
+        stamp_after(json_body, "read_json_body", "json")
         stamp_after(app, "parse", "front")
         stamp_after(scheduler.Scheduler, "plan", "plan", True)
 

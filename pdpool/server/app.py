@@ -23,7 +23,7 @@ from aiohttp import web
 from pdpool import __version__
 from pdpool.config import auto_tool_parser
 from pdpool.logs import HEADER as REQUEST_ID_HEADER, request_id_from, request_id_var
-from pdpool.server import anthropic_messages, openapi, protocol, responses, tokenize
+from pdpool.server import anthropic_messages, json_body, openapi, protocol, responses, tokenize
 from pdpool.server.anthropic_events import MessageEvents
 from pdpool.server.auth import check_api_key
 from pdpool.server.cors import CorsPolicy
@@ -137,7 +137,7 @@ def forwarded_token_ids(body: dict, num_prompts: int) -> list[list[int]] | None:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    body = await protocol.read_json(request)
+    body = await json_body.read_json(request)
     llm = request.app[NODE_KEY].require_llm()
     req = protocol.parse_completion(body, _served_names(request))
     req.prompt_token_ids = forwarded_token_ids(body, len(req.prompts))
@@ -151,7 +151,7 @@ def _parse_chat(request: web.Request, llm, body: dict) -> protocol.GenerationReq
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    body = await protocol.read_json(request)
+    body = await json_body.read_json(request)
     llm = request.app[NODE_KEY].require_llm()
     req = _parse_chat(request, llm, body)
     req.prompt_token_ids = forwarded_token_ids(body, len(req.prompts))
@@ -171,7 +171,7 @@ async def messages_route(request: web.Request) -> web.StreamResponse:
 async def _translated_chat(request: web.Request, api) -> web.StreamResponse:
     """Another API's request (``api.parse``: its chat body, parsed) run as that chat request; ``turn`` turns the
     answer back into the API's shape."""
-    body = await protocol.read_json(request)
+    body = await json_body.read_json(request)
     llm = request.app[NODE_KEY].require_llm()
     turn, req = api.parse(body, lambda chat: _parse_chat(request, llm, chat))
     req.prompt_token_ids = forwarded_token_ids(body, len(req.prompts))
@@ -180,7 +180,7 @@ async def _translated_chat(request: web.Request, api) -> web.StreamResponse:
 
 async def count_tokens_route(request: web.Request) -> web.Response:
     """Anthropic's ``POST /v1/messages/count_tokens``: the rendered prompt's tokens (``/tokenize``'s count)."""
-    body = await protocol.read_json(request)
+    body = await json_body.read_json(request)
     turn = anthropic_messages.translate(body, count_tokens=True)
     llm = request.app[NODE_KEY].require_llm()
     trusted = request.app[CONFIG_KEY].server.trust_request_chat_template
@@ -239,7 +239,7 @@ async def _generate(request: web.Request, llm, req: protocol.GenerationRequest,
 
 async def tokenize_route(request: web.Request) -> web.Response:
     """vLLM's ``POST /tokenize`` (``pdpool.server.tokenize``)."""
-    body = await protocol.read_json(request)
+    body = await json_body.read_json(request)
     llm = request.app[NODE_KEY].require_llm()
     trusted = request.app[CONFIG_KEY].server.trust_request_chat_template
     # Off the event loop (rendering and tokenizing a long text takes seconds): as a generation request's prompt
@@ -249,7 +249,7 @@ async def tokenize_route(request: web.Request) -> web.Response:
 
 async def detokenize_route(request: web.Request) -> web.Response:
     """vLLM's ``POST /detokenize``."""
-    body = await protocol.read_json(request)
+    body = await json_body.read_json(request)
     llm = request.app[NODE_KEY].require_llm()
     return web.json_response(tokenize.detokenize(body, llm.frontend, _served_names(request)))
 
@@ -328,13 +328,13 @@ def create_app(node_config, node: ServedNode, routes: list[web.RouteDef] = ()) -
     cors = CorsPolicy.from_config(node_config.server)
     app = web.Application(middlewares=[_cors_preflight_middleware(cors), _request_id_middleware, error_middleware,
                                        _auth_middleware(node_config.server.api_key)],
-                          client_max_size=protocol.MAX_BODY_BYTES,
-                          handler_args={"auto_decompress": False,   # protocol.read_json decodes, as the router
-                                        "max_line_size": protocol.MAX_HEAD_BYTES,
-                                        "max_field_size": protocol.MAX_HEAD_BYTES,
+                          client_max_size=json_body.MAX_BODY_BYTES,
+                          handler_args={"auto_decompress": False,   # json_body.read_json decodes, as the router
+                                        "max_line_size": json_body.MAX_HEAD_BYTES,
+                                        "max_field_size": json_body.MAX_HEAD_BYTES,
                                         # an idle connection, or one whose request head stopped arriving, is
                                         # closed after this, as the router's (aiohttp's default: 3630 s)
-                                        "keepalive_timeout": protocol.REQUEST_SECONDS})
+                                        "keepalive_timeout": json_body.REQUEST_SECONDS})
     app.on_response_prepare.append(_cors_response_headers(cors))
     app[NODE_KEY] = node
     app[CONFIG_KEY] = node_config

@@ -11,7 +11,7 @@ import json
 from hypothesis import given, settings, strategies as st
 
 from pdpool.engine.sampling_params import SamplingParams, SamplingParamsError
-from pdpool.server import protocol
+from pdpool.server import json_body, protocol
 from pdpool.server.errors import APIError
 
 from fuzz_strategies import bodies, json_values, raw_bodies
@@ -50,14 +50,14 @@ def reference_read(raw: bytes):
     except UnicodeDecodeError as exc:
         return (*refused, f"the request body is not valid UTF-8 (byte {exc.start})", None)
     try:
-        value = json.loads(text, parse_constant=protocol._refuse_constant, parse_float=protocol._finite_float)
-        too_deep = nesting_depth(value) > protocol.MAX_JSON_DEPTH
+        value = json.loads(text, parse_constant=json_body._refuse_constant, parse_float=json_body._finite_float)
+        too_deep = nesting_depth(value) > json_body.MAX_JSON_DEPTH
     except RecursionError:
         too_deep = True
     except ValueError as exc:
         return (*refused, f"malformed JSON body: {str(exc)[:200]}", None)
     if too_deep:
-        return (*refused, f"the JSON body is nested more than {protocol.MAX_JSON_DEPTH} levels deep", None)
+        return (*refused, f"the JSON body is nested more than {json_body.MAX_JSON_DEPTH} levels deep", None)
     return ("ok", value) if isinstance(value, dict) else (*refused, "the request body must be a JSON object", None)
 
 
@@ -91,12 +91,12 @@ raw_inputs = st.one_of(
 @settings(max_examples=500, deadline=None)
 @given(raw=raw_inputs)
 def test_read_json_body_is_the_old_reader(raw):
-    assert outcome(protocol.read_json_body, raw) == reference_read(raw)
+    assert outcome(json_body.read_json_body, raw) == reference_read(raw)
 
 
 def test_a_bom_is_refused_as_json_loads_refuses_it():
     raw = b"\xef\xbb\xbf" + b'{"prompt": "x"}'
-    got, old = outcome(protocol.read_json_body, raw), reference_read(raw)
+    got, old = outcome(json_body.read_json_body, raw), reference_read(raw)
     assert got == old and got[0] == "error" and "BOM" in got[2]
 
 
@@ -104,7 +104,7 @@ def test_a_bom_is_refused_as_json_loads_refuses_it():
 @given(value=st.one_of(json_values(), st.dictionaries(st.text(max_size=4), json_values(), max_size=4)),
        limit=st.integers(0, 4))
 def test_nesting_within_is_the_old_check(value, limit):
-    assert protocol._nesting_within(value, limit) == (nesting_depth(value) <= limit)
+    assert json_body._nesting_within(value, limit) == (nesting_depth(value) <= limit)
 
 
 sampling_bodies = st.sampled_from(["completion", "chat"]).flatmap(lambda kind: bodies(kind, MODEL))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdpool.server import protocol
+from pdpool.server import json_body, protocol
 from pdpool.server.errors import APIError
 
 NAMES = ["demo"]
@@ -18,14 +18,14 @@ def render(messages, add_generation_prompt, continue_final_message, tools=None, 
 
 def test_integral_json_numbers_are_integers():
     """JSON Schema's integer (and vLLM's lax parsing) takes 350.0: a token-id list may carry it."""
-    body = protocol.read_json_body(b'{"prompt": [350.0, 7171, 2838.0], "max_tokens": 2.0, "temperature": 1.0}')
+    body = json_body.read_json_body(b'{"prompt": [350.0, 7171, 2838.0], "max_tokens": 2.0, "temperature": 1.0}')
     assert body["prompt"] == [350, 7171, 2838] and all(type(t) is int for t in body["prompt"])
     req = protocol.parse_completion(body, NAMES)
     assert req.prompts == [[350, 7171, 2838]]
     assert req.params.temperature == 1.0 and type(req.params.temperature) is float
-    assert protocol.read_json_body(b'{"x": 1.5, "y": -0.0, "z": 1e3}') == {"x": 1.5, "y": 0, "z": 1000}
+    assert json_body.read_json_body(b'{"x": 1.5, "y": -0.0, "z": 1e3}') == {"x": 1.5, "y": 0, "z": 1000}
     with pytest.raises(APIError):
-        protocol.read_json_body(b'{"x": 1e400}')
+        json_body.read_json_body(b'{"x": 1e400}')
 
 
 @pytest.mark.parametrize("value", ["x", 0, -3, True, [1]])

@@ -15,8 +15,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from pdpool.server.errors import APIError, error_middleware
-from pdpool.server import protocol
-from pdpool.server.protocol import MAX_JSON_DEPTH, read_json_body
+from pdpool.server import json_body
+from pdpool.server.json_body import MAX_JSON_DEPTH, read_json_body
 
 
 def post(server, path, body=None, *, content=None, headers=None):
@@ -317,7 +317,7 @@ async def _unexpected_exception():
 
 async def _stalled_body_answer() -> tuple[bytes, float]:
     async def echo(request):
-        return web.json_response(await protocol.read_json(request))
+        return web.json_response(await json_body.read_json(request))
 
     app = web.Application(middlewares=[error_middleware])
     app.router.add_post("/echo", echo)
@@ -333,7 +333,7 @@ async def _stalled_body_answer() -> tuple[bytes, float]:
 def test_a_body_that_stops_arriving_is_408(monkeypatch):
     """A client that sends the head and part of the body, then nothing, gets a 408 after ``REQUEST_SECONDS``, as
     the router answers it, where the node's handler waited for the rest for ever."""
-    monkeypatch.setattr(protocol, "REQUEST_SECONDS", 0.5, raising=False)   # (absent before the limit)
+    monkeypatch.setattr(json_body, "REQUEST_SECONDS", 0.5, raising=False)   # (absent before the limit)
     answer, waited = asyncio.run(_stalled_body_answer())
     assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
     assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["message"] == \
@@ -366,7 +366,7 @@ async def _seconds_until_closed(first_bytes: bytes) -> tuple[float, bytes]:
 def test_an_idle_or_stalled_connection_is_closed_after_request_seconds(monkeypatch, first_bytes):
     """A node closes a connection that sends nothing, or stops inside a request head, after ``REQUEST_SECONDS``
     (75 s), as the router does, where aiohttp's default held it for 3630 s."""
-    monkeypatch.setattr(protocol, "REQUEST_SECONDS", 0.5)
+    monkeypatch.setattr(json_body, "REQUEST_SECONDS", 0.5)
     waited, rest = asyncio.run(_seconds_until_closed(first_bytes))
     assert rest == b"" and waited < 5, (waited, rest)
 
