@@ -58,6 +58,25 @@ class WatchExpired(Exception):
     """410 Gone: the resourceVersion left the server's history; list again."""
 
 
+def failure_reason(exc: Exception) -> str:
+    """What a list or watch failure says: the API's Status message, or the client's error."""
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return f"HTTP {exc.status}: {exc.message}"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else f"{type(exc).__name__} (no answer in time)"
+
+
+async def raise_for_status(resp: aiohttp.ClientResponse) -> None:
+    """A non-200 answer as ``ClientResponseError`` carrying the API's Status message (why it refused)."""
+    if resp.status == 200:
+        return
+    text = await resp.text(errors="replace")
+    try:
+        message = json.loads(text).get("message") or text
+    except (ValueError, AttributeError):
+        message = text
+    raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status, message=str(message)[:500])
+
+
 # ---- credentials ----------------------------------------------------------------------------------------
 
 @dataclass
@@ -175,6 +194,7 @@ class KubernetesDiscovery:
         self.resource_version: str | None = None
         self._api: aiohttp.ClientSession | None = None
         self._probes: set[asyncio.Task] = set()                       # first probes of nodes that just joined
+        self._failure: str | None = None            # the failure last logged; the same one again is not
 
     @classmethod
     def from_config(cls, r, pool: Pool, session: aiohttp.ClientSession) -> "KubernetesDiscovery":
@@ -231,10 +251,12 @@ class KubernetesDiscovery:
     async def list(self) -> None:
         async with self._session().get(self._url(), headers=self.conn.headers(), ssl=self.conn.ssl,
                                        timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            await raise_for_status(resp)
             body = await resp.json(content_type=None)
-            if resp.status != 200:
-                raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
-                                                  message=str(body.get("message") if isinstance(body, dict) else body))
+        if self._failure is not None:
+            logger.info("EndpointSlice list in namespace %s works again (%d slices)", self.namespace,
+                        len(body.get("items") or []))
+            self._failure = None
         self.slices = {}
         for obj in body.get("items") or []:
             self._apply("ADDED", obj)
@@ -242,8 +264,22 @@ class KubernetesDiscovery:
         self._publish()
 
     async def refresh(self) -> None:
-        await self.list()
+        try:
+            await self.list()
+        except Exception as exc:  # noqa: BLE001 - logged once here; the watch loop retries
+            self._failed(exc)
+            return
         await asyncio.gather(*self._probes)
+
+    def _failed(self, exc: Exception) -> None:
+        """One warning per reason: a failure that persists (RBAC, a wrong namespace, an API server away) is not
+        logged again on every retry."""
+        reason = failure_reason(exc)
+        if reason != self._failure:
+            logger.warning("EndpointSlice list/watch at %s in namespace %s failed: %s; keeping the last known "
+                           "nodes (%d), retrying (logged again if the reason changes)", self.conn.server,
+                           self.namespace, reason, len(self.known))
+        self._failure = reason
 
     async def watch(self) -> None:
         """One watch request from ``resource_version``; returns when the server ends it."""
@@ -254,9 +290,7 @@ class KubernetesDiscovery:
                                        timeout=timeout) as resp:
             if resp.status == 410:
                 raise WatchExpired()
-            if resp.status != 200:
-                raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status,
-                                                  message=(await resp.text())[:200])
+            await raise_for_status(resp)
             buffer = b""
             async for chunk in resp.content.iter_any():
                 buffer += chunk
@@ -293,8 +327,7 @@ class KubernetesDiscovery:
                 self.resource_version = None
             except Exception as exc:  # noqa: BLE001 - discovery must keep going on the last known nodes
                 backoff = min(10.0, max(0.5, backoff * 2))
-                logger.warning("EndpointSlice list/watch failed (%s: %s); keeping the last known nodes, retrying "
-                               "in %.1fs", type(exc).__name__, exc, backoff)
+                self._failed(exc)
                 await asyncio.sleep(backoff)
 
     async def _probe_forever(self) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import subprocess
 import sys
 import threading
@@ -367,3 +368,24 @@ def test_a_pod_back_at_a_new_address_is_probed_at_once(k8s, stubs):  # noqa: F81
         await until(lambda: view(pool) == {node: ("decode", f"http://127.0.0.3:{port}", True)}, timeout=5)
 
     asyncio.run(run_discovery(k8s.url, body))
+
+
+def test_a_failing_list_is_logged_once_with_its_reason_and_its_recovery(k8s, caplog):  # noqa: F811
+    """The API answers 404 (no EndpointSlice API served yet) to the first refresh and every retry: one warning
+    with the API's reason, not a traceback and a warning per retry; then one line when it works again."""
+    api = k8s.client()
+
+    async def body(pool: Pool, d: KubernetesDiscovery):
+        await asyncio.sleep(2.0)                                  # retries at 0.5, 1.5 s
+        serve_endpointslices(k8s)
+        api.post(SLICES, make_slice("demo-decode-a", "decode", 8000, [make_endpoint("10.0.0.1", "demo-decode-0")]))
+        await until(lambda: list(pool.endpoints) == ["demo-decode-0:8000"], timeout=10)
+
+    caplog.set_level(logging.INFO, logger="pdpool.router")
+    asyncio.run(run_discovery(k8s.url, body))
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if "EndpointSlice" in r.getMessage()]
+    failed = [(level, msg) for level, msg in lines if level != "INFO"]
+    assert len(failed) == 1 and failed[0][0] == "WARNING", lines
+    assert f"namespace {NS}" in failed[0][1] and "404" in failed[0][1] and "could not find" in failed[0][1]
+    assert not any(r.exc_info for r in caplog.records), "no traceback for an API error"
+    assert any(level == "INFO" and "works again" in msg for level, msg in lines), lines
