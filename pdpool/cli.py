@@ -14,9 +14,18 @@ from pdpool import config
 
 def _serve(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="pdpool serve", description="Serve a model over the OpenAI API.")
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="The model, as vLLM's `vllm serve MODEL` takes it: the same as --model.")
     config.add_arguments(parser)
+    ns = parser.parse_args(argv)
+    tag = ns.__dict__.pop("model_tag")
+    if tag is not None:
+        flag = getattr(ns, "model.model", None)
+        if flag is not None and flag != tag:
+            parser.error(f"the model is given twice, as {tag!r} and as --model {flag!r}; give it once")
+        setattr(ns, "model.model", tag)
     try:
-        cfg = config.from_args(parser.parse_args(argv))
+        cfg = config.from_args(ns)
     except config.ConfigError as exc:
         parser.error(str(exc))
     from pdpool.models.demo import check_model
