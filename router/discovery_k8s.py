@@ -153,7 +153,14 @@ def connect(kube_api: str | None, environ=os.environ, service_account: Path = SE
     if kube_api:
         return KubeConnection(kube_api.rstrip("/"), ssl=_ssl(kube_api, None, None, None, False))
     path = (environ.get("KUBECONFIG") or "").split(os.pathsep)[0] or str(Path.home() / ".kube" / "config")
-    return from_kubeconfig(Path(path))
+    try:
+        return from_kubeconfig(Path(path))
+    except KubeConfigError as exc:
+        if host:   # in a pod: the token is what is missing, not a kubeconfig
+            hint = (f"in a pod (KUBERNETES_SERVICE_HOST is set) with no service account token at "
+                    f"{service_account / 'token'} (automountServiceAccountToken: false?), and ")
+            raise KubeConfigError(hint + str(exc)) from None
+        raise
 
 
 # ---- EndpointSlices -> endpoints ------------------------------------------------------------------------

@@ -389,3 +389,11 @@ def test_a_failing_list_is_logged_once_with_its_reason_and_its_recovery(k8s, cap
     assert f"namespace {NS}" in failed[0][1] and "404" in failed[0][1] and "could not find" in failed[0][1]
     assert not any(r.exc_info for r in caplog.records), "no traceback for an API error"
     assert any(level == "INFO" and "works again" in msg for level, msg in lines), lines
+
+
+def test_a_pod_without_a_service_account_token_is_told_so(tmp_path):
+    """In a pod whose token is not mounted (automountServiceAccountToken: false), the refusal names the missing
+    token, not only a kubeconfig that a pod never has."""
+    env = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBECONFIG": str(tmp_path / "none")}
+    with pytest.raises(KubeConfigError, match=f"no service account token at {tmp_path / 'token'}.*automount"):
+        connect(None, environ=env, service_account=tmp_path)
