@@ -260,10 +260,6 @@ class KubernetesDiscovery:
                                        timeout=aiohttp.ClientTimeout(total=10)) as resp:
             await raise_for_status(resp)
             body = await resp.json(content_type=None)
-        if self._failure is not None:
-            logger.info("EndpointSlice list in namespace %s works again (%d slices)", self.namespace,
-                        len(body.get("items") or []))
-            self._failure = None
         self.slices = {}
         for obj in body.get("items") or []:
             self._apply("ADDED", obj)
@@ -298,6 +294,10 @@ class KubernetesDiscovery:
             if resp.status == 410:
                 raise WatchExpired()
             await raise_for_status(resp)
+            if self._failure is not None:     # listed and watching again (a list alone may work while watch fails)
+                logger.info("EndpointSlice list/watch in namespace %s works again: %d nodes", self.namespace,
+                            len(self.known))
+                self._failure = None
             buffer = b""
             async for chunk in resp.content.iter_any():
                 buffer += chunk

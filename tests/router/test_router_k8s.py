@@ -17,6 +17,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from k8s_emulator import Emulator  # noqa: E402
@@ -397,3 +398,43 @@ def test_a_pod_without_a_service_account_token_is_told_so(tmp_path):
     env = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBECONFIG": str(tmp_path / "none")}
     with pytest.raises(KubeConfigError, match=f"no service account token at {tmp_path / 'token'}.*automount"):
         connect(None, environ=env, service_account=tmp_path)
+
+
+def test_a_role_without_watch_is_logged_once_while_lists_still_work(k8s, caplog):  # noqa: F811
+    """RBAC that grants list but not watch: the API server lets the list through and refuses each watch with 403
+    (an authorizing proxy in front of the emulator, which has no RBAC). Discovery keeps the listed nodes, and the
+    refusal is one warning, not a warning and a 'works again' line per retry (a list alone is not recovery)."""
+    serve_endpointslices(k8s)
+    k8s.client().post(SLICES, make_slice("demo-decode-a", "decode", 8000, [make_endpoint("10.0.0.1", "demo-decode-0")]))
+    forbidden = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden", "code": 403,
+                 "message": 'endpointslices.discovery.k8s.io is forbidden: User "system:serviceaccount:serving:'
+                            'demo-router" cannot watch resource "endpointslices" in API group "discovery.k8s.io" '
+                            f'in the namespace "{NS}"'}
+
+    async def authorize(request: web.Request) -> web.Response:
+        if request.query.get("watch") == "true":
+            return web.json_response(forbidden, status=403)
+        async with aiohttp.ClientSession() as s, s.get(k8s.url + request.path_qs) as resp:
+            return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
+
+    async def main():
+        app = web.Application()
+        app.router.add_get("/{tail:.*}", authorize)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+
+        async def body(pool: Pool, d: KubernetesDiscovery):
+            await asyncio.sleep(4.0)                              # lists and refused watches at 0, 0.5, 1.5, 3.5 s
+            assert list(pool.endpoints) == ["demo-decode-0:8000"]
+        try:
+            await run_discovery(f"http://127.0.0.1:{port}", body)
+        finally:
+            await runner.cleanup()
+
+    caplog.set_level(logging.INFO, logger="pdpool.router")
+    asyncio.run(main())
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if "EndpointSlice" in r.getMessage()]
+    assert len(lines) == 1 and lines[0][0] == "WARNING", lines
+    assert "HTTP 403" in lines[0][1] and "cannot watch" in lines[0][1], lines
