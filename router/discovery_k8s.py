@@ -93,12 +93,15 @@ class KubeConnection:
         return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-def _pem_file(data: str | None, path: str | None, base: Path) -> str | None:
+def _pem_file(data: str | None, path: str | None, base: Path, written: list[str]) -> str | None:
+    """The file to load: ``path`` (relative to the kubeconfig), else ``data`` written to a temporary file, which
+    is appended to ``written`` for the caller to remove once loaded."""
     if path:
         return str(base / path)
     if not data:
         return None
     fd, name = tempfile.mkstemp(suffix=".pem", prefix="pdpool-kube-")
+    written.append(name)
     with os.fdopen(fd, "wb") as f:
         f.write(base64.b64decode(data))
     return name
@@ -129,14 +132,18 @@ def from_kubeconfig(path: Path) -> KubeConnection:
                               "use a token or a client certificate")
     base = path.parent
     server = cluster["server"].rstrip("/")
+    written: list[str] = []                       # inline certificates and key: loaded, then removed
     try:
         context = _ssl(server, _pem_file(cluster.get("certificate-authority-data"),
-                                         cluster.get("certificate-authority"), base),
-                       _pem_file(user.get("client-certificate-data"), user.get("client-certificate"), base),
-                       _pem_file(user.get("client-key-data"), user.get("client-key"), base),
+                                         cluster.get("certificate-authority"), base, written),
+                       _pem_file(user.get("client-certificate-data"), user.get("client-certificate"), base, written),
+                       _pem_file(user.get("client-key-data"), user.get("client-key"), base, written),
                        bool(cluster.get("insecure-skip-tls-verify")))
     except (ValueError, OSError) as exc:          # bad base64, unreadable or invalid PEM (ssl.SSLError)
         raise KubeConfigError(f"kubeconfig {path}: TLS material: {exc}") from None
+    finally:
+        for name in written:
+            os.unlink(name)
     token_file = str(base / user["tokenFile"]) if user.get("tokenFile") else None
     return KubeConnection(server, token=user.get("token"), token_file=token_file, ssl=context)
 

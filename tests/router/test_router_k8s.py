@@ -6,10 +6,14 @@ router's probes (``/health/ready``, ``/v1/models``, ``/metrics``)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
+import shutil
+import ssl
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -438,3 +442,27 @@ def test_a_role_without_watch_is_logged_once_while_lists_still_work(k8s, caplog)
     lines = [(r.levelname, r.getMessage()) for r in caplog.records if "EndpointSlice" in r.getMessage()]
     assert len(lines) == 1 and lines[0][0] == "WARNING", lines
     assert "HTTP 403" in lines[0][1] and "cannot watch" in lines[0][1], lines
+
+
+def test_kubeconfig_inline_tls_material_leaves_no_file_behind(tmp_path, monkeypatch):
+    """certificate-authority-data and client-certificate/key-data are written to files only for the SSL context to
+    load: none stays behind (the client key was left in /tmp, three files on every start)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs openssl to make a certificate")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(tmp_path / "key.pem"),
+                    "-out", str(tmp_path / "cert.pem"), "-days", "1", "-subj", "/CN=kube"], check=True,
+                   capture_output=True)
+    cert, key = ((tmp_path / f).read_bytes() for f in ("cert.pem", "key.pem"))
+    path = tmp_path / "config"
+    path.write_text(json.dumps({
+        "current-context": "c", "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
+        "clusters": [{"name": "k", "cluster": {"server": "https://api.example:6443",
+                                               "certificate-authority-data": base64.b64encode(cert).decode()}}],
+        "users": [{"name": "u", "user": {"client-certificate-data": base64.b64encode(cert).decode(),
+                                         "client-key-data": base64.b64encode(key).decode()}}]}))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    conn = from_kubeconfig(path)
+    assert isinstance(conn.ssl, ssl.SSLContext) and conn.ssl.cert_store_stats()["x509_ca"] == 1
+    assert list(scratch.iterdir()) == []
