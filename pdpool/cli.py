@@ -28,11 +28,14 @@ def _serve(argv: list[str]) -> int:
         cfg = config.from_args(ns)
     except config.ConfigError as exc:
         parser.error(str(exc))
+    from pdpool.frontend import ChatTemplateError, load_chat_template
     from pdpool.models.demo import check_model
 
-    try:   # a model that cannot load is the command line's error, before anything listens
+    try:   # a model or a chat template that cannot load is the command line's error, before anything listens
         check_model(cfg.model.model)
-    except FileNotFoundError as exc:
+        if cfg.model.chat_template:
+            load_chat_template(cfg.model.chat_template)
+    except (FileNotFoundError, ChatTemplateError) as exc:
         print(f"pdpool serve: error: {exc}", file=sys.stderr)
         return 2
     from pdpool import logs

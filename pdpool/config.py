@@ -32,6 +32,8 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")   # pdpool.server.tool
 _AUTO_TOOL_HELP = ("Serve tool_choice \"auto\" (the default with tools): the model's own tool-call format, read by "
                    "--tool-call-parser, becomes message.tool_calls (vLLM's flag).")
 _PARSER_HELP = "The model's tool-call format, for --enable-auto-tool-choice (vLLM's names)."
+_CHAT_TEMPLATE_HELP = ("The chat template in place of the model's (vLLM's flag): a file's path, or the jinja text "
+                       "itself (with escapes such as \\n undone).")
 # CORS, as vLLM's flags (Starlette's CORSMiddleware; pdpool.server.cors): a list flag takes a JSON list, as vLLM's
 # --allowed-origins '["https://app.example"]', or one value per flag, repeated.
 # Unset: IPv4 and IPv6 both, each its own socket (pdpool.utils.bind_sockets): a kubelet probes the pod's IP, which is
@@ -72,6 +74,7 @@ class ModelConfig:
     load_format: str = opt("auto", "auto reads safetensors; dummy fills real shapes with random weights.",
                            choices=("auto", "dummy"))
     seed: int = opt(0, "Seed for dummy weights and unseeded sampling.", ge=0)
+    chat_template: str | None = opt(None, _CHAT_TEMPLATE_HELP, crd="model.chatTemplate")
 
 
 @dataclass
@@ -241,6 +244,8 @@ class RouterConfig:
                                 "the node has published it to Redis (0: off).", ge=0)
     enable_auto_tool_choice: bool = opt(False, _AUTO_TOOL_HELP, crd="model.enableAutoToolChoice")
     tool_call_parser: str | None = opt(None, _PARSER_HELP, choices=TOOL_CALL_PARSERS, crd="model.toolCallParser")
+    chat_template: str | None = opt(None, _CHAT_TEMPLATE_HELP + " The router renders chats to route them; give "
+                                    "the nodes the same.", crd="model.chatTemplate")
     trust_request_chat_template: bool = opt(False, "Take a chat request's own chat_template (else a 400): the "
                                             "router renders it to route, the nodes to answer; set it on both.",
                                             crd="model.trustRequestChatTemplate")

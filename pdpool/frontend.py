@@ -91,7 +91,8 @@ class Tokenizer:
 
     SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, chat_template: str | None = None) -> None:
+        """``chat_template``: ``--chat-template``'s value (``load_chat_template``), in place of the model's."""
         from tokenizers import Tokenizer as _Tokenizer
 
         file = path / "tokenizer.json"
@@ -101,7 +102,7 @@ class Tokenizer:
         config = _read_json(path / "tokenizer_config.json") or {}
         self.special_tokens = {name: _token_text(config.get(name)) for name in self.SPECIAL_NAMES}
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
-        self.chat_template = _chat_template(path, config)
+        self.chat_template = load_chat_template(chat_template) if chat_template else _chat_template(path, config)
         eos = self.special_tokens.get("eos_token")
         self.eos_token_id = self._tok.token_to_id(eos) if eos else None
 
@@ -210,6 +211,30 @@ def compile_chat_template(source: str):
     return _chat_template_env().from_string(source)
 
 
+class ChatTemplateError(ValueError):
+    """``--chat-template`` names no readable file and is no template, or its template does not compile."""
+
+
+def load_chat_template(value: str) -> str:
+    """``--chat-template``'s value as vLLM reads it: the text of the file it names; else, when it holds a brace or a
+    line break, the template itself, its backslash escapes (``\\n``) undone as a shell user typed them. A value with
+    neither that names no readable file is a path that failed. Compiled here, so that a template with a syntax
+    error stops the command at start. Raises ``ChatTemplateError`` saying what is wrong."""
+    from jinja2 import TemplateError
+
+    try:
+        text = Path(value).read_text(encoding="utf-8")
+    except (OSError, ValueError) as exc:   # ValueError: a NUL byte in the value
+        if not any(c in value for c in "{}\n"):
+            raise ChatTemplateError(f"--chat-template {value!r} looks like a file path, but it cannot be read ({exc})") from None
+        text = value.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    try:
+        compile_chat_template(text)
+    except TemplateError as exc:
+        raise ChatTemplateError(f"--chat-template is not a valid jinja template: {exc}") from None
+    return text
+
+
 def _chat_template(path: Path, config: dict) -> str | None:
     jinja = path / "chat_template.jinja"
     if jinja.is_file():
@@ -300,12 +325,12 @@ class Frontend:
         self.grammars = None
 
     @classmethod
-    def from_model(cls, model: str, token_cache_chunks: int = 0) -> "Frontend":
-        """``model``: 'demo' or a local folder (never downloaded)."""
+    def from_model(cls, model: str, token_cache_chunks: int = 0, chat_template: str | None = None) -> "Frontend":
+        """``model``: 'demo' or a local folder (never downloaded); ``chat_template``: ``--chat-template``'s value."""
         from pdpool.models.demo import resolve_model
 
         path = resolve_model(model)
-        return cls(ModelFiles.read(path), Tokenizer(path), token_cache_chunks)
+        return cls(ModelFiles.read(path), Tokenizer(path, chat_template), token_cache_chunks)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, tools: list[dict] | None = None,

@@ -46,12 +46,18 @@ def main(argv: list[str] | None = None) -> int:
     from pdpool.router.app import Router
 
     try:
-        frontend = Frontend.from_model(r.model, token_cache_chunks=r.token_cache_chunks)
+        frontend = Frontend.from_model(r.model, r.token_cache_chunks, r.chat_template)
     except (OSError, ValueError) as exc:
-        print(f"pdpool router: error: cannot read the tokenizer of --model {r.model}: {exc}", file=sys.stderr)
+        print(f"pdpool router: error: {_frontend_error(r, exc)}", file=sys.stderr)
         return 2
     run(_serve(Router(cfg, profile, frontend), r.host, r.port))
     return 0
+
+
+def _frontend_error(r, exc: Exception) -> str:
+    from pdpool.frontend import ChatTemplateError
+
+    return str(exc) if isinstance(exc, ChatTemplateError) else f"cannot read the tokenizer of --model {r.model}: {exc}"
 
 
 class _SecondCachedFormatter(logging.Formatter):
@@ -118,9 +124,9 @@ def _main_workers(cfg, profile) -> int:
 
     native.load()   # built (once) before the fork, not by every worker at once
     try:  # the tokenizer is read once here for a clear error; each worker reads its own after the fork
-        Frontend.from_model(r.model)
+        Frontend.from_model(r.model, chat_template=r.chat_template)
     except (OSError, ValueError) as exc:
-        print(f"pdpool router: error: cannot read the tokenizer of --model {r.model}: {exc}", file=sys.stderr)
+        print(f"pdpool router: error: {_frontend_error(r, exc)}", file=sys.stderr)
         return 2
 
     supervisor = os.getpid()
@@ -128,7 +134,7 @@ def _main_workers(cfg, profile) -> int:
     def run_worker(index: int) -> int:
         from pdpool.router.app import Router
 
-        frontend = Frontend.from_model(r.model, token_cache_chunks=r.token_cache_chunks)
+        frontend = Frontend.from_model(r.model, r.token_cache_chunks, r.chat_template)
         try:
             run(_serve(Router(cfg, profile, frontend), addresses, r.port, reuse_port=True, worker=index))
         finally:

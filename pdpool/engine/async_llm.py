@@ -111,7 +111,7 @@ class AsyncLLM:
         self.engine = engine or LLMEngine(node_config)
         self.config = node_config
         path = self.engine.model_path
-        self.frontend = frontend or Frontend(ModelFiles.read(path), Tokenizer(path))
+        self.frontend = frontend or Frontend(ModelFiles.read(path), Tokenizer(path, node_config.model.chat_template))
         Grammars.of(self.frontend)
         self.latency_observer = latency_observer
         self.output_processor = OutputProcessor(self.frontend.tokenizer)

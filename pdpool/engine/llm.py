@@ -82,7 +82,7 @@ class LLM:
         self.config = config.build(model=model, dtype=dtype, **settings)
         self.engine = LLMEngine(self.config)
         path = self.engine.model_path
-        self.frontend = Frontend(ModelFiles.read(path), Tokenizer(path))
+        self.frontend = Frontend(ModelFiles.read(path), Tokenizer(path, self.config.model.chat_template))
         Grammars.of(self.frontend)
         self.output_processor = OutputProcessor(self.frontend.tokenizer)
         self._ids = itertools.count()

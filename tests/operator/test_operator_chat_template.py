@@ -21,3 +21,14 @@ def test_the_flag_and_the_pool_spec_set_nodes_and_router():
     assert "--trust-request-chat-template" in config.to_argv(router_config(pool), config.RouterCommandConfig)
     default = parse_pool(make_body({}))
     assert "--trust-request-chat-template" not in config.to_argv(node_config(default, "decode"))
+
+
+def test_the_pool_specs_chat_template_reaches_nodes_and_router():
+    """``model.chatTemplate`` (vLLM's ``--chat-template``: the jinja text, or a path inside the pods) goes to both
+    processes that render chats, so the router hashes the prompt the nodes compute."""
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    pool = parse_pool(make_body({"model": {"chatTemplate": template}}))
+    for argv in (config.to_argv(node_config(pool, "prefill")), config.to_argv(node_config(pool, "decode")),
+                 config.to_argv(router_config(pool), config.RouterCommandConfig)):
+        assert argv[argv.index("--chat-template") + 1] == template
+    assert "--chat-template" not in config.to_argv(node_config(parse_pool(make_body({})), "decode"))
