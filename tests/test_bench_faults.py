@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -126,3 +127,19 @@ def test_any_stream_gives_a_record_never_an_exception(fault_server, chunks, done
     if record.ok:
         assert isinstance(record.completion_tokens, int) and record.completion_tokens >= 0
         assert isinstance(record.prompt_tokens, int) and isinstance(record.cached_tokens, int)
+
+
+def _bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pdpool.cli", "bench", "--model", "m", "--tokenizer", "none",
+                           "--no-progress", *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+
+
+def test_requests_the_time_limit_left_unsent_are_reported(fault_server, tmp_path):
+    """At the time limit the requests not yet sent were left out of every count: 6 asked, 1 completed and 1 cut
+    read '1 / 1' and '1 of 2 requests failed', as if the run had been of 2 requests."""
+    proc = _bench("--url", f"{fault_server}/slow", "--num-requests", "6", "--concurrency", "1", "--time-limit", "1.5",
+                  "--out", str(tmp_path), "--random-input-len", "4", "--random-output-len", "1")
+    summary = json.loads((tmp_path / "bench.json").read_text())["runs"][0]["summary"]
+    assert (summary["completed"], summary["failed"], summary["not_sent"]) == (1, 1, 4)
+    assert re.search(r"\nnot sent \(time limit\) +4\n", proc.stdout), proc.stdout
+    assert "pdpool bench: 4 of 6 requests not sent: the time limit (1.5 s) came first" in proc.stderr, proc.stderr

@@ -156,8 +156,8 @@ async def _run_one(args, reqs, bodies, rate, seed, slo, lengths, desc) -> dict:
         records, duration = await load.run_load(len(reqs), send, new_record, rate=rate, concurrency=args.concurrency,
                                                 time_limit=args.time_limit, seed=seed,
                                                 progress=not args.no_progress, desc=desc)
-    return {"rate": rate, "concurrency": args.concurrency, "summary": stats.summarize(records, duration, slo),
-            "records": records}
+    summary = stats.summarize(records, duration, slo, num_requests=len(reqs))
+    return {"rate": rate, "concurrency": args.concurrency, "summary": summary, "records": records}
 
 
 def run(argv: list[str]) -> int:
@@ -191,7 +191,7 @@ def run(argv: list[str]) -> int:
         sweep = {"rates": rates, "slo_attainment_target": args.slo_attainment,
                  "max_rate_meeting_slo": stats.max_rate_meeting_attainment(runs, args.slo_attainment) if slo else None}
     print(report.table(label, runs))
-    for line in report.failures(runs):  # without --out the table alone never said why requests failed
+    for line in report.failures(runs, args.time_limit):  # without --out the table never said why requests failed
         print(f"pdpool bench: {line}", file=sys.stderr)
     if sweep and slo:
         print(f"highest rate with SLO attainment >= {args.slo_attainment:g}: {sweep['max_rate_meeting_slo']}")

@@ -59,6 +59,10 @@ def table(label: str, runs: list[dict]) -> str:
         lines.append(f"==== {label}: {load_name(run)} ====")
         rows = [
             ("completed / failed", f"{s['completed']} / {s['failed']}"),
+        ]
+        if s.get("not_sent"):
+            rows.append(("not sent (time limit)", str(s["not_sent"])))
+        rows += [
             ("duration (s)", f"{s['duration_s']:.2f}"),
             ("input / output tokens", f"{s['total_input_tokens']} / {s['total_output_tokens']}"
              + ("" if s["usage_reported"] else " (local estimate: no usage from the server)")),
@@ -80,14 +84,19 @@ def table(label: str, runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def failures(runs: list[dict], most: int = 3) -> list[str]:
-    """The commonest errors of each run's failed requests, one line each (``N of M requests failed: error``)."""
+def failures(runs: list[dict], time_limit: float, most: int = 3) -> list[str]:
+    """The commonest errors of each run's failed requests, one line each (``N of M requests failed: error``), and
+    the requests the time limit left unsent (``N of M requests not sent``)."""
     lines = []
     for run in runs:
         records = run["records"]
+        where = "" if len(runs) == 1 else f"{load_name(run)}: "
         errors = Counter((r["error"] if isinstance(r, dict) else r.error) for r in records)
         errors.pop(None, None)
         for error, n in errors.most_common(most):
-            where = "" if len(runs) == 1 else f"{load_name(run)}: "
             lines.append(f"{where}{n} of {len(records)} requests failed: {error.splitlines()[0][:300]}")
+        not_sent = run["summary"].get("not_sent")
+        if not_sent:
+            lines.append(f"{where}{not_sent} of {len(records) + not_sent} requests not sent: the time limit "
+                         f"({time_limit:g} s) came first")
     return lines

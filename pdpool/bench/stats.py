@@ -83,7 +83,10 @@ def meets_slo(record: RequestRecord, slo: dict[str, float]) -> bool:
     return True
 
 
-def summarize(records: list[RequestRecord], duration_s: float, slo: dict[str, float] | None = None) -> dict:
+def summarize(records: list[RequestRecord], duration_s: float, slo: dict[str, float] | None = None,
+              num_requests: int | None = None) -> dict:
+    """``num_requests``: the requests the run was to send; those without a record (the time limit came first) are
+    ``not_sent``."""
     done = [r for r in records if r.ok]
     input_tokens = sum(r.prompt_tokens for r in done)
     output_tokens = sum(r.completion_tokens for r in done)
@@ -92,6 +95,7 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: dict[str, fl
     summary = {
         "completed": len(done),
         "failed": len(records) - len(done),
+        "not_sent": max(0, (num_requests or 0) - len(records)),
         "duration_s": duration_s,
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
