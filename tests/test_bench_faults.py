@@ -143,3 +143,26 @@ def test_requests_the_time_limit_left_unsent_are_reported(fault_server, tmp_path
     assert (summary["completed"], summary["failed"], summary["not_sent"]) == (1, 1, 4)
     assert re.search(r"\nnot sent \(time limit\) +4\n", proc.stdout), proc.stdout
     assert "pdpool bench: 4 of 6 requests not sent: the time limit (1.5 s) came first" in proc.stderr, proc.stderr
+
+
+def _strict_json(text: str):
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_inf_means_no_bound_as_in_vllm(fault_server, tmp_path):
+    """vLLM's --request-rate inf sends everything at once; here --request-timeout inf raised an OverflowError
+    traceback, and --rate inf or --time-limit inf wrote Infinity into bench.json, which no strict JSON reader takes."""
+    proc = _bench("--url", f"{fault_server}/ok", "--num-requests", "3", "--rate", "inf", "--time-limit", "inf",
+                  "--request-timeout", "inf", "--random-input-len", "4", "--out", str(tmp_path / "rate"))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    data = _strict_json((tmp_path / "rate" / "bench.json").read_text())
+    assert data["runs"][0]["rate"] is None and data["runs"][0]["summary"]["completed"] == 3  # inf: all at once
+    assert (data["config"]["rate"], data["config"]["time_limit"], data["config"]["request_timeout"]) == (None,) * 3
+    proc = _bench("--url", f"{fault_server}/ok", "--num-requests", "3", "--sweep", "2,inf", "--random-input-len", "4",
+                  "--out", str(tmp_path / "sweep"))
+    assert proc.returncode == 0, proc.stderr
+    data = _strict_json((tmp_path / "sweep" / "bench.json").read_text())
+    assert [run["rate"] for run in data["runs"]] == [2.0, None]

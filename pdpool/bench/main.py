@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -29,6 +30,13 @@ def _positive(kind):
 
 
 POSITIVE_INT, POSITIVE = _positive(int), _positive(float)
+
+
+def _bound(text: str) -> float | None:
+    """An argparse type: a number > 0, or ``inf`` for no bound (None: no Infinity in bench.json, which strict JSON
+    readers refuse). ``--rate inf`` is vLLM's: every request at once."""
+    value = POSITIVE(text)
+    return None if math.isinf(value) else value
 
 
 def _length_range(text: str) -> str:
@@ -63,11 +71,12 @@ def _parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("load (every run is bounded by --num-requests and --time-limit)")
     g.add_argument("--num-requests", type=POSITIVE_INT, default=None,
                    help="default: the dataset's size (random: 100); a shorter dataset is cycled")
-    g.add_argument("--time-limit", type=POSITIVE, default=600.0, help="seconds per run")
+    g.add_argument("--time-limit", type=_bound, default=600.0, help="seconds per run (inf: no limit)")
     g.add_argument("--concurrency", type=POSITIVE_INT, default=None, help="requests in flight at most")
-    g.add_argument("--rate", type=POSITIVE, default=None, help="Poisson arrivals at this rate (req/s)")
+    g.add_argument("--rate", type=_bound, default=None,
+                   help="Poisson arrivals at this rate (req/s); inf, the default: every request at once")
     g.add_argument("--sweep", default=None, help="comma-separated rates, one run each")
-    g.add_argument("--request-timeout", type=POSITIVE, default=600.0, help="seconds per request")
+    g.add_argument("--request-timeout", type=_bound, default=600.0, help="seconds per request (inf: none)")
     g = p.add_argument_group("requests")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM/pdpool extension)")
@@ -98,14 +107,14 @@ def _frontend(args):
         return None
 
 
-def _sweep_rate(text: str) -> float:
+def _sweep_rate(text: str) -> float | None:
     try:
         rate = float(text)
     except ValueError:
         raise ValueError(f"--sweep: {text.strip()!r} is not a rate") from None
     if not rate > 0:
         raise ValueError(f"--sweep: rate {text.strip()} must be > 0")
-    return rate
+    return None if math.isinf(rate) else rate
 
 
 def _requests(args, lengths: datasets.Lengths, seed: int) -> list[datasets.BenchRequest]:
@@ -154,7 +163,7 @@ async def _run_one(args, reqs, bodies, rate, seed, slo, lengths, desc) -> dict:
             return await client.send(session, url, bodies[i], new_record(i, send_time), headers, count)
 
         records, duration = await load.run_load(len(reqs), send, new_record, rate=rate, concurrency=args.concurrency,
-                                                time_limit=args.time_limit, seed=seed,
+                                                time_limit=args.time_limit or math.inf, seed=seed,
                                                 progress=not args.no_progress, desc=desc)
     summary = stats.summarize(records, duration, slo, num_requests=len(reqs))
     return {"rate": rate, "concurrency": args.concurrency, "summary": summary, "records": records}
