@@ -28,6 +28,7 @@ import logging
 import os
 import ssl
 import tempfile
+import time
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ PORT_NAME = "http"
 SLICES = "/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 WATCH_SECONDS = 300
+SHORT_WATCH_SECONDS = 1.0                          # a watch open this long works (client-go's "very short watch")
 
 
 class KubeConfigError(ValueError):
@@ -56,6 +58,11 @@ class KubeConfigError(ValueError):
 
 class WatchExpired(Exception):
     """410 Gone: the resourceVersion left the server's history; list again."""
+
+
+class WatchEndedAtOnce(Exception):
+    """The server ended a watch within ``SHORT_WATCH_SECONDS`` with no event (a proxy that does not stream, say):
+    a failure, as in client-go's reflector, so that re-watching backs off instead of spinning."""
 
 
 def failure_reason(exc: Exception) -> str:
@@ -291,27 +298,41 @@ class KubernetesDiscovery:
                            self.namespace, reason, len(self.known))
         self._failure = reason
 
+    def _recovered(self) -> None:
+        if self._failure is not None:
+            logger.info("EndpointSlice list/watch in namespace %s works again: %d nodes", self.namespace,
+                        len(self.known))
+            self._failure = None
+
     async def watch(self) -> None:
-        """One watch request from ``resource_version``; returns when the server ends it."""
+        """One watch request from ``resource_version``; returns when the server ends it. The watch works (a failure
+        before it is over) once it has been open ``SHORT_WATCH_SECONDS`` or has brought an event: a list alone may
+        work while watch is refused."""
         params = {"watch": "true", "allowWatchBookmarks": "true", "timeoutSeconds": str(WATCH_SECONDS),
                   "resourceVersion": self.resource_version or "0"}
         timeout = aiohttp.ClientTimeout(total=None, connect=10, sock_read=WATCH_SECONDS + 30)
+        started, events = time.monotonic(), 0
         async with self._session().get(self._url(**params), headers=self.conn.headers(), ssl=self.conn.ssl,
                                        timeout=timeout) as resp:
             if resp.status == 410:
                 raise WatchExpired()
             await raise_for_status(resp)
-            if self._failure is not None:     # listed and watching again (a list alone may work while watch fails)
-                logger.info("EndpointSlice list/watch in namespace %s works again: %d nodes", self.namespace,
-                            len(self.known))
-                self._failure = None
-            buffer = b""
-            async for chunk in resp.content.iter_any():
-                buffer += chunk
-                *lines, buffer = buffer.split(b"\n")
-                for line in lines:
-                    if line.strip():
-                        self._on_event(json.loads(line))
+            opened = asyncio.get_running_loop().call_later(SHORT_WATCH_SECONDS, self._recovered)
+            try:
+                buffer = b""
+                async for chunk in resp.content.iter_any():
+                    buffer += chunk
+                    *lines, buffer = buffer.split(b"\n")
+                    for line in lines:
+                        if line.strip():
+                            self._on_event(json.loads(line))
+                            events += 1
+            finally:
+                opened.cancel()
+        if events:
+            self._recovered()
+        elif time.monotonic() - started < SHORT_WATCH_SECONDS:
+            raise WatchEndedAtOnce(f"the API server ended the watch within {SHORT_WATCH_SECONDS:g} s with no event")
 
     def _on_event(self, event: dict) -> None:
         kind, obj = event.get("type"), event.get("object") or {}

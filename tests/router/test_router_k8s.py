@@ -385,10 +385,11 @@ def test_a_failing_list_is_logged_once_with_its_reason_and_its_recovery(k8s, cap
         serve_endpointslices(k8s)
         api.post(SLICES, make_slice("demo-decode-a", "decode", 8000, [make_endpoint("10.0.0.1", "demo-decode-0")]))
         await until(lambda: list(pool.endpoints) == ["demo-decode-0:8000"], timeout=10)
+        await until(lambda: any("works again" in msg for _, msg in discovery_lines(caplog)))   # watch open 1 s
 
     caplog.set_level(logging.INFO, logger="pdpool.router")
     asyncio.run(run_discovery(k8s.url, body))
-    lines = [(r.levelname, r.getMessage()) for r in caplog.records if "EndpointSlice" in r.getMessage()]
+    lines = discovery_lines(caplog)
     failed = [(level, msg) for level, msg in lines if level != "INFO"]
     assert len(failed) == 1 and failed[0][0] == "WARNING", lines
     assert f"namespace {NS}" in failed[0][1] and "404" in failed[0][1] and "could not find" in failed[0][1]
@@ -404,10 +405,35 @@ def test_a_pod_without_a_service_account_token_is_told_so(tmp_path):
         connect(None, environ=env, service_account=tmp_path)
 
 
+async def run_behind_proxy(k8s_url: str, answer_watch, body) -> None:
+    """``run_discovery`` through a proxy in front of the emulator that forwards lists and answers each watch with
+    ``answer_watch(request)``: what an API server or a proxy does that the emulator does not (RBAC, say)."""
+    async def forward(request: web.Request) -> web.StreamResponse:
+        if request.query.get("watch") == "true":
+            return await answer_watch(request)
+        async with aiohttp.ClientSession() as s, s.get(k8s_url + request.path_qs) as resp:
+            return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", forward)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        await run_discovery(f"http://127.0.0.1:{port}", body)
+    finally:
+        await runner.cleanup()
+
+
+def discovery_lines(caplog) -> list[tuple[str, str]]:
+    return [(r.levelname, r.getMessage()) for r in caplog.records if "EndpointSlice" in r.getMessage()]
+
+
 def test_a_role_without_watch_is_logged_once_while_lists_still_work(k8s, caplog):  # noqa: F811
-    """RBAC that grants list but not watch: the API server lets the list through and refuses each watch with 403
-    (an authorizing proxy in front of the emulator, which has no RBAC). Discovery keeps the listed nodes, and the
-    refusal is one warning, not a warning and a 'works again' line per retry (a list alone is not recovery)."""
+    """RBAC that grants list but not watch: the API server lets the list through and refuses each watch with 403.
+    Discovery keeps the listed nodes, and the refusal is one warning, not a warning and a 'works again' line per
+    retry (a list alone is not recovery)."""
     serve_endpointslices(k8s)
     k8s.client().post(SLICES, make_slice("demo-decode-a", "decode", 8000, [make_endpoint("10.0.0.1", "demo-decode-0")]))
     forbidden = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden", "code": 403,
@@ -415,33 +441,42 @@ def test_a_role_without_watch_is_logged_once_while_lists_still_work(k8s, caplog)
                             'demo-router" cannot watch resource "endpointslices" in API group "discovery.k8s.io" '
                             f'in the namespace "{NS}"'}
 
-    async def authorize(request: web.Request) -> web.Response:
-        if request.query.get("watch") == "true":
-            return web.json_response(forbidden, status=403)
-        async with aiohttp.ClientSession() as s, s.get(k8s.url + request.path_qs) as resp:
-            return web.Response(body=await resp.read(), status=resp.status, content_type="application/json")
+    async def refuse(request: web.Request) -> web.Response:
+        return web.json_response(forbidden, status=403)
 
-    async def main():
-        app = web.Application()
-        app.router.add_get("/{tail:.*}", authorize)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-
-        async def body(pool: Pool, d: KubernetesDiscovery):
-            await asyncio.sleep(4.0)                              # lists and refused watches at 0, 0.5, 1.5, 3.5 s
-            assert list(pool.endpoints) == ["demo-decode-0:8000"]
-        try:
-            await run_discovery(f"http://127.0.0.1:{port}", body)
-        finally:
-            await runner.cleanup()
+    async def body(pool: Pool, d: KubernetesDiscovery):
+        await asyncio.sleep(4.0)                                  # lists and refused watches at 0, 0.5, 1.5, 3.5 s
+        assert list(pool.endpoints) == ["demo-decode-0:8000"]
 
     caplog.set_level(logging.INFO, logger="pdpool.router")
-    asyncio.run(main())
-    lines = [(r.levelname, r.getMessage()) for r in caplog.records if "EndpointSlice" in r.getMessage()]
+    asyncio.run(run_behind_proxy(k8s.url, refuse, body))
+    lines = discovery_lines(caplog)
     assert len(lines) == 1 and lines[0][0] == "WARNING", lines
     assert "HTTP 403" in lines[0][1] and "cannot watch" in lines[0][1], lines
+
+
+def test_a_watch_that_ends_at_once_is_retried_with_backoff_not_in_a_loop(k8s, caplog):  # noqa: F811
+    """A proxy that does not stream answers each watch 200 with no event and ends it. Re-watching at once spun the
+    router's event loop (hundreds of requests a second); such a watch counts as a failure, as client-go's reflector
+    counts a watch that lasted under a second with no event, and is logged once."""
+    serve_endpointslices(k8s)
+    k8s.client().post(SLICES, make_slice("demo-decode-a", "decode", 8000, [make_endpoint("10.0.0.1", "demo-decode-0")]))
+    watches = 0
+
+    async def end_at_once(request: web.Request) -> web.Response:
+        nonlocal watches
+        watches += 1
+        return web.Response(body=b"", content_type="application/json")
+
+    async def body(pool: Pool, d: KubernetesDiscovery):
+        await asyncio.sleep(3.0)                                  # backoff: watches at about 0, 0.5, 1.5 s
+        assert list(pool.endpoints) == ["demo-decode-0:8000"]
+
+    caplog.set_level(logging.INFO, logger="pdpool.router")
+    asyncio.run(run_behind_proxy(k8s.url, end_at_once, body))
+    assert watches <= 5, watches
+    lines = discovery_lines(caplog)
+    assert len(lines) == 1 and lines[0][0] == "WARNING" and "no event" in lines[0][1], lines
 
 
 def test_kubeconfig_inline_tls_material_leaves_no_file_behind(tmp_path, monkeypatch):
