@@ -3,7 +3,8 @@
 The operator renders one headless Service per role, ``<pool>-prefill`` and ``<pool>-decode``, labelled
 ``llm-d.ai/role``; the endpoint controller keeps an EndpointSlice per Service, labelled
 ``kubernetes.io/service-name`` and carrying the Service's labels. The router lists those slices, then watches
-them (resuming from the last resourceVersion, listing again on 410 Gone or any error), and feeds the ready
+them (resuming from the last resourceVersion, listing again on 410 Gone or any error, with backoff after an error
+or a watch ended at once; a failure is logged once per reason, and again when it is over), and feeds the ready
 endpoints' ``http`` ports to the pool. A pod that turns not ready, starts terminating or goes away drops out
 on the watch event, not on the next probe. Ready endpoints are probed like static nodes (``/health/ready``,
 ``/v1/models``, ``/metrics``) for load and for whether they speak pdpool, every ``--discovery-seconds``; a node
@@ -92,6 +93,7 @@ class KubeConnection:
     token: str | None = None
     token_file: str | None = None
     ssl: ssl.SSLContext | bool = False
+    own_namespace: str | None = None              # in a pod, the pod's (the service account's namespace file)
 
     def headers(self) -> dict[str, str]:
         token = self.token
@@ -161,9 +163,10 @@ def connect(kube_api: str | None, environ=os.environ, service_account: Path = SE
     host, port = environ.get("KUBERNETES_SERVICE_HOST"), environ.get("KUBERNETES_SERVICE_PORT", "443")
     if host and (service_account / "token").exists():
         server = kube_api or f"https://{url_host(host)}:{port}"
-        ca = service_account / "ca.crt"
+        ca, own = service_account / "ca.crt", service_account / "namespace"
         return KubeConnection(server.rstrip("/"), token_file=str(service_account / "token"),
-                              ssl=_ssl(server, str(ca) if ca.exists() else None, None, None, False))
+                              ssl=_ssl(server, str(ca) if ca.exists() else None, None, None, False),
+                              own_namespace=own.read_text().strip() if own.exists() else None)
     if kube_api:
         return KubeConnection(kube_api.rstrip("/"), ssl=_ssl(kube_api, None, None, None, False))
     path = (environ.get("KUBECONFIG") or "").split(os.pathsep)[0] or str(Path.home() / ".kube" / "config")
@@ -216,6 +219,7 @@ class KubernetesDiscovery:
         self._api: aiohttp.ClientSession | None = None
         self._probes: set[asyncio.Task] = set()                       # first probes of nodes that just joined
         self._failure: str | None = None            # the failure last logged; the same one again is not
+        self._told_empty = False                     # an empty list was logged (until a list finds slices)
 
     @classmethod
     def from_config(cls, r, pool: Pool, session: aiohttp.ClientSession) -> "KubernetesDiscovery":
@@ -279,6 +283,17 @@ class KubernetesDiscovery:
             self._apply("ADDED", obj)
         self.resource_version = body.get("metadata", {}).get("resourceVersion")
         self._publish()
+        if not self.slices and not self._told_empty:
+            self._say_empty()
+        self._told_empty = not self.slices
+
+    def _say_empty(self) -> None:
+        """An empty list is no error to the API, but a router with no node: say where it looked (once)."""
+        own = self.conn.own_namespace
+        hint = f" (this pod runs in namespace {own})" if own and own != self.namespace else ""
+        logger.warning("no EndpointSlice of Service %s-%s in namespace %s: no nodes until one appears; check --pool "
+                       "and --namespace%s", self.pool_name, f" or {self.pool_name}-".join(NODE_ROLES),
+                       self.namespace, hint)
 
     async def refresh(self) -> None:
         try:

@@ -30,8 +30,8 @@ from k8s_fixtures import k8s  # noqa: E402,F401
 from k8s_tools import write_kubeconfig  # noqa: E402
 
 from pdpool.node_process import free_port, http_get  # noqa: E402
-from pdpool.router.discovery_k8s import (KubeConfigError, KubernetesDiscovery, connect,  # noqa: E402
-                                         from_kubeconfig, slice_endpoints)
+from pdpool.router.discovery_k8s import (KubeConfigError, KubeConnection, KubernetesDiscovery,  # noqa: E402
+                                         connect, from_kubeconfig, slice_endpoints)
 from pdpool.router.endpoints import Pool  # noqa: E402
 
 NS, POOL = "serving", "demo"
@@ -206,11 +206,12 @@ def test_the_kubernetes_discovery_imports_neither_torch_nor_kopf():
 
 # ---- against the emulator ------------------------------------------------------------------------------
 
-async def run_discovery(url: str, body, period: float = 30.0, resource_version: str | None = None):
-    """Runs the real discovery against the emulator at ``url`` while ``body(pool, k8s_call)`` runs."""
+async def run_discovery(url: str, body, period: float = 30.0, resource_version: str | None = None,
+                        conn: KubeConnection | None = None, namespace: str = NS):
+    """Runs the real discovery against the emulator at ``url`` (or ``conn``) while ``body(pool, k8s_call)`` runs."""
     pool = Pool()
     async with aiohttp.ClientSession() as session:
-        d = KubernetesDiscovery(connect(url, environ={}), NS, POOL, pool, session, period)
+        d = KubernetesDiscovery(conn or connect(url, environ={}), namespace, POOL, pool, session, period)
         await d.refresh()
         if resource_version is not None:
             d.resource_version = resource_version
@@ -390,7 +391,7 @@ def test_a_failing_list_is_logged_once_with_its_reason_and_its_recovery(k8s, cap
     caplog.set_level(logging.INFO, logger="pdpool.router")
     asyncio.run(run_discovery(k8s.url, body))
     lines = discovery_lines(caplog)
-    failed = [(level, msg) for level, msg in lines if level != "INFO"]
+    failed = [(level, msg) for level, msg in lines if "failed" in msg]
     assert len(failed) == 1 and failed[0][0] == "WARNING", lines
     assert f"namespace {NS}" in failed[0][1] and "404" in failed[0][1] and "could not find" in failed[0][1]
     assert not any(r.exc_info for r in caplog.records), "no traceback for an API error"
@@ -501,3 +502,25 @@ def test_kubeconfig_inline_tls_material_leaves_no_file_behind(tmp_path, monkeypa
     conn = from_kubeconfig(path)
     assert isinstance(conn.ssl, ssl.SSLContext) and conn.ssl.cert_store_stats()["x509_ca"] == 1
     assert list(scratch.iterdir()) == []
+
+
+def test_finding_no_slice_says_where_it_looked_and_the_pods_own_namespace(k8s, tmp_path, caplog):  # noqa: F811
+    """A router in a pod of namespace serving, started without --namespace, lists namespace default: the API
+    answers an empty list, no error, and the router had no node and said nothing. It now says once where it looked
+    and which namespace its pod runs in."""
+    serve_endpointslices(k8s)
+    k8s.client().post(SLICES, make_slice("demo-decode-a", "decode", 8000, [make_endpoint("10.0.0.1", "demo-decode-0")]))
+    (tmp_path / "token").write_text("t")
+    (tmp_path / "namespace").write_text(NS)
+    conn = connect(k8s.url, environ={"KUBERNETES_SERVICE_HOST": "10.96.0.1"}, service_account=tmp_path)
+
+    async def body(pool: Pool, d: KubernetesDiscovery):
+        await d.list()                                            # a relist: not said again
+        assert pool.endpoints == {}
+
+    caplog.set_level(logging.INFO, logger="pdpool.router")
+    asyncio.run(run_discovery(k8s.url, body, conn=conn, namespace="default"))
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "pdpool.router"]
+    assert len(lines) == 1 and lines[0][0] == "WARNING", lines
+    for part in ("namespace default", "demo-prefill", "demo-decode", f"this pod runs in namespace {NS}"):
+        assert part in lines[0][1], (part, lines)
