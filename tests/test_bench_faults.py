@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import aiohttp
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 from pdpool.bench import client
 from pdpool.bench.datasets import BenchRequest
 from pdpool.bench.stats import RequestRecord
+from pdpool.node_process import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -166,3 +168,15 @@ def test_inf_means_no_bound_as_in_vllm(fault_server, tmp_path):
     assert proc.returncode == 0, proc.stderr
     data = _strict_json((tmp_path / "sweep" / "bench.json").read_text())
     assert [run["rate"] for run in data["runs"]] == [2.0, None]
+
+
+def test_a_server_down_at_the_start_ends_the_run_at_once():
+    """Nothing listening: every request failed on its own schedule, so --rate 0.5 with 20 requests took 40 s to say
+    '20 of 20 requests failed' (a long run against a mistyped port took its whole length)."""
+    port = free_port()
+    t0 = time.monotonic()
+    proc = _bench("--url", f"http://127.0.0.1:{port}", "--num-requests", "20", "--rate", "0.5")
+    assert time.monotonic() - t0 < 20
+    assert proc.returncode == 1 and proc.stdout == "", proc.stdout
+    assert proc.stderr.startswith(f"pdpool bench: cannot connect to http://127.0.0.1:{port}: "), proc.stderr
+    assert "Traceback" not in proc.stderr

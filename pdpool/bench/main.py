@@ -8,7 +8,9 @@ import asyncio
 import json
 import math
 import os
+import socket
 import sys
+import urllib.parse
 from pathlib import Path
 
 import aiohttp
@@ -107,6 +109,19 @@ def _frontend(args):
         return None
 
 
+def _check_reachable(url: str, timeout: float = 10.0) -> None:
+    """Connect to the server once before any run: when nothing listens, say so now, not after every request of the
+    run has failed on its own schedule (vLLM's bench also stops when its first request cannot be sent)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        if not parts.hostname:
+            raise ValueError("no host in the URL")
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        socket.create_connection((parts.hostname, port), timeout=timeout).close()
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"pdpool bench: cannot connect to {url}: {exc}") from None
+
+
 def _sweep_rate(text: str) -> float | None:
     try:
         rate = float(text)
@@ -185,7 +200,7 @@ def run(argv: list[str]) -> int:
         raise SystemExit(f"pdpool bench: {exc}") from None
     lengths = datasets.Lengths(_frontend(args))
     label = args.label or (args.out.name if args.out else f"{args.dataset} @ {args.url}")
-    runs = []
+    plans = []  # every run's requests are made before anything is sent: a bad dataset flag is refused at once
     for n, rate in enumerate(rates):
         seed = args.seed + n  # a sweep's runs get new prompts: no run profits from the cache of the one before
         try:
@@ -193,8 +208,11 @@ def run(argv: list[str]) -> int:
             bodies = [client.request_body(r, args.endpoint, args.model, sampling) for r in reqs]
         except (ValueError, OSError) as exc:
             raise SystemExit(f"pdpool bench: {exc}") from None
-        desc = "bench" if rate is None else f"rate {rate:g}/s"
-        runs.append(asyncio.run(_run_one(args, reqs, bodies, rate, seed, slo, lengths, desc)))
+        plans.append((rate, seed, reqs, bodies))
+    _check_reachable(args.url)
+    runs = [asyncio.run(_run_one(args, reqs, bodies, rate, seed, slo, lengths,
+                                 "bench" if rate is None else f"rate {rate:g}/s"))
+            for rate, seed, reqs, bodies in plans]
     sweep = None
     if args.sweep:
         sweep = {"rates": rates, "slo_attainment_target": args.slo_attainment,
