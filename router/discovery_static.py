@@ -78,11 +78,11 @@ class StaticDiscovery:
                     e.load = parse_load(body.decode(errors="replace"))
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
             ready = False
-        if ready != e.ready:
-            logger.info("static node %s is %s", e.url, "ready" if ready else "not ready")
+        if ready != e.ready:   # once per change: probes run every --discovery-seconds
+            logger.info("%s node %s is %s", e.role, e.url, "ready" if ready else "not ready")
+            if e.role == "prefill" and ready and e.pdpool is False:
+                logger.warning("prefill node %s is not a pdpool node; it cannot hand off KV", e.url)
         e.ready = ready
-        if e.role == "prefill" and ready and e.pdpool is False:
-            logger.warning("static prefill node %s is not a pdpool node; it cannot hand off KV", e.url)
 
     async def refresh(self) -> None:
         await asyncio.gather(*(self.probe(e) for e in self.endpoints))

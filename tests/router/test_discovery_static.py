@@ -3,11 +3,16 @@ unlabeled gauges and a vLLM server's labeled ones (one sample per engine when it
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 
+import aiohttp
+from aiohttp import web
 from hypothesis import given, strategies as st
 
-from pdpool.router.discovery_static import parse_load
+from pdpool.router.discovery_static import StaticDiscovery, parse_load
+from pdpool.router.endpoints import Pool
 
 # vLLM 0.32's exposition of the gauges the router reads (prometheus_client, labels model_name and engine)
 VLLM_METRICS = """\
@@ -57,3 +62,49 @@ def test_samples_of_a_data_parallel_server_are_summed_and_usage_averaged(engines
     assert load.num_running == sum(e[0] for e in engines)
     assert load.num_waiting == sum(e[1] for e in engines)
     assert math.isclose(load.kv_usage, sum(e[2] for e in engines) / len(engines), abs_tol=1e-12)
+
+
+def test_probes_log_a_nodes_state_and_a_foreign_prefill_node_once_per_change(caplog):
+    """Probes run every --discovery-seconds (0.5 s by default): a vLLM server named as a prefill node was warned
+    about at every probe, and a Kubernetes-discovered node was logged as a "static" one."""
+    up = {"ready": True}
+    caplog.set_level(logging.INFO, logger="pdpool.router")
+    asyncio.run(_probe_a_foreign_prefill_node(up))
+    url = up["url"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "pdpool.router"]
+    assert lines == [f"prefill node {url} is ready", f"prefill node {url} is not a pdpool node; it cannot hand off KV",
+                     f"prefill node {url} is not ready",
+                     f"prefill node {url} is ready", f"prefill node {url} is not a pdpool node; it cannot hand off KV"]
+
+
+async def _probe_a_foreign_prefill_node(up: dict) -> None:
+    """A vLLM-like server (no /health/ready, owned_by vllm) probed 5 times, down once, then 3 more times."""
+
+    async def models(request):
+        if not up["ready"]:
+            return web.Response(status=503)
+        return web.json_response({"object": "list", "data": [{"id": "demo", "owned_by": "vllm"}]})
+
+    async def metrics(request):
+        return web.Response(text="vllm:num_requests_running 0\n")
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)     # no /health/ready: a 404 there, as vLLM answers
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    up["url"] = url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            discovery = StaticDiscovery({"prefill": [url]}, Pool(), session, period=0.5)
+            for _ in range(5):
+                await discovery.refresh()
+            up["ready"] = False
+            await discovery.refresh()
+            up["ready"] = True
+            for _ in range(3):
+                await discovery.refresh()
+    finally:
+        await runner.cleanup()
