@@ -62,6 +62,8 @@ class Pool:
             if old is None or cur is None or old.incarnation != cur.incarnation:
                 for fn in self.listeners:
                     fn(old, cur)
+            if cur is None:   # gone (node ids change at every rollout): its cooldown goes with it
+                self._cooldown_until.pop(node_id, None)
         self.endpoints = merged
 
     def usable(self, e: Endpoint, now: float | None = None) -> bool:

@@ -417,3 +417,22 @@ def test_a_prefill_node_standing_in_for_decode_is_not_sent_a_handoff():
     pool.cool_down("decode-0", 60)        # the only decode node restarts
     stand_in = plan()
     assert stand_in.decode[0].role == "prefill" and stand_in.prefill is None
+
+
+@given(st.lists(st.tuples(st.sampled_from("abcdef"), st.booleans()), max_size=40))
+def test_a_node_that_leaves_takes_its_cooldown_with_it(events):
+    """Node ids change at every rollout: the cooldowns of nodes that failed and then left piled up for the life of
+    the router. Whatever nodes fail and leave, the cooldowns held are only those of nodes still in the pool."""
+    from pdpool.router.endpoints import Pool
+
+    pool = Pool(cooldown_seconds=60)
+    present: set[str] = set()
+    for node_id, fails in events:
+        if fails:
+            present.add(node_id)
+            pool.replace("test", [make_endpoint(n) for n in sorted(present)])
+            pool.cool_down(node_id)
+        else:
+            present.discard(node_id)
+            pool.replace("test", [make_endpoint(n) for n in sorted(present)])
+        assert set(pool._cooldown_until) <= present
