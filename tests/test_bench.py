@@ -359,8 +359,11 @@ def test_why_requests_failed_is_said_without_out(node):
         proc.stderr
 
 
-def test_ctrl_c_stops_a_run_without_a_traceback():
-    """Ctrl-C (SIGINT) during a run printed asyncio's CancelledError and KeyboardInterrupt tracebacks."""
+@pytest.mark.parametrize("flags", [["--num-requests", "2"], ["--num-requests", "4", "--concurrency", "1"]])
+def test_ctrl_c_stops_a_run_without_a_traceback(flags):
+    """Ctrl-C (SIGINT) during a run printed asyncio's CancelledError and KeyboardInterrupt tracebacks; with
+    --concurrency, the requests still waiting for a slot went on after the session closed, and each printed a
+    'Task exception was never retrieved ... RuntimeError: Session is closed' traceback."""
     import signal
     import socket
 
@@ -368,8 +371,8 @@ def test_ctrl_c_stops_a_run_without_a_traceback():
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)
         proc = subprocess.Popen([sys.executable, "-m", "pdpool.cli", "bench", "--url",
-                                 f"http://127.0.0.1:{silent.getsockname()[1]}", "--model", "demo", "--num-requests",
-                                 "2", "--tokenizer", "none", "--no-progress"], stdout=subprocess.PIPE,
+                                 f"http://127.0.0.1:{silent.getsockname()[1]}", "--model", "demo", *flags,
+                                 "--tokenizer", "none", "--no-progress"], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, cwd=ROOT,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         time.sleep(3)  # past the imports: inside the run

@@ -71,10 +71,10 @@ async def run_load(num: int, send: Callable[[int, float], Awaitable[RequestRecor
     tasks = [asyncio.ensure_future(one(i)) for i in range(num)]
     try:
         _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.perf_counter()))
-        for task in pending:
+    finally:  # the time limit, or this run cancelled (Ctrl-C): no request outlives it, nor its caller's session
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-    finally:
+        await asyncio.gather(*tasks, return_exceptions=True)
         bar.close()
     for task in tasks:  # a bug in send must not pass for a slow server
         if task.done() and not task.cancelled() and task.exception() is not None:
