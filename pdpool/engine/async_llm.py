@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, AsyncIterator, Protocol, Sequence
 
 from pdpool.engine.llm_engine import EngineOutput, InvalidRequestError, LLMEngine
@@ -102,7 +102,8 @@ class RequestStream:
         if not self.finished:
             self.finished = True
             self._owner._abort_nowait(self.request_id)
-        self._owner._streams.pop(self.request_id, None)
+        if self._owner._streams.get(self.request_id) is self:   # not a later request's under the same id
+            del self._owner._streams[self.request_id]
 
 
 class AsyncLLM:
@@ -117,6 +118,8 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.frontend.tokenizer)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdpool-engine")
         self._streams: dict[str, RequestStream] = {}
+        # ids whose engine abort is queued behind the step in flight, which still computes their old request
+        self._aborting: dict[str, Future] = {}
         self._timings: dict[str, _Timing] = {}
         self._work: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
@@ -158,9 +161,11 @@ class AsyncLLM:
         source = prompt if prompt_token_ids is None else prompt_token_ids
         if isinstance(source, str) and len(source) >= LONG_TEXT_CHARS:   # off the loop, which serves every stream
             ids = await asyncio.to_thread(self.frontend.encode_prompt, source, add_special_tokens)
-            self._check_admissible(request_id)   # the engine closed, or the same id came in, meanwhile
         else:
             ids = self.frontend.encode_prompt(source, add_special_tokens)
+        while (aborting := self._aborting.get(request_id)) is not None:   # an earlier request of this id
+            await asyncio.wrap_future(aborting)
+        self._check_admissible(request_id)   # the engine closed, or the same id came in, meanwhile
         kept = self.frontend.apply_prompt_options(ids, params, self.max_model_len)
         cut = len(kept) < len(ids)
         if cut:
@@ -222,7 +227,30 @@ class AsyncLLM:
         self._timings.pop(request_id, None)
         self.output_processor.forget(request_id)
         if not self._closed:
-            self._executor.submit(self.engine.abort_request, [request_id])
+            self._abort_in_engine([request_id])
+
+    def _abort_in_engine(self, request_ids: list[str]) -> None:
+        """Queue the engine abort of requests whose streams are gone. Until it has run, each id waits to be used
+        again: the step queued before it may still compute the old request, and its outputs are dispatched (and
+        dropped: no stream) before a new request of that id is registered (one worker, FIFO; the loop runs the
+        completions in order)."""
+        future = self._executor.submit(self.engine.abort_request, request_ids)
+        for rid in request_ids:
+            self._aborting[rid] = future
+        loop = asyncio.get_running_loop()
+
+        def done(f: Future) -> None:
+            try:
+                loop.call_soon_threadsafe(self._aborted, request_ids, f)
+            except RuntimeError:   # the loop is closed: no request comes in on it any more
+                pass
+
+        future.add_done_callback(done)
+
+    def _aborted(self, request_ids: list[str], future: Future) -> None:
+        for rid in request_ids:
+            if self._aborting.get(rid) is future:
+                del self._aborting[rid]
 
     def _ensure_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():
@@ -289,7 +317,7 @@ class AsyncLLM:
     def _dispatch(self, outputs: list[EngineOutput]) -> None:
         results, stopped = self.output_processor.process(outputs)
         if stopped:  # stop strings: the engine still runs these requests
-            self._executor.submit(self.engine.abort_request, stopped)
+            self._abort_in_engine(stopped)
         now = time.monotonic()
         obs = self.latency_observer
         for out in results:
