@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -158,6 +159,16 @@ def test_poisson_arrivals_have_the_rate():
     assert times[0] == 0.0 and all(g >= 0 for g in gaps)
     assert sum(gaps) / len(gaps) == pytest.approx(1 / 20.0, rel=0.08)
     assert load.arrival_times(3, None, 0) == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("burstiness", [0.25, 1.0, 4.0])
+def test_burstiness_keeps_the_rate_and_sets_the_spread(burstiness):
+    """vLLM's --burstiness: gamma gaps of shape b and mean 1/rate, so their coefficient of variation is 1/sqrt(b)
+    (b = 1: Poisson, the same arrivals as without it)."""
+    gaps = np.diff(load.arrival_times(20000, 10.0, seed=1, burstiness=burstiness))
+    assert gaps.mean() == pytest.approx(0.1, rel=0.05)
+    assert gaps.std() / gaps.mean() == pytest.approx(burstiness ** -0.5, rel=0.1)
+    assert load.arrival_times(50, 10.0, seed=1) == load.arrival_times(50, 10.0, seed=1, burstiness=1.0)
 
 
 def _timed_send(seconds: float, in_flight: list[int]):
@@ -324,10 +335,10 @@ def test_refused_requests_are_failures_not_latencies(node, tmp_path):
     (["--dataset", "jsonl"], "--dataset-path"),
     # each of these raised a traceback (after sending, for --out) or ran something other than asked (0 requests
     # ran 100, concurrency 0 ran unbounded)
-    (["--concurrency", "0"], "argument --concurrency: '0' must be > 0"),
-    (["--concurrency", "-1"], "argument --concurrency: '-1' must be > 0"),
-    (["--rate", "0"], "argument --rate: '0' must be > 0"),
-    (["--num-requests", "0"], "argument --num-requests: '0' must be > 0"),
+    (["--concurrency", "0"], "argument --concurrency/--max-concurrency: '0' must be > 0"),
+    (["--concurrency", "-1"], "argument --concurrency/--max-concurrency: '-1' must be > 0"),
+    (["--rate", "0"], "argument --rate/--request-rate: '0' must be > 0"),
+    (["--num-requests", "0"], "argument --num-requests/--num-prompts: '0' must be > 0"),
     (["--time-limit", "0"], "argument --time-limit: '0' must be > 0"),
     (["--request-timeout", "-5"], "argument --request-timeout: '-5' must be > 0"),
     # these named no flag ("invalid literal for int() with base 10: 'abc'")

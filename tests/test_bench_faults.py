@@ -46,6 +46,9 @@ async def _handle(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     if fault == "replay":  # the chunks the client asked for, verbatim, then [DONE] unless told not to
         return await _stream(request, [c.encode() for c in body["chunks"]], done=body.get("done", True))
+    if fault == "ok" and request.path.endswith("/chat/completions"):
+        return await _stream(request, [json.dumps({"choices": [{"index": 0, "delta": {"content": f" w{i}"}}]}).encode()
+                                       for i in range(3)])
     if fault == "ok":
         return await _stream(request, _text_chunks(3))
     if fault == "html":  # a web server that answers 200 to anything
@@ -67,6 +70,7 @@ def fault_server():
     loop = asyncio.new_event_loop()
     app = web.Application()
     app.router.add_post("/{fault}/v1/completions", _handle)
+    app.router.add_post("/{fault}/v1/chat/completions", _handle)
     runner = web.AppRunner(app)
     loop.run_until_complete(runner.setup())
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -180,3 +184,34 @@ def test_a_server_down_at_the_start_ends_the_run_at_once():
     assert proc.returncode == 1 and proc.stdout == "", proc.stdout
     assert proc.stderr.startswith(f"pdpool bench: cannot connect to http://127.0.0.1:{port}: "), proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_vllm_bench_serve_flags_mean_the_same(fault_server, tmp_path):
+    """A vllm bench serve command line ran nothing: --base-url, --num-prompts, --request-rate, --max-concurrency,
+    --backend, --endpoint /v1/chat/completions, --dataset-name, --random-range-ratio, --burstiness and
+    --disable-tqdm were each 'unrecognized arguments' or an invalid choice."""
+    proc = _bench("--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--base-url", f"{fault_server}/ok",
+                  "--dataset-name", "random", "--random-input-len", "8", "--random-output-len", "10",
+                  "--random-range-ratio", "0.5", "--num-prompts", "12", "--request-rate", "50", "--burstiness", "0.5",
+                  "--max-concurrency", "2", "--seed", "3", "--disable-tqdm", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""  # --disable-tqdm: no progress bar
+    data = json.loads((tmp_path / "bench.json").read_text())
+    config, (run,) = data["config"], data["runs"]
+    assert (config["endpoint"], config["url"], config["dataset"]) == ("chat", f"{fault_server}/ok", "random")
+    assert (run["rate"], run["concurrency"], config["burstiness"]) == (50.0, 2, 0.5)
+    assert run["summary"]["completed"] == 12 and run["summary"]["total_output_tokens"] == 36  # delta chunks read
+    assert {r["max_tokens"] for r in run["records"]} <= set(range(5, 16))  # 10 * (1 -+ 0.5), both ends included
+    assert len({r["max_tokens"] for r in run["records"]}) > 1
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--backend", "tgi"], "argument --backend: 'tgi' is not one of openai, openai-chat, vllm"),
+    (["--endpoint", "/v1/embeddings"], "argument --endpoint: invalid choice: '/v1/embeddings'"),
+    (["--random-range-ratio", "1"], "argument --random-range-ratio: '1' must be in [0, 1)"),
+    (["--random-range-ratio", "0.5", "--random-input-len", "4:8"], "--random-range-ratio needs a single"),
+    (["--burstiness", "0"], "argument --burstiness: '0' must be > 0"),
+])
+def test_bad_vllm_flags_are_refused(flags, message):
+    proc = _bench("--url", "http://127.0.0.1:9", "--num-requests", "1", *flags)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -7,6 +7,7 @@ hides which. Each generator is deterministic in its seed.
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +76,12 @@ def parse_range(text: str) -> tuple[int, int]:
     if not 1 <= lo <= hi:
         raise ValueError(f"length range {text!r}: need 1 <= min <= max")
     return lo, hi
+
+
+def ratio_range(n: int, ratio: float) -> tuple[int, int]:
+    """vLLM's ``--random-range-ratio``: lengths drawn from ``[floor(n * (1 - ratio)), ceil(n * (1 + ratio))]``
+    (at least 1)."""
+    return max(1, math.floor(n * (1 - ratio))), math.ceil(n * (1 + ratio))
 
 
 def random_requests(num: int, input_len: tuple[int, int], output_len: tuple[int, int], lengths: Lengths,

@@ -1,6 +1,7 @@
 """The load shape of one run: when each request is sent, under a request count and a time limit.
 
-``rate=None`` sends every request at once; a rate draws Poisson arrivals (exponential gaps, seeded).
+``rate=None`` sends every request at once; a rate draws Poisson arrivals (exponential gaps, seeded), or gamma
+gaps of the same mean with a ``burstiness`` other than 1.
 ``concurrency`` caps the requests in flight: alone, it is a closed loop of that many clients. At the time limit no
 new request starts and the ones in flight are cancelled (recorded with the error ``time limit``).
 """
@@ -19,28 +20,29 @@ from pdpool.bench.stats import RequestRecord
 TIME_LIMIT_ERROR = "time limit"
 
 
-def arrival_times(num: int, rate: float | None, seed: int) -> list[float]:
-    """Seconds after the start at which each request is due."""
+def arrival_times(num: int, rate: float | None, seed: int, burstiness: float = 1.0) -> list[float]:
+    """Seconds after the start at which each request is due: gaps of mean ``1/rate``, gamma-distributed of shape
+    ``burstiness`` (vLLM's ``--burstiness``: 1 is Poisson, less is burstier, more is steadier)."""
     if rate is None:
         return [0.0] * num
-    if not rate > 0:
-        raise ValueError("the request rate must be > 0")
+    if not rate > 0 or not burstiness > 0:
+        raise ValueError("the request rate and the burstiness must be > 0")
     rng = random.Random(seed)
     t, times = 0.0, []
     for _ in range(num):
         times.append(t)
-        t += rng.expovariate(rate)
+        t += rng.expovariate(rate) if burstiness == 1.0 else rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
     return times
 
 
 async def run_load(num: int, send: Callable[[int, float], Awaitable[RequestRecord]],
                    new_record: Callable[[int, float], RequestRecord], *, rate: float | None,
-                   concurrency: int | None, time_limit: float, seed: int = 0,
+                   concurrency: int | None, time_limit: float, seed: int = 0, burstiness: float = 1.0,
                    progress: bool = True, desc: str = "bench") -> tuple[list[RequestRecord], float]:
     """Send requests ``0..num-1``: ``send(i, send_time)`` returns the filled record, ``new_record(i, send_time)``
     makes the record of one cut by the time limit. Returns the records (in index order, requests never sent are
     absent) and the run's duration: from the start to the last response, or the time limit when it cut the run."""
-    due = arrival_times(num, rate, seed)
+    due = arrival_times(num, rate, seed, burstiness)
     gate = asyncio.Semaphore(concurrency) if concurrency else None
     start = time.perf_counter()
     deadline = start + time_limit

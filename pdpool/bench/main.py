@@ -41,6 +41,32 @@ def _bound(text: str) -> float | None:
     return None if math.isinf(value) else value
 
 
+VLLM_BACKENDS = {"openai": "completions", "vllm": "completions", "openai-chat": "chat"}
+
+
+def _endpoint(text: str) -> str:
+    """An argparse type: ``completions``, ``chat``, or the path that vLLM's ``--endpoint`` names."""
+    return next((name for name, path in client.ENDPOINTS.items() if text == path), text)
+
+
+def _backend(text: str) -> str:
+    """An argparse type: vLLM's ``--backend`` -> the endpoint it speaks."""
+    if text not in VLLM_BACKENDS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(sorted(VLLM_BACKENDS))}")
+    return VLLM_BACKENDS[text]
+
+
+def _ratio(text: str) -> float:
+    """An argparse type: vLLM's ``--random-range-ratio``, in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be in [0, 1)")
+    return value
+
+
 def _length_range(text: str) -> str:
     """An argparse type: ``N`` or ``MIN:MAX`` token lengths, checked here so that the error names the flag."""
     try:
@@ -53,17 +79,22 @@ def _length_range(text: str) -> str:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdpool bench", description="Measure an OpenAI-compatible endpoint "
                                 "(`pdpool bench compare A.json B.json ... --out DIR` plots several runs together).")
-    p.add_argument("--url", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--url", "--base-url", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="the model name sent in each request")
-    p.add_argument("--endpoint", choices=sorted(client.ENDPOINTS), default="completions")
+    p.add_argument("--endpoint", type=_endpoint, choices=sorted(client.ENDPOINTS), default="completions",
+                   help="completions or chat (or vLLM's /v1/completions, /v1/chat/completions)")
+    p.add_argument("--backend", type=_backend, dest="endpoint", default=argparse.SUPPRESS,
+                   help="vLLM's spelling of --endpoint: openai or vllm (completions), openai-chat (chat)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
     p.add_argument("--tokenizer", default=None, help="'demo' or a local model folder for token lengths "
                    "(default: --model when it is one; 'none': lengths in words)")
     g = p.add_argument_group("dataset")
-    g.add_argument("--dataset", choices=("random", "shared-prefix", "jsonl"), default="random")
+    g.add_argument("--dataset", "--dataset-name", choices=("random", "shared-prefix", "jsonl"), default="random")
     g.add_argument("--dataset-path", type=Path, help="the JSONL file (--dataset jsonl)")
     g.add_argument("--random-input-len", type=_length_range, default="128", help="N or MIN:MAX prompt length")
     g.add_argument("--random-output-len", type=_length_range, default="64", help="N or MIN:MAX max_tokens")
+    g.add_argument("--random-range-ratio", type=_ratio, default=None,
+                   help="vLLM's: with a single N, lengths are drawn from [N*(1-R), N*(1+R)]")
     g.add_argument("--random-token-ids", action="store_true", help="token-id prompts instead of text")
     g.add_argument("--num-groups", type=POSITIVE_INT, default=4, help="shared-prefix: number of system prompts")
     g.add_argument("--prompts-per-group", type=POSITIVE_INT, default=8, help="shared-prefix: users per system prompt")
@@ -71,12 +102,15 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--question-len", type=POSITIVE_INT, default=32)
     g.add_argument("--output-len", type=POSITIVE_INT, default=32, help="shared-prefix max_tokens; JSONL default")
     g = p.add_argument_group("load (every run is bounded by --num-requests and --time-limit)")
-    g.add_argument("--num-requests", type=POSITIVE_INT, default=None,
+    g.add_argument("--num-requests", "--num-prompts", type=POSITIVE_INT, default=None,
                    help="default: the dataset's size (random: 100); a shorter dataset is cycled")
     g.add_argument("--time-limit", type=_bound, default=600.0, help="seconds per run (inf: no limit)")
-    g.add_argument("--concurrency", type=POSITIVE_INT, default=None, help="requests in flight at most")
-    g.add_argument("--rate", type=_bound, default=None,
+    g.add_argument("--concurrency", "--max-concurrency", type=POSITIVE_INT, default=None,
+                   help="requests in flight at most")
+    g.add_argument("--rate", "--request-rate", type=_bound, default=None,
                    help="Poisson arrivals at this rate (req/s); inf, the default: every request at once")
+    g.add_argument("--burstiness", type=POSITIVE, default=1.0,
+                   help="vLLM's: gamma-distributed gaps of this shape (1: Poisson, less: burstier)")
     g.add_argument("--sweep", default=None, help="comma-separated rates, one run each")
     g.add_argument("--request-timeout", type=_bound, default=600.0, help="seconds per request (inf: none)")
     g = p.add_argument_group("requests")
@@ -90,7 +124,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="sweeps: report the highest rate with at least this fraction of requests within the SLOs")
     g.add_argument("--out", type=Path, default=None, help="write bench.json and the PNG plots here")
     g.add_argument("--label", default=None, help="the name of this run in plots (default: the --out folder)")
-    g.add_argument("--no-progress", action="store_true")
+    g.add_argument("--no-progress", "--disable-tqdm", action="store_true")
     return p
 
 
@@ -135,9 +169,10 @@ def _sweep_rate(text: str) -> float | None:
 def _requests(args, lengths: datasets.Lengths, seed: int) -> list[datasets.BenchRequest]:
     if args.dataset == "random":
         num = args.num_requests or 100
-        return datasets.random_requests(num, datasets.parse_range(args.random_input_len),
-                                        datasets.parse_range(args.random_output_len), lengths, seed,
-                                        args.random_token_ids)
+        input_len, output_len = (datasets.parse_range(x) for x in (args.random_input_len, args.random_output_len))
+        if args.random_range_ratio is not None:  # a single N each (checked in run)
+            input_len, output_len = (datasets.ratio_range(n, args.random_range_ratio) for n, _ in (input_len, output_len))
+        return datasets.random_requests(num, input_len, output_len, lengths, seed, args.random_token_ids)
     if args.dataset == "shared-prefix":
         reqs = datasets.shared_prefix_requests(args.num_groups, args.prompts_per_group, args.system_prompt_len,
                                                args.question_len, args.output_len, lengths, seed,
@@ -179,13 +214,16 @@ async def _run_one(args, reqs, bodies, rate, seed, slo, lengths, desc) -> dict:
 
         records, duration = await load.run_load(len(reqs), send, new_record, rate=rate, concurrency=args.concurrency,
                                                 time_limit=args.time_limit or math.inf, seed=seed,
-                                                progress=not args.no_progress, desc=desc)
+                                                burstiness=args.burstiness, progress=not args.no_progress, desc=desc)
     summary = stats.summarize(records, duration, slo, num_requests=len(reqs))
     return {"rate": rate, "concurrency": args.concurrency, "summary": summary, "records": records}
 
 
 def run(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.random_range_ratio is not None and ":" in args.random_input_len + args.random_output_len:
+        parser.error("--random-range-ratio needs a single --random-input-len and --random-output-len N, not MIN:MAX")
     try:
         slo = stats.parse_slo(args.slo) if args.slo else None
         rates = [_sweep_rate(x) for x in args.sweep.split(",") if x.strip()] if args.sweep else [args.rate]
