@@ -2,9 +2,10 @@
 
 - absent → create;
 - hash equal → nothing (a restart, a resync or a re-apply of the same spec writes nothing);
-- hash differs → one JSON merge patch of the desired fields, plus ``null`` for fields the operator set before
-  and no longer wants. Fields the operator never sets (defaults the API server fills in, a Deployment's
-  ``replicas`` when an autoscaler owns them, a Service's ``clusterIP``) are never in the patch;
+- hash differs, or a field the operator sets was edited by hand (``kubectl set image``, ``kubectl edit``) → one
+  JSON merge patch of the desired fields, plus ``null`` for fields the operator set before and no longer wants.
+  Fields the operator never sets (defaults the API server fills in, a Deployment's ``replicas`` when an
+  autoscaler owns them, a Service's ``clusterIP``) are never in the patch nor compared (``carries``);
 - Secrets are create-only: a generated password is never rotated by a reconcile;
 - a child that only some specs have (``prunable``: the managed Redis, the router's RBAC) and the current spec no
   longer wants is deleted, once everything wanted is applied, if this pool owns it: a pool moved to an external
@@ -14,7 +15,9 @@
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from pdpool.operator.builders.common import SPEC_HASH
 from pdpool.operator.kube import ApiError
@@ -71,10 +74,46 @@ def merge_patch(desired: dict, actual: dict) -> dict:
     return patch
 
 
-def _replicas_drifted(desired: dict, actual: dict) -> bool:
-    """Someone scaled a Deployment whose replicas the pool sets (unset in the pool: not ours to fix)."""
-    want = desired.get("spec", {}).get("replicas") if desired["kind"] == "Deployment" else None
-    return want is not None and (actual.get("spec") or {}).get("replicas") != want
+_SCALE = {"Ki": 2 ** 10, "Mi": 2 ** 20, "Gi": 2 ** 30, "Ti": 2 ** 40, "Pi": 2 ** 50, "Ei": 2 ** 60,
+          "n": Fraction(1, 10 ** 9), "u": Fraction(1, 10 ** 6), "m": Fraction(1, 1000), "": 1, "k": 10 ** 3,
+          "M": 10 ** 6, "G": 10 ** 9, "T": 10 ** 12, "P": 10 ** 15, "E": 10 ** 18}
+_AMOUNT = re.compile(r"([+-]?(?:\d+\.?\d*|\.\d+))(?:[eE]([+-]?\d+)|([KMGTPE]i|[numkMGTPE]))?")
+
+
+def _amount(value) -> Fraction | None:
+    """A resource quantity's value (``1000m`` and ``1`` are one CPU); None for anything else."""
+    found = None if isinstance(value, bool) else _AMOUNT.fullmatch(str(value).strip())
+    if found is None:
+        return None
+    base, power, unit = found.groups()
+    return Fraction(base) * (Fraction(10) ** int(power) if power else _SCALE[unit or ""])
+
+
+def carries(desired, actual, field: str = "") -> bool:
+    """Whether ``actual`` (as the API server stores it) holds every field of ``desired``. Fields the server adds
+    (defaults, allocated IPs) are no difference; nor is a zero value it leaves out (``omitempty``: ``readOnly:
+    false``, ``value: ""``) or a quantity it canonicalised (``0.5`` is stored as ``500m``, ``1024Mi`` as ``1Gi``).
+    Lists are compared element by element: a container added or removed by hand is a difference. ``field``: the
+    key ``desired`` sits under."""
+    if actual is None:
+        return not desired
+    if isinstance(desired, dict):
+        inner = "quantity" if field in ("limits", "requests") else ""
+        return isinstance(actual, dict) and all(carries(v, actual.get(k), inner or k) for k, v in desired.items())
+    if isinstance(desired, list):
+        return isinstance(actual, list) and len(actual) == len(desired) and all(map(carries, desired, actual))
+    if desired == actual and type(desired) is type(actual):
+        return True
+    return field in ("quantity", "sizeLimit") and _amount(desired) is not None and \
+        _amount(desired) == _amount(actual)
+
+
+def drifted(desired: dict, actual: dict) -> bool:
+    """A field the operator sets differs on the cluster: edited by hand (an image, a port, a replica count the
+    pool owns) while the hash annotation, which only says what was last applied, stayed."""
+    body = {k: v for k, v in desired.items() if k not in ("apiVersion", "kind", "metadata")}
+    meta = {k: desired["metadata"][k] for k in ("labels", "annotations") if k in desired["metadata"]}
+    return not carries({**body, "metadata": meta}, actual)
 
 
 async def apply(kube, desired: list[dict], uid: str, prunable: list[tuple[str, str, str]] = ()) -> Result:
@@ -97,7 +136,7 @@ async def apply(kube, desired: list[dict], uid: str, prunable: list[tuple[str, s
         if not is_owned_by(actual, uid):
             raise ChildConflict(f"{key(obj)} exists and is not owned by this InferencePool")
         have = (actual["metadata"].get("annotations") or {}).get(SPEC_HASH)
-        if obj["kind"] in CREATE_ONLY or (have == meta["annotations"][SPEC_HASH] and not _replicas_drifted(obj, actual)):
+        if obj["kind"] in CREATE_ONLY or (have == meta["annotations"][SPEC_HASH] and not drifted(obj, actual)):
             result.unchanged.append(key(obj))
             continue
         await kube.merge_patch(obj["kind"], meta["namespace"], meta["name"], merge_patch(obj, actual))

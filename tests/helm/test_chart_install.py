@@ -108,7 +108,7 @@ def test_chart_output_installs_and_the_example_pool_reconciles(installed):
     decode = kubectl.json("get", "deployment", "demo-decode", "-n", ns)["spec"]["template"]["spec"]
     (node,) = decode["containers"]
     assert node["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
-    assert node["resources"]["limits"]["rdma/ib"] == 1 and node["resources"]["limits"]["memory"] == "4Gi"
+    assert node["resources"]["limits"]["rdma/ib"] == "1" and node["resources"]["limits"]["memory"] == "4Gi"
     assert {"name": "dshm", "mountPath": "/dev/shm"} in node["volumeMounts"]
     assert decode["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0][
         "topologyKey"] == "nvidia.com/gpu.clique"

@@ -8,10 +8,45 @@ from __future__ import annotations
 
 import base64
 import itertools
+import math
+import re
+from fractions import Fraction
 
 from .resources import ResourceType
 
 _cluster_ips = itertools.count(1)
+_BINARY = ("", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei")
+_DECIMAL = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+_QUANTITY = re.compile(r"([+-]?(?:\d+(?:\.\d*)?|\.\d+))(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?\d+)?")
+
+
+def canonical_quantity(value):
+    """A resource.Quantity as the API server stores it: 1000m -> 1, 0.5 -> 500m, 2000 -> 2k, 1024Mi -> 1Gi,
+    an integer 1 -> "1" (apimachinery's CanonicalizeBytes). A value that is no quantity is left alone."""
+    match = _QUANTITY.fullmatch(str(value).strip())
+    if isinstance(value, bool) or not match:
+        return value
+    number, suffix = Fraction(match[1]), match[2] or ""
+    if suffix in _BINARY[1:]:
+        exact = number * 1024 ** _BINARY.index(suffix)
+        if abs(exact) >= 1024 and exact.denominator == 1:
+            n, power = int(exact), 0
+            while power < 6 and n % 1024 == 0:
+                n, power = n // 1024, power + 1
+            return f"{n}{_BINARY[power]}"
+        number, suffix = exact, ""
+    exponent_form = suffix[:1] in ("e", "E")
+    exact = number * Fraction(10) ** (int(suffix[1:]) if exponent_form else _DECIMAL[suffix])
+    exact = Fraction(math.ceil(exact * 10 ** 9), 10 ** 9)  # below 1n rounds up
+    if exact == 0:
+        return "0"
+    scale = -9
+    while scale < 18 and (exact / Fraction(10) ** (scale + 3)).denominator == 1:
+        scale += 3
+    mantissa = int(exact / Fraction(10) ** scale)
+    if exponent_form:
+        return f"{mantissa}e{scale}" if scale else str(mantissa)
+    return f"{mantissa}{next(s for s, e in _DECIMAL.items() if e == scale)}"
 
 
 def _container(c: dict) -> None:
@@ -20,7 +55,10 @@ def _container(c: dict) -> None:
     c.setdefault("imagePullPolicy", "Always" if tag == "latest" else "IfNotPresent")
     c.setdefault("terminationMessagePath", "/dev/termination-log")
     c.setdefault("terminationMessagePolicy", "File")
-    c.setdefault("resources", {})
+    resources = c.setdefault("resources", {})
+    for section in ("limits", "requests"):
+        if isinstance(resources.get(section), dict):
+            resources[section] = {k: canonical_quantity(v) for k, v in resources[section].items()}
     for port in c.get("ports") or []:
         port.setdefault("protocol", "TCP")
 
@@ -31,6 +69,10 @@ def pod_spec(spec: dict) -> None:
     spec.setdefault("dnsPolicy", "ClusterFirst")
     spec.setdefault("schedulerName", "default-scheduler")
     spec.setdefault("securityContext", {})
+    for volume in spec.get("volumes") or []:
+        empty_dir = volume.get("emptyDir") if isinstance(volume, dict) else None
+        if isinstance(empty_dir, dict) and "sizeLimit" in empty_dir:
+            empty_dir["sizeLimit"] = canonical_quantity(empty_dir["sizeLimit"])
     for c in (spec.get("containers") or []) + (spec.get("initContainers") or []):
         if isinstance(c, dict):
             _container(c)
