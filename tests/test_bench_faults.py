@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import numpy as np
 import pytest
 from aiohttp import web
 from hypothesis import HealthCheck, given, settings
@@ -213,5 +214,47 @@ def test_vllm_bench_serve_flags_mean_the_same(fault_server, tmp_path):
     (["--burstiness", "0"], "argument --burstiness: '0' must be > 0"),
 ])
 def test_bad_vllm_flags_are_refused(flags, message):
+    proc = _bench("--url", "http://127.0.0.1:9", "--num-requests", "1", *flags)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_save_result_writes_vllms_keys(fault_server, tmp_path):
+    """--save-result, --result-dir, --percentile-metrics and --metric-percentiles were unrecognized, so a script
+    reading vllm bench serve's result file (mean_ttft_ms, p99_itl_ms, ...) had nothing to read."""
+    proc = _bench("--base-url", f"{fault_server}/ok", "--num-prompts", "5", "--request-rate", "inf",
+                  "--max-concurrency", "2", "--random-input-len", "4", "--save-result", "--result-dir",
+                  str(tmp_path / "vllm"), "--percentile-metrics", "ttft,itl,e2el", "--metric-percentiles", "25,99.9",
+                  "--out", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    (path,) = (tmp_path / "vllm").iterdir()
+    assert re.fullmatch(r"openai-infqps-concurrency2-m-\d{8}-\d{6}\.json", path.name), path.name
+    data = _strict_json(path.read_text())
+    (run,) = json.loads((tmp_path / "out" / "bench.json").read_text())["runs"]
+    summary, records = run["summary"], run["records"]
+    assert (data["completed"], data["failed"], data["num_prompts"], data["max_concurrency"]) == (5, 0, 5, 2)
+    assert (data["request_rate"], data["backend"], data["model_id"]) == ("inf", "openai", "m")
+    for key in ("duration", "request_throughput", "output_throughput", "total_token_throughput"):
+        assert data[key] == summary[key if key != "duration" else "duration_s"]
+    assert data["output_lens"] == [3] * 5 and data["ttfts"] == [r["ttft"] for r in records]
+    assert data["itls"] == [r["itl"] for r in records]
+    gaps = np.array([g for r in records for g in r["itl"]]) * 1000
+    assert data["mean_itl_ms"] == pytest.approx(gaps.mean()) and data["std_itl_ms"] == pytest.approx(gaps.std())
+    assert data["p25_itl_ms"] == pytest.approx(np.percentile(gaps, 25))
+    assert data["p99.9_e2el_ms"] == pytest.approx(np.percentile([r["latency"] * 1000 for r in records], 99.9))
+    assert data["median_ttft_ms"] == pytest.approx(summary["ttft_ms"]["p50"])
+    assert not any(key.endswith("tpot_ms") for key in data)  # not among --percentile-metrics
+    named = _bench("--url", f"{fault_server}/ok", "--num-requests", "1", "--save-result", "--result-dir",
+                   str(tmp_path / "named"), "--result-filename", "r.json", "--backend", "openai-chat")
+    assert named.returncode == 0 and _strict_json((tmp_path / "named" / "r.json").read_text())["backend"] == \
+        "openai-chat"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--percentile-metrics", "ttft,speed"], "argument --percentile-metrics: 'speed' is not one of ttft, tpot"),
+    (["--metric-percentiles", "50,101"], "argument --metric-percentiles: '50,101': each percentile must be in"),
+    (["--metric-percentiles", "x"], "argument --metric-percentiles: 'x' is not a comma-separated list"),
+    (["--save-result", "--result-filename", "r.json", "--sweep", "1,2"], "--result-filename names one file"),
+])
+def test_bad_result_flags_are_refused(flags, message):
     proc = _bench("--url", "http://127.0.0.1:9", "--num-requests", "1", *flags)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import aiohttp
 
-from pdpool.bench import client, datasets, load, plots, report, stats
+from pdpool.bench import client, datasets, load, plots, report, stats, vllm_result
 
 
 def _positive(kind):
@@ -65,6 +65,16 @@ def _ratio(text: str) -> float:
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be in [0, 1)")
     return value
+
+
+def _checked(parse):
+    """An argparse type from a parser that raises ``ValueError``: its message names the flag."""
+    def check(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return check
 
 
 def _length_range(text: str) -> str:
@@ -125,6 +135,15 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--out", type=Path, default=None, help="write bench.json and the PNG plots here")
     g.add_argument("--label", default=None, help="the name of this run in plots (default: the --out folder)")
     g.add_argument("--no-progress", "--disable-tqdm", action="store_true")
+    g = p.add_argument_group("vLLM's result file (vllm bench serve --save-result: its keys and file name)")
+    g.add_argument("--save-result", action="store_true", help="write each run's result as vLLM does")
+    g.add_argument("--result-dir", type=Path, default=Path("."), help="default: the current folder")
+    g.add_argument("--result-filename", default=None,
+                   help="default: {label}-{rate}qps[-concurrency{N}]-{model}-{date}.json")
+    g.add_argument("--percentile-metrics", type=_checked(vllm_result.parse_metrics),
+                   default=vllm_result.DEFAULT_METRICS, help="of ttft, tpot, itl, e2el; default ttft,tpot,itl")
+    g.add_argument("--metric-percentiles", type=_checked(vllm_result.parse_percentiles),
+                   default=vllm_result.DEFAULT_PERCENTILES, help="comma-separated, default 99")
     return p
 
 
@@ -224,6 +243,8 @@ def run(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.random_range_ratio is not None and ":" in args.random_input_len + args.random_output_len:
         parser.error("--random-range-ratio needs a single --random-input-len and --random-output-len N, not MIN:MAX")
+    if args.result_filename and args.sweep:
+        parser.error("--result-filename names one file; a --sweep writes one per rate: leave it out")
     try:
         slo = stats.parse_slo(args.slo) if args.slo else None
         rates = [_sweep_rate(x) for x in args.sweep.split(",") if x.strip()] if args.sweep else [args.rate]
@@ -234,6 +255,8 @@ def run(argv: list[str]) -> int:
             raise ValueError(f"--url {args.url!r} must start with http:// or https://")
         if args.out:  # before the run, not after it: a folder that cannot be made would lose the whole run
             args.out.mkdir(parents=True, exist_ok=True)
+        if args.save_result:
+            args.result_dir.mkdir(parents=True, exist_ok=True)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"pdpool bench: {exc}") from None
     lengths = datasets.Lengths(_frontend(args))
@@ -260,6 +283,13 @@ def run(argv: list[str]) -> int:
         print(f"pdpool bench: {line}", file=sys.stderr)
     if sweep and slo:
         print(f"highest rate with SLO attainment >= {args.slo_attainment:g}: {sweep['max_rate_meeting_slo']}")
+    if args.save_result:
+        backend = "openai-chat" if args.endpoint == "chat" else "openai"
+        for r in runs:
+            data = vllm_result.result(r, backend=backend, label=args.label or backend, model=args.model,
+                                      tokenizer=args.tokenizer, burstiness=args.burstiness,
+                                      metrics=args.percentile_metrics, percentiles=args.metric_percentiles)
+            print(f"wrote {vllm_result.write(data, args.result_dir, args.result_filename)}")
     if args.out:
         config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "api_key"}
         config["length_unit"] = lengths.unit

@@ -56,6 +56,15 @@ def distribution(values_s: list[float]) -> dict:
     return {"mean": float(ms.mean()), **{f"p{p}": float(np.percentile(ms, p)) for p in PERCENTILES}}
 
 
+def metric_values(records: list[RequestRecord]) -> dict[str, list[float]]:
+    """The completed requests' TTFT, TPOT, E2EL (one each where defined) and ITL (every gap), in seconds."""
+    done = [r for r in records if r.ok]
+    return {"ttft": [r.ttft for r in done if r.ttft is not None],
+            "tpot": [r.tpot for r in done if r.tpot is not None],
+            "itl": [gap for r in done for gap in r.itl],
+            "e2el": [r.latency for r in done]}
+
+
 def parse_slo(text: str) -> dict[str, float]:
     """``"ttft=200,tpot=50"`` -> {'ttft': 200.0, 'tpot': 50.0} (milliseconds)."""
     slo: dict[str, float] = {}
@@ -105,10 +114,7 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: dict[str, fl
         "request_throughput": per_s(len(done)),
         "output_throughput": per_s(output_tokens),
         "total_token_throughput": per_s(input_tokens + output_tokens),
-        "ttft_ms": distribution([r.ttft for r in done if r.ttft is not None]),
-        "tpot_ms": distribution([r.tpot for r in done if r.tpot is not None]),
-        "itl_ms": distribution([gap for r in done for gap in r.itl]),
-        "e2el_ms": distribution([r.latency for r in done]),
+        **{f"{name}_ms": distribution(values) for name, values in metric_values(records).items()},
         "slo": slo or None,
         "goodput": None,
         "slo_attainment": None,
