@@ -80,6 +80,19 @@ async def missing_secrets(kube: Kube, pool: Pool) -> str | None:
     return f"waiting for Secret {', '.join(missing)} in {pool.namespace}" if missing else None
 
 
+def announce(body: dict, result: reconcile.Result, repair: bool = False) -> None:
+    """Normal Events for what ``kubectl describe inferencepool`` should show: the children a spec change created,
+    updated or deleted, and those a status tick restored after a change made outside the pool (``repair``)."""
+    parts = [(verb, names) for verb, names in (("created", result.created), ("updated", result.patched),
+                                                ("deleted", result.deleted)) if names]
+    if repair and parts:
+        message = "; ".join(f"{verb} {', '.join(names)}" for verb, names in parts)
+        kopf.event(body, type="Normal", reason="Repaired", message=f"undid changes made outside the pool: {message}")
+        return
+    for verb, names in parts:
+        kopf.event(body, type="Normal", reason=verb.capitalize(), message=f"{verb} {', '.join(names)}")
+
+
 def _set_status(patch: kopf.Patch, body: dict, wanted: dict) -> None:
     for k, v in status.changes(dict(body.get("status") or {}), wanted).items():
         patch.status[k] = v
@@ -120,6 +133,7 @@ def register(registry: kopf.OperatorRegistry, options: Options) -> None:
             raise kopf.TemporaryError(message, delay=10) from None
         if result.writes:
             logger.info(f"created {result.created}, patched {result.patched}, deleted {result.deleted}")
+            announce(body, result)
         waiting = await missing_secrets(memo.kube, pool)
         error = ("SecretMissing", waiting) if waiting else None
         _set_status(patch, body, await observe(memo.kube, body, pool, error, generation))
@@ -144,6 +158,7 @@ def register(registry: kopf.OperatorRegistry, options: Options) -> None:
                     if result.writes:
                         logger.info(f"repaired drift: created {result.created}, patched {result.patched}, "
                                     f"deleted {result.deleted}")
+                        announce(body, result, repair=True)
                 except reconcile.ChildConflict as exc:
                     error = ("ChildConflict", str(exc))
                 except ApiError as exc:

@@ -119,4 +119,11 @@ def test_hand_edits_are_undone_and_only_the_edited_child_is_written(cluster, ope
                                               ("configmaps", "drift-config"), ("networkpolicies", "drift-nodes"),
                                               ("services", "drift-decode")}
     assert get(cluster, "deployment", "drift-prefill")["metadata"]["generation"] == 1, "no other Deployment rolled"
+    events = [e for e in cluster.kubectl.json("get", "events")["items"] if e["involvedObject"].get("name") == "drift"]
+    assert {e["reason"] for e in events} >= {"Created", "Repaired"}, events
+    assert any("Deployment/drift-decode" in e["message"] for e in events if e["reason"] == "Repaired"), events
+    cluster.kubectl("patch", POOL, "drift", "--type=merge", "-p", '{"spec": {"decode": {"replicas": 2}}}')
+    described = wait_until(lambda: (out := cluster.kubectl("describe", POOL, "drift").stdout) and
+                           "updated Deployment/drift-decode" in out and out, timeout=10, what="an Updated event")
+    assert "Repaired" in described and "Created" in described, described
     cluster.kubectl("delete", POOL, "drift", "--timeout=20s")
