@@ -75,6 +75,13 @@ class ModelConfig:
                            choices=("auto", "dummy"))
     seed: int = opt(0, "Seed for dummy weights and unseeded sampling.", ge=0)
     chat_template: str | None = opt(None, _CHAT_TEMPLATE_HELP, crd="model.chatTemplate")
+    generation_config: str = opt(
+        "auto", "Where a request's unset sampling fields get their defaults, as vLLM's flag: 'auto' reads the "
+        "model's generation_config.json (temperature, top_p, top_k, min_p, the three penalties, and max_new_tokens "
+        "as max_tokens); 'vllm' keeps the neutral defaults; else a folder holding a generation_config.json.",
+        crd="model.generationConfig")
+    override_generation_config: str | None = opt(
+        None, "A JSON object over those defaults, as vLLM's flag: '{\"temperature\": 0.5}'.")
 
 
 @dataclass
@@ -175,6 +182,7 @@ class NodeConfig:
         validate(self)
         _check_auto_tool_choice(self.server)
         _check_patterns(self.server)
+        generation_override(self.model)
 
     @property
     def served_model_name(self) -> str:
@@ -277,6 +285,20 @@ def _check_auto_tool_choice(section) -> None:
     if section.enable_auto_tool_choice and not section.tool_call_parser:
         raise ConfigError(f"--enable-auto-tool-choice needs --tool-call-parser (one of "
                           f"{', '.join(TOOL_CALL_PARSERS)}): the model's tool-call format")
+
+
+def generation_override(section) -> dict:
+    """``--override-generation-config`` as a dict (``{}`` when unset); not a JSON object is a ``ConfigError``."""
+    text = section.override_generation_config
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise ConfigError(f"--override-generation-config must be a JSON object, got {text!r}")
+    return value
 
 
 def matches_pattern(pattern: str, value: str) -> bool:

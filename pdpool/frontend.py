@@ -64,6 +64,38 @@ class ModelFiles:
         return cls(path, vocab, tuple(eos), positions if isinstance(positions, int) else None)
 
 
+# The sampling fields a server's generation config gives defaults to (vLLM's): a request's own value wins.
+DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """What a request leaves unset gets from the model's generation config (``--generation-config``), as in vLLM."""
+    sampling: dict            # DEFAULTABLE field -> value
+    max_tokens: int | None = None       # a chat's budget when it gives none (``max_new_tokens``)
+    max_tokens_cap: int | None = None   # every budget at most this: a folder's or the override's max_new_tokens
+
+    @classmethod
+    def read(cls, model_path: Path, source: str = "auto", override: dict | None = None) -> "GenerationDefaults":
+        """``source``: 'auto' (the model folder's generation_config.json), 'vllm' (none) or a folder holding one;
+        ``override``: ``--override-generation-config``, over it. ``ValueError`` for a folder without the file."""
+        config: dict = {}
+        if source != "vllm":
+            folder = model_path if source == "auto" else Path(source)
+            if source != "auto" and not (folder / "generation_config.json").is_file():
+                raise ValueError(f"--generation-config {source}: no generation_config.json there")
+            config = _read_json(folder / "generation_config.json") or {}
+        override = override or {}
+        config = {**config, **override}
+        sampling = {name: config[name] for name in DEFAULTABLE if config.get(name) is not None}
+        max_tokens = config.get("max_new_tokens")
+        cap = max_tokens if source not in ("auto", "vllm") else override.get("max_new_tokens")
+        return cls(sampling, max_tokens, cap)
+
+    def __bool__(self) -> bool:
+        return bool(self.sampling) or self.max_tokens is not None or self.max_tokens_cap is not None
+
+
 def _read_json(path: Path) -> dict | None:
     if not path.is_file():
         return None

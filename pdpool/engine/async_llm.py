@@ -32,7 +32,7 @@ from typing import Any, AsyncIterator, Protocol, Sequence
 from pdpool.engine.llm_engine import EngineOutput, InvalidRequestError, LLMEngine
 from pdpool.engine.output_processor import OutputProcessor, RequestOutput
 from pdpool.engine.sampler import RequestFault
-from pdpool.engine.sampling_params import SamplingParams
+from pdpool.engine.sampling_params import SamplingParams, generation_defaults
 from pdpool.engine.structured import Grammars
 from pdpool.frontend import LONG_TEXT_CHARS, Frontend, ModelFiles, Tokenizer
 from pdpool.utils import release_free_heap
@@ -114,6 +114,7 @@ class AsyncLLM:
         path = self.engine.model_path
         self.frontend = frontend or Frontend(ModelFiles.read(path), Tokenizer(path, node_config.model.chat_template))
         Grammars.of(self.frontend)
+        self.generation_defaults = generation_defaults(path, node_config.model)   # the server applies them
         self.latency_observer = latency_observer
         self.output_processor = OutputProcessor(self.frontend.tokenizer)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdpool-engine")

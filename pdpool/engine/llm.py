@@ -16,7 +16,7 @@ from typing import Any, Sequence
 from pdpool import config
 from pdpool.engine.llm_engine import LLMEngine, TokenLogprobs
 from pdpool.engine.output_processor import OutputProcessor, RequestOutput
-from pdpool.engine.sampling_params import SamplingParams
+from pdpool.engine.sampling_params import SamplingParams, generation_defaults
 from pdpool.engine.structured import Grammars
 from pdpool.frontend import Frontend, ModelFiles, Tokenizer
 
@@ -84,6 +84,7 @@ class LLM:
         path = self.engine.model_path
         self.frontend = Frontend(ModelFiles.read(path), Tokenizer(path, self.config.model.chat_template))
         Grammars.of(self.frontend)
+        self.generation_defaults = generation_defaults(path, self.config.model)
         self.output_processor = OutputProcessor(self.frontend.tokenizer)
         self._ids = itertools.count()
 
@@ -98,7 +99,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if params is None:
-            params = SamplingParams()
+            params = self.get_default_sampling_params()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
@@ -107,7 +108,16 @@ class LLM:
     def chat(self, messages: list[dict], params: SamplingParams | None = None, *,
              use_tqdm: bool = False) -> GenerationResult:
         prompt = self.frontend.render_chat(messages, True)
-        return self._run([(prompt, params or SamplingParams(), False)], use_tqdm)[0]
+        return self._run([(prompt, params or self.get_default_sampling_params(), False)], use_tqdm)[0]
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use without params, as vLLM's: the model's generation defaults
+        (``--generation-config``; max_tokens 16 unless they give max_new_tokens)."""
+        d = self.generation_defaults
+        max_tokens = d.max_tokens or 16
+        if d.max_tokens_cap is not None:
+            max_tokens = min(max_tokens, d.max_tokens_cap)
+        return SamplingParams(**d.sampling, max_tokens=max_tokens)
 
     def _run(self, requests: list[tuple[Prompt, SamplingParams, bool]], use_tqdm: bool) -> list[GenerationResult]:
         ids: list[str] = []

@@ -15,6 +15,7 @@ entries by the vocab size.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from dataclasses import MISSING, dataclass, field, fields
@@ -289,3 +290,27 @@ _DEFAULTS = {f.name: f.default for f in fields(SamplingParams)}   # a factory's 
 _DEFAULT_FACTORIES = tuple((f.name, f.default_factory) for f in fields(SamplingParams)
                            if f.default_factory is not MISSING)
 SamplingParams().validate()   # the defaults that ``SamplingParams.defaults`` does not check again
+
+
+def generation_defaults(model_path, model_config):
+    """A node's generation defaults (``pdpool.frontend.GenerationDefaults``) from ``--generation-config`` and
+    ``--override-generation-config``, each value checked as a request's would be: a bad one stops the load with
+    ``ValueError`` naming it, rather than failing every request."""
+    from pdpool.config import generation_override
+    from pdpool.frontend import GenerationDefaults
+
+    defaults = GenerationDefaults.read(model_path, model_config.generation_config, generation_override(model_config))
+    try:
+        SamplingParams(**defaults.sampling, max_tokens=defaults.max_tokens).validate()
+        if defaults.max_tokens_cap is not None:
+            _int("max_tokens", defaults.max_tokens_cap, 1, None)
+    except (SamplingParamsError, TypeError) as exc:
+        raise ValueError(f"the generation config's defaults {defaults.sampling} are not valid: {exc}") from None
+    if defaults:
+        logging.getLogger("pdpool").info(
+            "requests' unset sampling fields default to %s%s, from --generation-config %s%s (vLLM's rule; "
+            "--generation-config vllm turns the model's off)", defaults.sampling,
+            f", chats' max_tokens to {defaults.max_tokens}" if defaults.max_tokens is not None else "",
+            model_config.generation_config, " and --override-generation-config"
+            if model_config.override_generation_config else "")
+    return defaults

@@ -201,6 +201,8 @@ async def _generate(request: web.Request, llm, req: protocol.GenerationRequest,
     max_log_len = server_config.max_log_len
     if max_log_len:
         logger.info("request %s: %s prompt %r", rid, req.kind, str(req.prompts[0])[:max_log_len])
+    if llm.generation_defaults:
+        protocol.apply_generation_defaults(req, llm.generation_defaults, llm.max_model_len)
     gen = Generation(llm, req, rid)
     await gen.start()
     if req.stream:

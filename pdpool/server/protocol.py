@@ -18,7 +18,7 @@ from typing import Any
 
 from pdpool.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, SamplingParamsError, short_repr
 from pdpool.engine.structured import StructuredOutputs
-from pdpool.frontend import InvalidRequestError
+from pdpool.frontend import DEFAULTABLE, InvalidRequestError
 from pdpool.server.errors import APIError
 from pdpool.server.tools import ToolChoice, parse_tools
 
@@ -65,6 +65,8 @@ class GenerationRequest:
     # divides a beam's log probability by its length to that power
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # the fields of ``pdpool.frontend.DEFAULTABLE`` the body sets (not null): the others take the server's generation defaults
+    sampling_given: frozenset[str] = frozenset()
 
 
 # ---- typed field readers -------------------------------------------------------------------------
@@ -327,6 +329,34 @@ def _sampling_fields(body: dict, max_tokens: int | None, logprobs: int | None) -
     return make_sampling_params(kwargs)
 
 
+_NONE_GIVEN: frozenset[str] = frozenset()
+
+
+def _sampling_given(body: dict) -> frozenset[str]:
+    if _SAMPLING_FIELDS.isdisjoint(body):
+        return _NONE_GIVEN
+    return frozenset(name for name in DEFAULTABLE if body.get(name) is not None)
+
+
+def apply_generation_defaults(req: GenerationRequest, defaults, max_model_len: int) -> None:
+    """A node's generation defaults (``pdpool.frontend.GenerationDefaults``) on the fields ``req`` left unset, as
+    vLLM (0.32) applies its generation config: each sampling field the body did not set (or set to null); a chat's
+    budget when it gave none (within the context); a cap on every budget. A beam search takes only the
+    temperature, as vLLM's. A request the defaults make inconsistent (``min_tokens`` over the cap) is a 400."""
+    params = req.params
+    for name, value in defaults.sampling.items():
+        if name not in req.sampling_given and (name == "temperature" or not req.use_beam_search):
+            setattr(params, name, value)
+    if req.kind == "chat" and not req.max_tokens_given and defaults.max_tokens is not None:
+        params.max_tokens = min(defaults.max_tokens, max_model_len)
+    if defaults.max_tokens_cap is not None and not req.echo_only:
+        params.max_tokens = min(params.max_tokens or max_model_len, defaults.max_tokens_cap)
+    try:
+        params.validate()
+    except SamplingParamsError as exc:
+        raise APIError(f"{exc} (with the server's generation defaults)", param=exc.param) from None
+
+
 def _bad_words(body: dict) -> list[str] | str | None:
     """vLLM's ``bad_words``: null, a list of strings (SamplingParams checks each; [] is none) or one string."""
     value = body.get("bad_words")
@@ -397,7 +427,8 @@ def parse_completion(body: dict, served_model_names: list[str]) -> GenerationReq
     if common["prompt_logprobs"] is not None:   # vLLM's field; echo's logprobs then show at most `logprobs` top
         params.prompt_logprobs = max(common["prompt_logprobs"], params.prompt_logprobs or 0)
     return _checked(GenerationRequest(prompts=prompts, params=params, max_tokens_given=max_tokens is not None,
-                                      echo=echo, logprobs=logprobs, echo_only=echo_only, **common))
+                                      echo=echo, logprobs=logprobs, echo_only=echo_only,
+                                      sampling_given=_sampling_given(body), **common))
 
 
 # ---- /v1/chat/completions ------------------------------------------------------------------------
@@ -565,7 +596,7 @@ def parse_chat(body: dict, served_model_names: list[str], render, tool_parser: s
         params.structured_outputs = StructuredOutputs("json", tool_choice.schema, param="tools")
     return _checked(GenerationRequest(prompts=[prompt], params=params, max_tokens_given=max_tokens is not None,
                                       logprobs=logprobs, tool_choice=tool_choice, response_role=response_role,
-                                      chat_echo=chat_echo, **common))
+                                      chat_echo=chat_echo, sampling_given=_sampling_given(body), **common))
 
 
 def parse_translated_chat(chat: dict, parse_chat, names: dict[str, str]) -> GenerationRequest:
