@@ -144,6 +144,11 @@ class RequestPath:
             raise
         except UpstreamError as err:
             self._failed(p, err)
+            if err.status is None:
+                # No error status from the node: its answer (the KV handle, a lease held for it) may have been
+                # written and lost on the way (cut, reset or garbled by the network, or late past the prefill
+                # timeout). The node took it as delivered and would hold the lease until it expires: free it now.
+                self._spawn(self.upstream.release_response(p.url, rr.request_id))
             return None
         except ClientErrorReply:
             # The node refused the one-token request the router made of the client's (its message may name that

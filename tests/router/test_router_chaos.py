@@ -1,0 +1,238 @@
+"""Chaos through the router, the moment of each fault drawn by hypothesis: clients that leave, nodes paused
+(SIGSTOP), and a network that cuts, resets or garbles a node's answer (``tests/disagg/fault_proxy.py``).
+
+Real processes: redis-server, one prefill and two decode nodes, routers. Every case ends with a correct answer
+(the colocated tokens) or a clear error (an OpenAI error, or a stream's final error event), within the configured
+timeouts; afterwards each live node is idle with all its blocks free and no lease (released, not expired), and
+the router counts no request in flight on any node.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, event, given, settings, strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "disagg"))
+from cluster import assert_no_leaks, completion_body, running_nodes, token_ids, wait_for  # noqa: E402
+from fault_proxy import Fault, FaultProxy  # noqa: E402
+from hypothesis_profiles import scaled  # noqa: E402
+from routers import redis_flags  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+TRANSFER_TIMEOUT = 2.0       # the nodes' --kv-transfer-timeout: a pull from a paused prefill node gives up soon
+PREFILL_TIMEOUT = 1.5        # the router's --prefill-timeout
+REQUEST_TIMEOUT = 4.0        # the router's --request-timeout (one decode leg, whole)
+NUM_BLOCKS = 96              # every node's (tests/disagg/cluster.py); an idle node has them all free
+WORDS = "amber birch cobalt delta ember fjord granite hollow indigo juniper kestrel lagoon".split()
+_serial = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def cluster(demo_model_dir, tmp_path_factory, redis_module):
+    flags = ["--kv-transfer-timeout", str(TRANSFER_TIMEOUT)]
+    spec = {"p0": ("prefill", flags), "d0": ("decode", flags), "d1": ("decode", flags)}
+    with running_nodes(spec, tmp_path_factory.mktemp("nodes"), redis_module.url) as nodes:
+        yield nodes
+
+
+@pytest.fixture(scope="module")
+def router(cluster, redis_module, start_router):
+    router = start_router(redis_flags(redis_module.url), name="router-chaos")
+    wait_for(lambda: router.value('pdpool_router_nodes{role="decode",usable="true"}') == 2, 30, "the router")
+    return router
+
+
+def prompt(words: int) -> str:
+    """A prompt no earlier case sent (so that the router hands it off rather than finding it cached)."""
+    n = next(_serial)
+    return f"Case {n}: " + " ".join(WORDS[(n + 5 * k) % len(WORDS)] + str(k) for k in range(words))
+
+
+def inflight(router) -> float:
+    return sum(v for k, v in router.metrics().items() if k.startswith("pdpool_router_inflight_requests"))
+
+
+def expiries(cluster) -> float:
+    return cluster["p0"].value("pdpool_kv_lease_expiries_total")
+
+
+def settled(cluster, router, expired: float) -> None:
+    """No leg in flight at the router, then every live node idle with all its blocks free and no lease (well
+    before a lease would expire: none did)."""
+    wait_for(lambda: inflight(router) == 0, 10, f"the router's in-flight count to return to 0: {router.metrics()}")
+    live = [n for n in cluster.values() if n.alive]
+    for node in live:
+        wait_for(lambda: node.value("pdpool_num_requests_running") + node.value("pdpool_num_requests_waiting") == 0,
+                 10, f"{node.name} to go idle")
+    assert_no_leaks(live, {n.name: NUM_BLOCKS for n in live}, 8)
+    assert expiries(cluster) == expired, "a lease expired instead of being released"
+
+
+def raw_post(url: str, path: str, body: dict, leave: tuple[str, float] | None = None, timeout: float = 60.0) -> bytes:
+    """POST over a plain socket; read until the server closes, or until ``leave`` (("seconds", s): that long;
+    ("events", k): k SSE events received), then close: the client leaves at that moment. Returns the bytes
+    received."""
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    kind, value = leave or ("seconds", timeout)
+    deadline = time.monotonic() + (value if kind == "seconds" else timeout)
+    got = b""
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+            if kind == "events" and got.count(b"data: ") >= value:
+                break
+    except TimeoutError:
+        if leave is None or kind != "seconds":
+            raise
+    finally:
+        sock.close()
+    return got
+
+
+def phase(received: bytes) -> str:
+    if not received:
+        return "before the first byte"
+    if b"text/event-stream" in received:
+        return "mid-stream" if received.count(b"data: ") > 1 else "after the first event"
+    return "after the answer"
+
+
+# ---- clients that leave ----------------------------------------------------------------------------------------
+
+MOMENTS = st.one_of(st.tuples(st.just("seconds"), st.floats(0.0, 1.0)), st.tuples(st.just("events"),
+                                                                                  st.integers(1, 30)))
+
+
+@settings(max_examples=scaled(6), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stream=st.booleans(), leave=MOMENTS, words=st.integers(10, 80))
+def test_a_client_leaving_at_any_moment_leaves_nothing_behind(cluster, router, stream, leave, words):
+    """Before the prefill answers, during the KV pull, after the first decode byte, mid-stream."""
+    expired = expiries(cluster)
+    body = completion_body(prompt(words), 40, ignore_eos=True, stream=stream)
+    event(phase(raw_post(router.url, "/v1/completions", body, leave)))
+    settled(cluster, router, expired)
+
+
+
+# ---- a network that breaks a node's answer ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def proxied(cluster, start_router):
+    """A router whose legs to every node pass a ``FaultProxy``: the prefill node's its own fault, the two decode
+    nodes' one shared fault (the retry on the other node goes through)."""
+    faults = {"prefill": Fault(), "decode": Fault()}
+    proxies = [FaultProxy(cluster["p0"].port, faults["prefill"]), FaultProxy(cluster["d0"].port, faults["decode"]),
+               FaultProxy(cluster["d1"].port, faults["decode"])]
+    router = start_router(["--prefill", proxies[0].url, "--decode", proxies[1].url, "--decode", proxies[2].url],
+                          name="router-proxied")
+    wait_for(lambda: router.value('pdpool_router_nodes{role="decode",usable="true"}') == 2
+             and router.value('pdpool_router_nodes{role="prefill",usable="true"}') == 1, 30, "the router")
+    yield router, faults
+    for proxy in proxies:
+        proxy.close()
+
+
+def sse_events(raw: bytes) -> list[str]:
+    return [line[6:] for line in raw.decode(errors="replace").splitlines() if line.startswith("data: ")]
+
+
+@settings(max_examples=scaled(6), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(leg=st.sampled_from(["prefill", "decode"]), kind=st.sampled_from(["truncate", "reset", "garbage"]),
+       after=st.integers(0, 1200), stream=st.booleans())
+def test_a_node_answer_cut_reset_or_garbled_on_the_way(cluster, proxied, leg, kind, after, stream):
+    router, faults = proxied
+    expired = expiries(cluster)
+    body = completion_body(prompt(30), 8, stream=stream)
+    fired = faults[leg].fired
+    faults[leg].arm(kind, after)
+    t0 = time.monotonic()
+    r = httpx.post(router.url + "/v1/completions", json=body, timeout=60)
+    elapsed = time.monotonic() - t0
+    faults[leg].disarm()
+    want = cluster["d0"].complete({**body, "stream": False})
+    reached = "fired" if faults[leg].fired > fired else "not reached"
+    event(f"{leg} {kind} {reached}: {check_outcome(r, want, stream)}")
+    assert elapsed < 30
+    settled(cluster, router, expired)
+
+
+# ---- nodes that stop answering -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def impatient(cluster, redis_module, start_router):
+    """A router with short timeouts: a prefill leg is abandoned after PREFILL_TIMEOUT s, a decode leg after
+    REQUEST_TIMEOUT s (then the next decode node is tried, if nothing reached the client yet)."""
+    router = start_router(redis_flags(redis_module.url) + ["--prefill-timeout", str(PREFILL_TIMEOUT),
+                                                           "--request-timeout", str(REQUEST_TIMEOUT)],
+                          name="router-impatient")
+    wait_for(lambda: router.value('pdpool_router_nodes{role="decode",usable="true"}') == 2, 30, "the router")
+    return router
+
+
+def answer(router, body: dict) -> tuple[httpx.Response | Exception, float]:
+    t0 = time.monotonic()
+    try:
+        r = httpx.post(router.url + "/v1/completions", json=body, timeout=120)
+    except httpx.HTTPError as exc:
+        return exc, time.monotonic() - t0
+    return r, time.monotonic() - t0
+
+
+def check_outcome(r: httpx.Response, want: dict, stream: bool) -> str:
+    """The colocated answer, or a clear error: an OpenAI error (5xx) or a stream's final error event."""
+    if not stream:
+        if r.status_code == 200:
+            assert token_ids(r.json()) == token_ids(want)
+            return "answered"
+        assert r.status_code in (502, 503, 504) and r.json()["error"]["message"], r.text
+        return f"error {r.status_code}"
+    assert r.status_code == 200, r.text
+    events = sse_events(r.content)
+    if events[-1] == "[DONE]":
+        assert "".join(c["text"] for e in events[:-1] for c in json.loads(e)["choices"]) == want["choices"][0]["text"]
+        return "answered"
+    assert json.loads(events[-1])["error"]["code"] == "upstream_stream_broken", events[-3:]
+    return "stream error event"
+
+
+@settings(max_examples=scaled(3), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(victim=st.sampled_from(["p0", "d0", "d1"]), delay=st.floats(0.0, 1.0),
+       pause=st.floats(0.2, REQUEST_TIMEOUT + 1.0), stream=st.booleans())
+def test_a_node_paused_at_any_moment_never_hangs_the_request(cluster, impatient, victim, delay, pause, stream):
+    import concurrent.futures
+
+    expired = expiries(cluster)
+    body = completion_body(prompt(30), 12, stream=stream)
+    node = cluster[victim]
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        pending = ex.submit(answer, impatient, body)
+        time.sleep(delay)
+        node.signal(signal.SIGSTOP)
+        try:
+            time.sleep(pause)
+        finally:
+            node.signal(signal.SIGCONT)
+        r, elapsed = pending.result()
+    assert not isinstance(r, Exception), r
+    want = cluster["d0"].complete({**body, "stream": False})
+    event(f"{victim} paused: {check_outcome(r, want, stream)}")
+    assert elapsed < PREFILL_TIMEOUT + 3 * REQUEST_TIMEOUT + 5, elapsed   # max_retries 2: three decode legs at most
+    settled(cluster, impatient, expired)
