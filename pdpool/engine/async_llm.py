@@ -80,28 +80,33 @@ class RequestStream:
         self.prompt_cut = False       # truncate_prompt_tokens cut the prompt: its text is that of the kept ids
         self._owner = owner
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.finished = False
+        self.finished = False   # the request ended (nothing to abort)
+        self._ended = False     # the consumer got its last item
 
     def _put(self, item: RequestOutput | BaseException) -> None:
         self._queue.put_nowait(item)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         try:
-            while not self.finished:
+            while not self._ended:
                 item = await self._queue.get()
                 if isinstance(item, BaseException):
-                    self.finished = True
+                    self.finished = self._ended = True
                     raise item
-                self.finished = item.finished
+                self._ended = item.finished
+                self.finished = self.finished or item.finished
                 yield item
         finally:
             self.abort()
 
     def abort(self) -> None:
-        """Abort the request unless it already finished; idempotent."""
+        """Abort the request unless it already finished; idempotent. A consumer still iterating gets the final
+        output (``finish_reason`` "abort") after the outputs already queued."""
         if not self.finished:
             self.finished = True
-            self._owner._abort_nowait(self.request_id)
+            final = self._owner._abort_nowait(self.request_id)
+            if final is not None:
+                self._put(final)
         if self._owner._streams.get(self.request_id) is self:   # not a later request's under the same id
             del self._owner._streams[self.request_id]
 
@@ -224,11 +229,13 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
 
-    def _abort_nowait(self, request_id: str) -> None:
+    def _abort_nowait(self, request_id: str) -> RequestOutput | None:
+        """Abort one request without waiting for the engine; its final output ("abort"), if it had a state here."""
         self._timings.pop(request_id, None)
-        self.output_processor.forget(request_id)
+        final = self.output_processor.abort(request_id)
         if not self._closed:
             self._abort_in_engine([request_id])
+        return final
 
     def _abort_in_engine(self, request_ids: list[str]) -> None:
         """Queue the engine abort of requests whose streams are gone. Until it has run, each id waits to be used

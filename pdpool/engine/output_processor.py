@@ -108,6 +108,14 @@ class OutputProcessor:
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)
 
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """The final output of a request aborted here, not by the engine (vLLM's final abort output): no new
+        token, ``finish_reason`` "abort", the totals so far; None for an unknown or finished request."""
+        if request_id not in self._states:
+            return None
+        results, _ = self.process([EngineOutput(request_id, [], None, True, "abort")])
+        return results[0] if results else None
+
     def __len__(self) -> int:
         return len(self._states)
 
