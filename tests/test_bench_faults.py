@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import subprocess
 import sys
@@ -258,3 +259,19 @@ def test_save_result_writes_vllms_keys(fault_server, tmp_path):
 def test_bad_result_flags_are_refused(flags, message):
     proc = _bench("--url", "http://127.0.0.1:9", "--num-requests", "1", *flags)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_run_without_matplotlib_keeps_its_result_and_succeeds(fault_server, tmp_path):
+    """Without the bench extra, --out wrote bench.json and then ended with 'plots need matplotlib' and exit 1: a
+    run that had succeeded read as failed, and nothing said that its result was written."""
+    blocker = tmp_path / "site"
+    (blocker / "matplotlib").mkdir(parents=True)
+    (blocker / "matplotlib" / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(blocker), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-m", "pdpool.cli", "bench", "--url", f"{fault_server}/ok", "--model", "m",
+                           "--tokenizer", "none", "--no-progress", "--num-requests", "2", "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert f"wrote {tmp_path / 'o' / 'bench.json'}" in proc.stdout
+    assert "pdpool bench: no plots: they need matplotlib: pip install 'pdpool[bench]'" in proc.stderr
+    assert [p.name for p in (tmp_path / "o").iterdir()] == ["bench.json"]

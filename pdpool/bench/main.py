@@ -295,8 +295,13 @@ def run(argv: list[str]) -> int:
         config["length_unit"] = lengths.unit
         data = report.result(label, config, runs, sweep)
         path = report.write_result(data, args.out)
-        pngs = plots.plot_results([report.read_result(path)], args.out)
-        print(f"wrote {path} and {', '.join(p.name for p in pngs)}")
+        try:
+            pngs = plots.plot_results([report.read_result(path)], args.out)
+        except plots.PlotsUnavailable as exc:  # the run succeeded and its result is written: say so, exit as it went
+            print(f"wrote {path}")
+            print(f"pdpool bench: no plots: {exc}", file=sys.stderr)
+        else:
+            print(f"wrote {path} and {', '.join(p.name for p in pngs)}")
     return 0 if all(run["summary"]["completed"] for run in runs) else 1
 
 
@@ -318,7 +323,10 @@ def compare(argv: list[str]) -> int:
             data["label"] = f"{data['label']} ({path})"
     for data in results:
         print(report.table(data["label"], data["runs"]))
-    pngs = plots.plot_results(results, args.out)
+    try:
+        pngs = plots.plot_results(results, args.out)
+    except plots.PlotsUnavailable as exc:
+        raise SystemExit(f"pdpool bench compare: no plots: {exc}") from None
     print(f"wrote {', '.join(str(p) for p in pngs)}")
     return 0
 

@@ -10,11 +10,15 @@ import numpy as np
 from pdpool.bench.report import load_name, records_of
 
 
+class PlotsUnavailable(RuntimeError):
+    """matplotlib is not installed: the results stand, only their plots are missing."""
+
+
 def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise SystemExit("pdpool bench: plots need matplotlib: pip install 'pdpool[bench]'") from None
+        raise PlotsUnavailable("they need matplotlib: pip install 'pdpool[bench]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
