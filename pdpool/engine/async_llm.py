@@ -170,7 +170,7 @@ class AsyncLLM:
         else:
             ids = self.frontend.encode_prompt(source, add_special_tokens)
         while (aborting := self._aborting.get(request_id)) is not None:   # an earlier request of this id
-            await asyncio.wrap_future(aborting)
+            await asyncio.shield(asyncio.wrap_future(aborting))   # a cancelled add leaves the abort queued
         self._check_admissible(request_id)   # the engine closed, or the same id came in, meanwhile
         kept = self.frontend.apply_prompt_options(ids, params, self.max_model_len)
         cut = len(kept) < len(ids)

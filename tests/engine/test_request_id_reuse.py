@@ -83,3 +83,26 @@ def test_the_old_streams_late_finalization_leaves_the_new_stream(llm):
         return await tokens(stream)
 
     run_with(llm, body)
+
+
+def test_an_add_cancelled_while_the_old_request_of_its_id_is_aborted_leaves_that_abort(llm):
+    engine = llm.engine
+
+    async def main():
+        allm = AsyncLLM(llm.config, engine=engine, frontend=llm.frontend)
+        try:
+            it = (await allm.add_request("x", OLD_PROMPT, SamplingParams(max_tokens=100, ignore_eos=True))).__aiter__()
+            await it.__anext__()   # the next step is queued on the engine thread
+            await it.aclose()      # the abort of "x" is queued behind it
+            add = asyncio.ensure_future(allm.add_request("x", NEW_PROMPT, PARAMS))
+            for _ in range(3):
+                await asyncio.sleep(0)
+            assert not add.done()   # waiting for the abort
+            add.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await add
+            return await allm.call(engine.has_unfinished_requests)
+        finally:
+            await allm.shutdown()
+
+    assert asyncio.run(main()) is False
