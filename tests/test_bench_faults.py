@@ -275,3 +275,11 @@ def test_a_run_without_matplotlib_keeps_its_result_and_succeeds(fault_server, tm
     assert f"wrote {tmp_path / 'o' / 'bench.json'}" in proc.stdout
     assert "pdpool bench: no plots: they need matplotlib: pip install 'pdpool[bench]'" in proc.stderr
     assert [p.name for p in (tmp_path / "o").iterdir()] == ["bench.json"]
+
+
+def test_a_request_timeout_says_so(fault_server):
+    """aiohttp's total timeout has no message: the summary read '2 of 2 requests failed: TimeoutError: '."""
+    proc = _bench("--url", f"{fault_server}/slow", "--num-requests", "2", "--request-timeout", "0.3")
+    assert proc.returncode == 1
+    assert "pdpool bench: 2 of 2 requests failed: TimeoutError: no complete response within --request-timeout (0.3 s)" \
+        in proc.stderr, proc.stderr

@@ -130,7 +130,10 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict, record: Req
         if usage is not None:
             _read_usage(record, usage)
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:  # ValueError: JSON, shape, line size
-        record.error = f"{type(exc).__name__}: {exc}"[:300]
+        detail = str(exc)
+        if not detail and isinstance(exc, asyncio.TimeoutError) and session.timeout.total is not None:
+            detail = f"no complete response within --request-timeout ({session.timeout.total:g} s)"
+        record.error = f"{type(exc).__name__}: {detail}"[:300]
         record.latency = None
         return record
     if usage is None:
