@@ -181,9 +181,13 @@ def register(registry: kopf.OperatorRegistry, options: Options) -> None:
         if found is None:  # a managed Redis keeps nothing on disk and goes with the pool: so do its keys
             logger.info(f"managed Redis: the keys of {meta['namespace']}/{meta['name']} go with it")
             return
-        url, password = found
+        url, password, secret = found
         try:
             deleted = await delete_pool_keys(url, password, meta["namespace"], meta["name"])
+        except redis.exceptions.AuthenticationError as exc:  # no retry logs in: a password is wrong or its Secret gone
+            gone = f" (its password Secret {secret} is gone)" if password is None and secret else ""
+            kopf.warn(body, reason="RedisKeysLeft", message=f"could not log in to Redis at {url}{gone}: {exc}")
+            return
         except (redis.exceptions.RedisError, OSError) as exc:
             if retry < options.finalizer_retries:
                 raise kopf.TemporaryError(f"Redis at {url} unreachable: {exc}", delay=min(2 ** retry, 30)) from None
@@ -192,8 +196,9 @@ def register(registry: kopf.OperatorRegistry, options: Options) -> None:
         logger.info(f"deleted {deleted} Redis keys of {meta['namespace']}/{meta['name']}")
 
 
-async def _redis_of(kube: Kube, body: dict, options: Options) -> tuple[str, str | None] | None:
-    """URL and password of the Redis whose keys the finalizer deletes (its spec may be invalid: only spec.redis,
+async def _redis_of(kube: Kube, body: dict, options: Options) -> tuple[str, str | None, str | None] | None:
+    """URL, password and password Secret ("name (key k)", None without one) of the Redis whose keys the finalizer
+    deletes (its spec may be invalid: only spec.redis,
     over the --pool-defaults, is read). None for a managed Redis the operator does not reach through
     --managed-redis-url: in the cluster its NetworkPolicy admits only the pool's pods, so trying would only hold
     every deletion for the retries and end in a RedisKeysLeft warning."""
@@ -210,7 +215,7 @@ async def _redis_of(kube: Kube, body: dict, options: Options) -> tuple[str, str 
         url, ref = template.format(name=meta["name"], namespace=meta["namespace"]), (f"{meta['name']}-redis",
                                                                                     "password")
     if ref is None:
-        return url, None
+        return url, None, None
     secret = await kube.get("Secret", meta["namespace"], ref[0])
     value = ((secret or {}).get("data") or {}).get(ref[1])
-    return url, base64.b64decode(value).decode() if value else None
+    return url, base64.b64decode(value).decode() if value else None, f"{ref[0]} (key {ref[1]})"

@@ -1,0 +1,65 @@
+"""A pool's life as ``kubectl`` users meet it: deleting it with what it referenced already gone, and two pools in
+one namespace whose generated names meet. Real kopf (``pdpool operator``), real kubectl, a real redis-server."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import redis
+
+from operator_procs import OperatorProcess, wait_until
+from operator_examples import ROOT
+from pdpool.kv_index.keys import key_prefix
+
+POOL = "inferencepools.pdpool.io"
+
+
+@pytest.fixture(scope="module")
+def operator(cluster, tmp_path_factory):
+    cluster.kubectl("apply", "-f", str(ROOT / "operator" / "crd.yaml"))
+    proc = OperatorProcess(cluster.kubeconfig, tmp_path_factory.mktemp("operator"), "op-lifecycle")
+    yield proc
+    proc.stop()
+
+
+def apply(cluster, name: str, spec: dict) -> None:
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(
+        {"apiVersion": "pdpool.io/v1alpha1", "kind": "InferencePool", "metadata": {"name": name}, "spec": spec}))
+
+
+def conditions(cluster, name: str) -> dict:
+    pool = cluster.kubectl.json("get", POOL, name)
+    return {c["type"]: c for c in (pool.get("status") or {}).get("conditions") or []}
+
+
+def events(cluster, name: str, reason: str) -> list[dict]:
+    return [e for e in cluster.kubectl.json("get", "events")["items"]
+            if e["involvedObject"].get("name") == name and e["reason"] == reason]
+
+
+def test_deleting_a_pool_whose_redis_password_secret_is_gone_does_not_hang(cluster, operator, redis_server):
+    """``kubectl delete -f`` of a file holding the password Secret before the pool: the finalizer cannot log in to
+    Redis, and no retry will change that. Before, it retried for 31 s (kubectl delete waited) and then gave up."""
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "ext-redis"},
+              "stringData": {"password": "pw-1"}}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(secret))
+    admin = redis.Redis(port=redis_server.port)
+    admin.config_set("requirepass", "pw-1")
+    try:
+        apply(cluster, "ext", {"redis": {"url": redis_server.url, "passwordSecretRef": {"name": "ext-redis"}}})
+        wait_until(lambda: "pdpool.io/redis-keys" in (cluster.kubectl.json("get", POOL, "ext")["metadata"]
+                                                      .get("finalizers") or []), what="the finalizer")
+        r = redis.Redis(port=redis_server.port, password="pw-1")
+        r.set(f"{key_prefix('default', 'ext')}block:1", 1)
+        cluster.kubectl("delete", "secret", "ext-redis")
+        started = time.monotonic()
+        cluster.kubectl("delete", POOL, "ext", "--timeout=60s")
+        took = time.monotonic() - started
+        assert took < 8, f"deletion took {took:.1f}s"
+        (left,) = wait_until(lambda: events(cluster, "ext", "RedisKeysLeft"), what="a RedisKeysLeft event")
+        assert "ext-redis" in left["message"], left["message"]
+    finally:
+        redis.Redis(port=redis_server.port, password="pw-1").config_set("requirepass", "")
+
