@@ -134,7 +134,9 @@ async def apply(kube, desired: list[dict], uid: str, prunable: list[tuple[str, s
             result.created.append(key(obj))
             continue
         if not is_owned_by(actual, uid):
-            raise ChildConflict(f"{key(obj)} exists and is not owned by this InferencePool")
+            owners = [f"{ref.get('kind')} {ref.get('name')}" for ref in actual["metadata"].get("ownerReferences") or []]
+            raise ChildConflict(f"{key(obj)} exists and is not owned by this InferencePool (it belongs to "
+                                f"{', '.join(owners) if owners else 'no owner: created outside any pool'})")
         have = (actual["metadata"].get("annotations") or {}).get(SPEC_HASH)
         if obj["kind"] in CREATE_ONLY or (have == meta["annotations"][SPEC_HASH] and not drifted(obj, actual)):
             result.unchanged.append(key(obj))

@@ -63,3 +63,20 @@ def test_deleting_a_pool_whose_redis_password_secret_is_gone_does_not_hang(clust
     finally:
         redis.Redis(port=redis_server.port, password="pw-1").config_set("requirepass", "")
 
+
+def test_two_pools_whose_child_names_meet_are_told_whose_object_it_is(cluster, operator):
+    """Pool ``twin`` has the Service twin-decode (its decode nodes); pool ``twin-decode`` wants it as its router's
+    Service. The second pool is Degraded naming the owner; the first is untouched."""
+    apply(cluster, "twin", {})
+    wait_until(lambda: cluster.kubectl.json("get", "service", "twin-decode"), what="twin's decode Service")
+    apply(cluster, "twin-decode", {})
+    wait_until(lambda: conditions(cluster, "twin-decode").get("Degraded", {}).get("status") == "True",
+               what="twin-decode Degraded")
+    degraded = conditions(cluster, "twin-decode")["Degraded"]
+    assert degraded["reason"] == "ChildConflict"
+    assert "Service/twin-decode" in degraded["message"] and "InferencePool twin" in degraded["message"], degraded
+    service = cluster.kubectl.json("get", "service", "twin-decode")
+    assert [r["name"] for r in service["metadata"]["ownerReferences"]] == ["twin"]
+    assert conditions(cluster, "twin").get("Degraded", {}).get("status") == "False"
+    for name in ("twin-decode", "twin"):
+        cluster.kubectl("delete", POOL, name, "--timeout=20s")
