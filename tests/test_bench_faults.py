@@ -255,6 +255,8 @@ def test_save_result_writes_vllms_keys(fault_server, tmp_path):
     (["--metric-percentiles", "50,101"], "argument --metric-percentiles: '50,101': each percentile must be in"),
     (["--metric-percentiles", "x"], "argument --metric-percentiles: 'x' is not a comma-separated list"),
     (["--save-result", "--result-filename", "r.json", "--sweep", "1,2"], "--result-filename names one file"),
+    # the --rate was dropped without a word: each run of the sweep had its own
+    (["--rate", "4", "--sweep", "1,2"], "--rate and --sweep: give one"),
 ])
 def test_bad_result_flags_are_refused(flags, message):
     proc = _bench("--url", "http://127.0.0.1:9", "--num-requests", "1", *flags)

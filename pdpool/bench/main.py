@@ -243,6 +243,8 @@ def run(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.random_range_ratio is not None and ":" in args.random_input_len + args.random_output_len:
         parser.error("--random-range-ratio needs a single --random-input-len and --random-output-len N, not MIN:MAX")
+    if args.rate is not None and args.sweep:
+        parser.error("--rate and --sweep: give one (a sweep's rates are its own)")
     if args.result_filename and args.sweep:
         parser.error("--result-filename names one file; a --sweep writes one per rate: leave it out")
     try:
