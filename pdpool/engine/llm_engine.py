@@ -126,8 +126,13 @@ class LLMEngine:
                            info.max_position_embeddings, info.max_position_embeddings)
             wanted = info.max_position_embeddings
         self.scheduler = Scheduler(node_config.scheduler, self.kv_cache_manager, max_model_len=wanted)
-        # The scheduler also caps it at what the whole KV cache holds.
+        # The scheduler also caps it at what the whole KV cache holds (vLLM refuses to start there instead).
         self.max_model_len = self.scheduler.max_model_len
+        if self.max_model_len < wanted:
+            logger.warning("max_model_len %d is more than the KV cache holds (%d blocks of %d tokens); using %d: "
+                           "a longer request is refused. More KV blocks (--num-kv-blocks, --kv-cache-memory-gb, "
+                           "--gpu-memory-utilization) or a lower --max-model-len", wanted,
+                           self.kv_cache_manager.num_total_blocks, cache.block_size, self.max_model_len)
         self.max_waiting_requests = node_config.scheduler.max_waiting_requests
         self._states: dict[str, _State] = {}
         self.num_prompt_tokens = 0
