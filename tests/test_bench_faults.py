@@ -21,7 +21,7 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdpool.bench import client
+from pdpool.bench import client, datasets
 from pdpool.bench.datasets import BenchRequest
 from pdpool.bench.stats import RequestRecord
 from pdpool.node_process import free_port
@@ -285,3 +285,33 @@ def test_a_request_timeout_says_so(fault_server):
     assert proc.returncode == 1
     assert "pdpool bench: 2 of 2 requests failed: TimeoutError: no complete response within --request-timeout (0.3 s)" \
         in proc.stderr, proc.stderr
+
+
+def _conversation(*turns: str) -> dict:
+    return {"id": "x", "conversations": [{"from": who, "value": text} for who, text in zip(["human", "gpt"] * 3, turns)]}
+
+
+def test_sharegpt_dataset_as_vllm_samples_it(fault_server, tmp_path):
+    """--dataset-name sharegpt, vLLM's most used dataset, was an invalid choice."""
+    words = lambda n, w: " ".join([w] * n)  # noqa: E731
+    data = [_conversation(words(5, "a"), words(6, "b")), _conversation(words(8, "c")),  # one turn: skipped
+            _conversation(words(3, "d"), words(9, "e")),          # prompt under 4: skipped
+            _conversation(words(6, "f"), words(2, "g")),          # completion under 4: skipped
+            _conversation(words(1025, "h"), words(5, "i")),       # prompt over 1024: skipped
+            _conversation(words(1000, "j"), words(1049, "k")),    # pair over 2048: skipped
+            _conversation(words(7, "l"), words(4, "m"), words(3, "n")), "junk", {"conversations": "junk"}]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    proc = _bench("--url", f"{fault_server}/ok", "--dataset-name", "sharegpt", "--dataset-path", str(path),
+                  "--num-prompts", "5", "--seed", "4", "--out", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    (run,) = json.loads((tmp_path / "out" / "bench.json").read_text())["runs"]
+    sent = [(r["prompt_tokens"], r["max_tokens"]) for r in run["records"]]
+    assert len(sent) == 5 and set(sent) == {(5, 6), (7, 4)}  # the two valid pairs, cycled
+    expected = datasets.sharegpt_requests(path, 5, datasets.Lengths(), seed=4)
+    assert sent[:2] == [(r.prompt_len, r.max_tokens) for r in expected]  # seeded: the same order again
+    fixed = datasets.sharegpt_requests(path, 5, datasets.Lengths(), 4, output_len=7)  # --sharegpt-output-len
+    assert sorted((r.prompt_len, r.max_tokens) for r in fixed) == [(5, 7), (6, 7), (7, 7), (1000, 7)]  # 'g' is in
+    path.write_text('{"not": "a list"}')
+    with pytest.raises(ValueError, match="a ShareGPT file is a JSON list"):
+        datasets.sharegpt_requests(path, 5, datasets.Lengths(), seed=0)

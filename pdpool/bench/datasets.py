@@ -1,4 +1,5 @@
-"""The requests of a run: ``random``, ``shared-prefix`` (inference-perf's shape) or a JSONL file.
+"""The requests of a run: ``random``, ``shared-prefix`` (inference-perf's shape), a JSONL file or a ShareGPT file
+(vLLM's ``sharegpt``).
 
 Lengths are in tokens when a tokenizer is at hand (``pdpool.frontend``, no torch), else in words; ``Lengths``
 hides which. Each generator is deterministic in its seed.
@@ -141,6 +142,46 @@ def jsonl_requests(path: Path, default_output_len: int, lengths: Lengths) -> lis
                 out.append(BenchRequest(prompt, None, n, max_tokens))
     if not out:
         raise ValueError(f"{path}: no requests")
+    return out
+
+
+SHAREGPT_MIN_LEN, SHAREGPT_MAX_PROMPT_LEN, SHAREGPT_MAX_TOTAL_LEN = 4, 1024, 2048  # vLLM's filter
+
+
+def sharegpt_requests(path: Path, num: int, lengths: Lengths, seed: int,
+                      output_len: int | None = None) -> list[BenchRequest]:
+    """vLLM's ``sharegpt`` dataset: a JSON list of ``{"conversations": [{"value": ...}, ...]}``. In a seeded shuffle
+    of the conversations of two turns or more, the first turn is the prompt and the second's length the
+    ``max_tokens`` (or ``output_len``); pairs shorter than 4 units, prompts over 1024 or pairs over 2048 are skipped,
+    until ``num`` requests are made (fewer when the file runs out)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON: {exc}") from None
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: a ShareGPT file is a JSON list of conversations")
+
+    def first_two_turns(item) -> tuple[str, str] | None:
+        turns = item.get("conversations") if isinstance(item, dict) else None
+        if not isinstance(turns, list) or len(turns) < 2:
+            return None
+        values = [t.get("value") if isinstance(t, dict) else None for t in turns[:2]]
+        return (values[0], values[1]) if all(isinstance(v, str) for v in values) else None
+
+    pairs = [pair for pair in map(first_two_turns, data) if pair is not None]
+    random.Random(seed).shuffle(pairs)
+    out = []
+    for prompt, completion in pairs:
+        if len(out) == num:
+            break
+        prompt_len = lengths.count(prompt)
+        max_tokens = output_len or lengths.count(completion)
+        if (prompt_len < SHAREGPT_MIN_LEN or (output_len is None and max_tokens < SHAREGPT_MIN_LEN)
+                or prompt_len > SHAREGPT_MAX_PROMPT_LEN or prompt_len + max_tokens > SHAREGPT_MAX_TOTAL_LEN):
+            continue
+        out.append(BenchRequest(prompt, None, prompt_len, max_tokens))
+    if not out:
+        raise ValueError(f"{path}: no conversation of two turns within the lengths")
     return out
 
 

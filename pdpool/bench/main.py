@@ -99,8 +99,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="'demo' or a local model folder for token lengths "
                    "(default: --model when it is one; 'none': lengths in words)")
     g = p.add_argument_group("dataset")
-    g.add_argument("--dataset", "--dataset-name", choices=("random", "shared-prefix", "jsonl"), default="random")
-    g.add_argument("--dataset-path", type=Path, help="the JSONL file (--dataset jsonl)")
+    g.add_argument("--dataset", "--dataset-name", choices=("random", "shared-prefix", "jsonl", "sharegpt"),
+                   default="random")
+    g.add_argument("--dataset-path", type=Path, help="the JSONL or ShareGPT JSON file (--dataset jsonl, sharegpt)")
+    g.add_argument("--sharegpt-output-len", type=POSITIVE_INT, default=None,
+                   help="sharegpt max_tokens (default: each conversation's second turn's length)")
     g.add_argument("--random-input-len", type=_length_range, default="128", help="N or MIN:MAX prompt length")
     g.add_argument("--random-output-len", type=_length_range, default="64", help="N or MIN:MAX max_tokens")
     g.add_argument("--random-range-ratio", type=_ratio, default=None,
@@ -190,15 +193,19 @@ def _requests(args, lengths: datasets.Lengths, seed: int) -> list[datasets.Bench
         num = args.num_requests or 100
         input_len, output_len = (datasets.parse_range(x) for x in (args.random_input_len, args.random_output_len))
         if args.random_range_ratio is not None:  # a single N each (checked in run)
-            input_len, output_len = (datasets.ratio_range(n, args.random_range_ratio) for n, _ in (input_len, output_len))
+            ratio = args.random_range_ratio
+            input_len, output_len = (datasets.ratio_range(n, ratio) for n, _ in (input_len, output_len))
         return datasets.random_requests(num, input_len, output_len, lengths, seed, args.random_token_ids)
     if args.dataset == "shared-prefix":
         reqs = datasets.shared_prefix_requests(args.num_groups, args.prompts_per_group, args.system_prompt_len,
                                                args.question_len, args.output_len, lengths, seed,
                                                chat=args.endpoint == "chat")
+    elif args.dataset_path is None:
+        raise SystemExit(f"pdpool bench: --dataset {args.dataset} needs --dataset-path")
+    elif args.dataset == "sharegpt":
+        reqs = datasets.sharegpt_requests(args.dataset_path, args.num_requests or 1000, lengths, seed,
+                                          args.sharegpt_output_len)
     else:
-        if args.dataset_path is None:
-            raise SystemExit("pdpool bench: --dataset jsonl needs --dataset-path")
         reqs = datasets.jsonl_requests(args.dataset_path, args.output_len, lengths)
     return datasets.take(reqs, args.num_requests or len(reqs))
 
