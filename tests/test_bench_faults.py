@@ -315,3 +315,33 @@ def test_sharegpt_dataset_as_vllm_samples_it(fault_server, tmp_path):
     path.write_text('{"not": "a list"}')
     with pytest.raises(ValueError, match="a ShareGPT file is a JSON list"):
         datasets.sharegpt_requests(path, 5, datasets.Lengths(), seed=0)
+
+
+def test_custom_dataset_as_vllm_reads_it(fault_server, tmp_path, demo_model_dir):
+    """--dataset-name custom was an invalid choice. vLLM's custom: JSONL prompts through the model's chat template
+    (unless --skip-chat-template), shuffled (unless --disable-shuffle), max_tokens --custom-output-len (256)."""
+    from pdpool.frontend import Frontend
+
+    prompts = ["one two three", "four five six seven", "eight nine", "ten eleven twelve thirteen fourteen"]
+    path = tmp_path / "custom.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    lengths = datasets.Lengths(Frontend.from_model("demo"))
+
+    def run(*flags: str) -> list[tuple[int, int]]:
+        out = tmp_path / str(len(list(tmp_path.iterdir())))
+        proc = _bench("--url", f"{fault_server}/ok", "--dataset-name", "custom", "--dataset-path", str(path),
+                      "--tokenizer", "demo", "--seed", "1", "--out", str(out), *flags)
+        assert proc.returncode == 0, proc.stderr
+        (result,) = json.loads((out / "bench.json").read_text())["runs"]
+        return [(r["prompt_tokens"], r["max_tokens"]) for r in result["records"]]
+
+    templated = [lengths.count(lengths.frontend.render_chat([{"role": "user", "content": p}])) for p in prompts]
+    assert run("--disable-shuffle") == [(n, 256) for n in templated]
+    assert run("--disable-shuffle", "--skip-chat-template", "--custom-output-len", "9") == \
+        [(lengths.count(p), 9) for p in prompts]
+    shuffled = run()
+    assert shuffled != [(n, 256) for n in templated] and sorted(shuffled) == sorted((n, 256) for n in templated)
+    assert run() == shuffled  # seeded
+    proc = _bench("--url", f"{fault_server}/ok", "--dataset-name", "custom", "--dataset-path", str(path))
+    assert proc.returncode == 1 and "--dataset custom applies the model's chat template: give --tokenizer" in \
+        proc.stderr, proc.stderr

@@ -148,8 +148,8 @@ def jsonl_requests(path: Path, default_output_len: int, lengths: Lengths) -> lis
 SHAREGPT_MIN_LEN, SHAREGPT_MAX_PROMPT_LEN, SHAREGPT_MAX_TOTAL_LEN = 4, 1024, 2048  # vLLM's filter
 
 
-def sharegpt_requests(path: Path, num: int, lengths: Lengths, seed: int,
-                      output_len: int | None = None) -> list[BenchRequest]:
+def sharegpt_requests(path: Path, num: int, lengths: Lengths, seed: int, output_len: int | None = None,
+                      shuffle: bool = True) -> list[BenchRequest]:
     """vLLM's ``sharegpt`` dataset: a JSON list of ``{"conversations": [{"value": ...}, ...]}``. In a seeded shuffle
     of the conversations of two turns or more, the first turn is the prompt and the second's length the
     ``max_tokens`` (or ``output_len``); pairs shorter than 4 units, prompts over 1024 or pairs over 2048 are skipped,
@@ -169,7 +169,8 @@ def sharegpt_requests(path: Path, num: int, lengths: Lengths, seed: int,
         return (values[0], values[1]) if all(isinstance(v, str) for v in values) else None
 
     pairs = [pair for pair in map(first_two_turns, data) if pair is not None]
-    random.Random(seed).shuffle(pairs)
+    if shuffle:
+        random.Random(seed).shuffle(pairs)
     out = []
     for prompt, completion in pairs:
         if len(out) == num:
@@ -182,6 +183,21 @@ def sharegpt_requests(path: Path, num: int, lengths: Lengths, seed: int,
         out.append(BenchRequest(prompt, None, prompt_len, max_tokens))
     if not out:
         raise ValueError(f"{path}: no conversation of two turns within the lengths")
+    return out
+
+
+def chat_templated(requests: list[BenchRequest], lengths: Lengths) -> list[BenchRequest]:
+    """vLLM's ``custom`` dataset on the completions endpoint: each text prompt as one user message through the
+    model's chat template (token-id prompts and message lists as they are)."""
+    if lengths.frontend is None:
+        raise ValueError("--dataset custom applies the model's chat template: give --tokenizer, or "
+                         "--skip-chat-template")
+    out = []
+    for r in requests:
+        if isinstance(r.prompt, str):
+            text = lengths.frontend.render_chat([{"role": "user", "content": r.prompt}])
+            r = BenchRequest(text, None, lengths.count(text), r.max_tokens, r.group)
+        out.append(r)
     return out
 
 

@@ -8,6 +8,7 @@ import asyncio
 import json
 import math
 import os
+import random
 import socket
 import sys
 import urllib.parse
@@ -99,11 +100,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="'demo' or a local model folder for token lengths "
                    "(default: --model when it is one; 'none': lengths in words)")
     g = p.add_argument_group("dataset")
-    g.add_argument("--dataset", "--dataset-name", choices=("random", "shared-prefix", "jsonl", "sharegpt"),
+    g.add_argument("--dataset", "--dataset-name", choices=("random", "shared-prefix", "jsonl", "sharegpt", "custom"),
                    default="random")
-    g.add_argument("--dataset-path", type=Path, help="the JSONL or ShareGPT JSON file (--dataset jsonl, sharegpt)")
+    g.add_argument("--dataset-path", type=Path, help="the JSONL or ShareGPT JSON file (jsonl, custom, sharegpt)")
     g.add_argument("--sharegpt-output-len", type=POSITIVE_INT, default=None,
                    help="sharegpt max_tokens (default: each conversation's second turn's length)")
+    g.add_argument("--custom-output-len", type=POSITIVE_INT, default=256, help="custom: the default max_tokens")
+    g.add_argument("--skip-chat-template", action="store_true",
+                   help="custom: send the prompts as they are (default: through the model's chat template)")
+    g.add_argument("--disable-shuffle", action="store_true", help="custom, sharegpt: keep the file's order")
     g.add_argument("--random-input-len", type=_length_range, default="128", help="N or MIN:MAX prompt length")
     g.add_argument("--random-output-len", type=_length_range, default="64", help="N or MIN:MAX max_tokens")
     g.add_argument("--random-range-ratio", type=_ratio, default=None,
@@ -204,7 +209,13 @@ def _requests(args, lengths: datasets.Lengths, seed: int) -> list[datasets.Bench
         raise SystemExit(f"pdpool bench: --dataset {args.dataset} needs --dataset-path")
     elif args.dataset == "sharegpt":
         reqs = datasets.sharegpt_requests(args.dataset_path, args.num_requests or 1000, lengths, seed,
-                                          args.sharegpt_output_len)
+                                          args.sharegpt_output_len, shuffle=not args.disable_shuffle)
+    elif args.dataset == "custom":  # vLLM's: pdpool's JSONL, templated (completions only) and shuffled by default
+        reqs = datasets.jsonl_requests(args.dataset_path, args.custom_output_len, lengths)
+        if not args.skip_chat_template and args.endpoint == "completions":
+            reqs = datasets.chat_templated(reqs, lengths)
+        if not args.disable_shuffle:
+            random.Random(seed).shuffle(reqs)
     else:
         reqs = datasets.jsonl_requests(args.dataset_path, args.output_len, lengths)
     return datasets.take(reqs, args.num_requests or len(reqs))
