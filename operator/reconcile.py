@@ -6,7 +6,10 @@
   JSON merge patch of the desired fields, plus ``null`` for fields the operator set before and no longer wants.
   Fields the operator never sets (defaults the API server fills in, a Deployment's ``replicas`` when an
   autoscaler owns them, a Service's ``clusterIP``) are never in the patch nor compared (``carries``);
-- Secrets are create-only: a generated password is never rotated by a reconcile;
+- Secrets are create-only: a generated password is never rotated by a reconcile. One deleted by hand is created
+  again with a new value, which the running pods do not have (they read it at start): every existing Deployment
+  whose pods read it is restarted (``RESTARTED``), or the router and the nodes, or the nodes and Redis, would hold
+  different tokens from the next pod on;
 - a child that only some specs have (``prunable``: the managed Redis, the router's RBAC) and the current spec no
   longer wants is deleted, once everything wanted is applied, if this pool owns it: a pool moved to an external
   Redis or back to Redis discovery leaves nothing running behind.
@@ -15,6 +18,7 @@
 from __future__ import annotations
 
 import copy
+import datetime
 import re
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -23,6 +27,7 @@ from pdpool.operator.builders.common import SPEC_HASH
 from pdpool.operator.kube import ApiError
 
 CREATE_ONLY = {"Secret"}
+RESTARTED = "pdpool.io/restarted-for"  # pod-template annotation: the Secrets recreated under running pods
 # Optional pod-spec fields the builders may stop setting; a merge patch must null them out explicitly.
 OWNED_OPTIONAL_POD_FIELDS = ("nodeSelector", "tolerations", "volumes", "initContainers", "affinity",
                              "serviceAccountName", "imagePullSecrets")
@@ -108,6 +113,24 @@ def carries(desired, actual, field: str = "") -> bool:
         _amount(desired) == _amount(actual)
 
 
+def secrets_read(obj: dict) -> set[str]:
+    """Names of the Secrets a Deployment's pods read (``secretKeyRef``, ``envFrom``'s ``secretRef``)."""
+    found: set[str] = set()
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if k in ("secretKeyRef", "secretRef") and isinstance(v, dict) and v.get("name"):
+                    found.add(v["name"])
+                walk(v)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item)
+
+    walk(((obj.get("spec") or {}).get("template") or {}).get("spec"))
+    return found
+
+
 def drifted(desired: dict, actual: dict) -> bool:
     """A field the operator sets differs on the cluster: edited by hand (an image, a port, a replica count the
     pool owns) while the hash annotation, which only says what was last applied, stayed."""
@@ -120,6 +143,7 @@ async def apply(kube, desired: list[dict], uid: str, prunable: list[tuple[str, s
     """Bring the children to ``desired``; ``kube`` is a ``pdpool.operator.kube.Kube``. ``prunable``: (kind,
     namespace, name) of the children only some specs have; those not in ``desired`` are deleted when owned."""
     result = Result()
+    recreated: set[str] = set()  # Secrets created in this pass (the builders render them before their readers)
     for obj in desired:
         meta = obj["metadata"]
         actual = await kube.get(obj["kind"], meta["namespace"], meta["name"])
@@ -132,16 +156,24 @@ async def apply(kube, desired: list[dict], uid: str, prunable: list[tuple[str, s
                 result.unchanged.append(key(obj))
                 continue
             result.created.append(key(obj))
+            if obj["kind"] == "Secret":
+                recreated.add(meta["name"])
             continue
         if not is_owned_by(actual, uid):
             owners = [f"{ref.get('kind')} {ref.get('name')}" for ref in actual["metadata"].get("ownerReferences") or []]
             raise ChildConflict(f"{key(obj)} exists and is not owned by this InferencePool (it belongs to "
                                 f"{', '.join(owners) if owners else 'no owner: created outside any pool'})")
         have = (actual["metadata"].get("annotations") or {}).get(SPEC_HASH)
-        if obj["kind"] in CREATE_ONLY or (have == meta["annotations"][SPEC_HASH] and not drifted(obj, actual)):
+        restart = sorted(secrets_read(obj) & recreated) if obj["kind"] == "Deployment" else []
+        if obj["kind"] in CREATE_ONLY or (have == meta["annotations"][SPEC_HASH] and not drifted(obj, actual)
+                                          and not restart):
             result.unchanged.append(key(obj))
             continue
-        await kube.merge_patch(obj["kind"], meta["namespace"], meta["name"], merge_patch(obj, actual))
+        patch = merge_patch(obj, actual)
+        if restart:
+            patch["spec"]["template"]["metadata"].setdefault("annotations", {})[RESTARTED] = \
+                f"{','.join(restart)} recreated at {datetime.datetime.now(datetime.timezone.utc).isoformat()}"
+        await kube.merge_patch(obj["kind"], meta["namespace"], meta["name"], patch)
         result.patched.append(key(obj))
     wanted = {(o["kind"], o["metadata"]["namespace"], o["metadata"]["name"]) for o in desired}
     for kind, namespace, name in prunable:

@@ -80,3 +80,29 @@ def test_two_pools_whose_child_names_meet_are_told_whose_object_it_is(cluster, o
     assert conditions(cluster, "twin").get("Degraded", {}).get("status") == "False"
     for name in ("twin-decode", "twin"):
         cluster.kubectl("delete", POOL, name, "--timeout=20s")
+
+
+def test_a_generated_secret_deleted_by_hand_restarts_the_pods_that_read_it(cluster, operator):
+    """It comes back with a new value; pods read it at start. Before, nothing restarted: the router kept the old
+    internal token and every node pod started after it the new one (or the nodes a Redis password Redis lacked)."""
+    apply(cluster, "keys", {})
+    names = ("keys-prefill", "keys-decode", "keys-router", "keys-redis")
+    generation = lambda: {n: cluster.kubectl.json("get", "deployment", n)["metadata"]["generation"]  # noqa: E731
+                          for n in names}
+    before = wait_until(lambda: generation(), what="the Deployments")
+    wait_until(lambda: cluster.kubectl.json("get", POOL, "keys").get("status", {}).get("observedGeneration") == 1,
+               what="generation 1 applied")
+    token = cluster.kubectl.json("get", "secret", "keys-internal")["data"]["token"]
+    cluster.kubectl("delete", "secret", "keys-internal")
+    wait_until(lambda: cluster.kubectl.json("get", "secret", "keys-internal")["data"]["token"] != token,
+               timeout=10, what="a new internal token")
+    after = wait_until(lambda: (g := generation())["keys-router"] > before["keys-router"] and g, timeout=10,
+                       what="the router restarted")
+    time.sleep(0.5)
+    after = generation()
+    assert [n for n in names if after[n] > before[n]] == ["keys-prefill", "keys-decode", "keys-router"]
+    pod = cluster.kubectl.json("get", "deployment", "keys-decode")["spec"]["template"]
+    assert "keys-internal" in pod["metadata"]["annotations"]["pdpool.io/restarted-for"]
+    time.sleep(1.0)
+    assert generation() == after, "restarted once, not on every tick"
+    cluster.kubectl("delete", POOL, "keys", "--timeout=20s")
