@@ -347,6 +347,8 @@ def test_refused_requests_are_failures_not_latencies(node, tmp_path):
     (["--random-input-len", "0"], "argument --random-input-len: '0' is not N or MIN:MAX"),
     (["--sweep", "1,0"], "--sweep: rate 0 must be > 0"),
     (["--sweep", "1,x"], "--sweep: 'x' is not a rate"),
+    (["--sweep", ","], "--sweep ',' names no rate"),  # ran nothing, wrote an empty result and exited 0
+    (["--sweep", ""], "--sweep '' names no rate"),
     (["--slo-attainment", "2"], "--slo-attainment 2 must be in (0, 1]"),
     (["--out", "/proc/no-such-folder"], "No such file or directory: '/proc/no-such-folder'"),
     (["--url", "127.0.0.1:9"], "--url '127.0.0.1:9' must start with http:// or https://"),

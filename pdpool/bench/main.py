@@ -267,7 +267,9 @@ def run(argv: list[str]) -> int:
         parser.error("--result-filename names one file; a --sweep writes one per rate: leave it out")
     try:
         slo = stats.parse_slo(args.slo) if args.slo else None
-        rates = [_sweep_rate(x) for x in args.sweep.split(",") if x.strip()] if args.sweep else [args.rate]
+        rates = [_sweep_rate(x) for x in args.sweep.split(",") if x.strip()] if args.sweep is not None else [args.rate]
+        if not rates:
+            raise ValueError(f"--sweep {args.sweep!r} names no rate")
         sampling = _sampling(args)
         if not 0 < args.slo_attainment <= 1:
             raise ValueError(f"--slo-attainment {args.slo_attainment:g} must be in (0, 1]")
