@@ -60,6 +60,8 @@ async def _handle(request: web.Request) -> web.StreamResponse:
                                   "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
     if fault == "cut":  # the stream ends cleanly after some text, with no [DONE]
         return await _stream(request, _text_chunks(2), done=False)
+    if fault == "empty":  # an event stream that ends before its first event
+        return await _stream(request, [], done=False)
     if fault == "slow":
         await asyncio.sleep(1.0)
         return await _stream(request, _text_chunks(1))
@@ -107,6 +109,7 @@ def test_a_complete_stream_is_a_success(fault_server):
     ("html", "no event stream in the response (Content-Type text/html)"),
     ("not-streamed", "no event stream in the response (Content-Type application/json)"),
     ("cut", "the stream ended before data: [DONE]"),
+    ("empty", "the stream ended before data: [DONE]"),
 ])
 def test_a_response_that_is_not_a_whole_event_stream_is_a_failure(fault_server, fault, error):
     """A 200 that is no stream, or a stream cut before [DONE], counted as a completed request (with 0 tokens, or

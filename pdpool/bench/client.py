@@ -123,7 +123,8 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict, record: Req
                 if data.get("usage"):
                     usage = data["usage"]
             else:
-                record.error = ("the stream ended before data: [DONE]" if events else
+                streamed = events or resp.content_type == "text/event-stream"
+                record.error = ("the stream ended before data: [DONE]" if streamed else
                                 f"no event stream in the response (Content-Type {resp.content_type})")
                 return record
         record.latency = time.perf_counter() - start
