@@ -21,6 +21,9 @@ from pdpool.operator.kube import ApiError, Kube
 from pdpool.operator.spec import Pool, SpecError, merge_defaults, parse_pool
 
 FINALIZER = "pdpool.io/redis-keys"
+# The API server refused a child as written: invalid (400, 422), or forbidden (403: an admission webhook such as
+# Gatekeeper's or Kyverno's denied it, or the operator's RBAC lacks a verb). Retrying as is cannot help.
+REFUSED = (400, 403, 422)
 RESOURCE = (crd.GROUP, crd.VERSION, crd.PLURAL)
 
 
@@ -123,10 +126,10 @@ def register(registry: kopf.OperatorRegistry, options: Options) -> None:
             kopf.warn(body, reason="ChildConflict", message=str(exc))
             raise kopf.TemporaryError(str(exc), delay=30) from None
         except ApiError as exc:
-            if exc.status not in (400, 422):  # conflicts, throttling, a webhook down: try again soon
+            if exc.status not in REFUSED:  # conflicts, throttling, a webhook down: try again soon
                 raise kopf.TemporaryError(f"API: {exc}", delay=5) from None
-            # the API server refused a child the spec produced (a field only its Go validation checks, or a
-            # preserve-unknown-fields value such as scrapeFrom): the spec must change, say so where users look
+            # the API server refused a child the spec produced (a field only its Go validation checks, a
+            # preserve-unknown-fields value such as scrapeFrom, a policy's webhook): say so where users look
             message = f"the API server refused a child: {exc}"
             _set_status(patch, body, await observe(memo.kube, body, pool, ("ChildRejected", message), generation))
             kopf.warn(body, reason="ChildRejected", message=message)
@@ -162,7 +165,7 @@ def register(registry: kopf.OperatorRegistry, options: Options) -> None:
                 except reconcile.ChildConflict as exc:
                     error = ("ChildConflict", str(exc))
                 except ApiError as exc:
-                    if exc.status not in (400, 422):
+                    if exc.status not in REFUSED:
                         raise
                     error = ("ChildRejected", f"the API server refused a child: {exc}")
         if pool is not None and error is None:
