@@ -44,7 +44,7 @@ def _text_chunks(n: int) -> list[bytes]:
 
 
 async def _handle(request: web.Request) -> web.StreamResponse:
-    fault = request.match_info["fault"]
+    fault = request.match_info.get("fault", "ok")
     body = await request.json()
     if fault == "replay":  # the chunks the client asked for, verbatim, then [DONE] unless told not to
         return await _stream(request, [c.encode() for c in body["chunks"]], done=body.get("done", True))
@@ -75,6 +75,7 @@ def fault_server():
     app = web.Application()
     app.router.add_post("/{fault}/v1/completions", _handle)
     app.router.add_post("/{fault}/v1/chat/completions", _handle)
+    app.router.add_post("/v1/completions", _handle)  # no fault: ok
     runner = web.AppRunner(app)
     loop.run_until_complete(runner.setup())
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -348,3 +349,13 @@ def test_custom_dataset_as_vllm_reads_it(fault_server, tmp_path, demo_model_dir)
     proc = _bench("--url", f"{fault_server}/ok", "--dataset-name", "custom", "--dataset-path", str(path))
     assert proc.returncode == 1 and "--dataset custom applies the model's chat template: give --tokenizer" in \
         proc.stderr, proc.stderr
+
+
+def test_host_and_port_stand_for_the_url_as_in_vllm(fault_server, tmp_path):
+    """vllm bench serve --host H --port P (its way when no --base-url is given) was refused: --url was required."""
+    port = fault_server.rsplit(":", 1)[1]
+    proc = _bench("--host", "127.0.0.1", "--port", port, "--num-prompts", "2", "--random-input-len", "4",
+                  "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["config"]["url"] == fault_server and data["runs"][0]["summary"]["completed"] == 2

@@ -90,7 +90,10 @@ def _length_range(text: str) -> str:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdpool bench", description="Measure an OpenAI-compatible endpoint "
                                 "(`pdpool bench compare A.json B.json ... --out DIR` plots several runs together).")
-    p.add_argument("--url", "--base-url", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--url", "--base-url", default=None,
+                   help="the server's base URL, e.g. http://127.0.0.1:8000 (default: http://--host:--port)")
+    p.add_argument("--host", default="127.0.0.1", help="vLLM's: the server's host, without --url")
+    p.add_argument("--port", type=POSITIVE_INT, default=8000, help="vLLM's: the server's port, without --url")
     p.add_argument("--model", required=True, help="the model name sent in each request")
     p.add_argument("--endpoint", type=_endpoint, choices=sorted(client.ENDPOINTS), default="completions",
                    help="completions or chat (or vLLM's /v1/completions, /v1/chat/completions)")
@@ -259,6 +262,8 @@ async def _run_one(args, reqs, bodies, rate, seed, slo, lengths, desc) -> dict:
 def run(argv: list[str]) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.url is None:  # vLLM's --host and --port, and its defaults
+        args.url = f"http://{args.host}:{args.port}"
     if args.random_range_ratio is not None and ":" in args.random_input_len + args.random_output_len:
         parser.error("--random-range-ratio needs a single --random-input-len and --random-output-len N, not MIN:MAX")
     if args.rate is not None and args.sweep:
