@@ -331,6 +331,8 @@ def test_refused_requests_are_failures_not_latencies(node, tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--endpoint", "chat", "--random-token-ids"], "token-id prompts need the completions endpoint"),
     (["--slo", "ttft"], "--slo"),
+    (["--slo", "ttft=x"], "--slo: 'ttft=x' is not NAME=MS"),  # was 'could not convert string to float: 'x''
+    (["--goodput", "ttft:x"], "--slo: 'ttft=x' is not NAME=MS"),
     (["--extra-body", "[1]"], "--extra-body must be a JSON object"),
     (["--dataset", "jsonl"], "--dataset-path"),
     # each of these raised a traceback (after sending, for --out) or ran something other than asked (0 requests

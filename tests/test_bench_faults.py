@@ -229,7 +229,7 @@ def test_save_result_writes_vllms_keys(fault_server, tmp_path):
     proc = _bench("--base-url", f"{fault_server}/ok", "--num-prompts", "5", "--request-rate", "inf",
                   "--max-concurrency", "2", "--random-input-len", "4", "--save-result", "--result-dir",
                   str(tmp_path / "vllm"), "--percentile-metrics", "ttft,itl,e2el", "--metric-percentiles", "25,99.9",
-                  "--out", str(tmp_path / "out"))
+                  "--goodput", "ttft:60000", "e2el:60000", "--out", str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr
     (path,) = (tmp_path / "vllm").iterdir()
     assert re.fullmatch(r"openai-infqps-concurrency2-m-\d{8}-\d{6}\.json", path.name), path.name
@@ -238,6 +238,8 @@ def test_save_result_writes_vllms_keys(fault_server, tmp_path):
     summary, records = run["summary"], run["records"]
     assert (data["completed"], data["failed"], data["num_prompts"], data["max_concurrency"]) == (5, 0, 5, 2)
     assert (data["request_rate"], data["backend"], data["model_id"]) == ("inf", "openai", "m")
+    assert summary["slo"] == {"ttft": 60000.0, "e2el": 60000.0}  # --goodput, vLLM's spelling of --slo
+    assert data["request_goodput"] == data["request_throughput"] == summary["goodput"]
     for key in ("duration", "request_throughput", "output_throughput", "total_token_throughput"):
         assert data[key] == summary[key if key != "duration" else "duration_s"]
     assert data["output_lens"] == [3] * 5 and data["ttfts"] == [r["ttft"] for r in records]
@@ -259,6 +261,7 @@ def test_save_result_writes_vllms_keys(fault_server, tmp_path):
     (["--metric-percentiles", "50,101"], "argument --metric-percentiles: '50,101': each percentile must be in"),
     (["--metric-percentiles", "x"], "argument --metric-percentiles: 'x' is not a comma-separated list"),
     (["--save-result", "--result-filename", "r.json", "--sweep", "1,2"], "--result-filename names one file"),
+    (["--goodput", "ttft:50", "--slo", "tpot=5"], "--slo and --goodput: give one"),
     # the --rate was dropped without a word: each run of the sweep had its own
     (["--rate", "4", "--sweep", "1,2"], "--rate and --sweep: give one"),
 ])

@@ -141,6 +141,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("report")
     g.add_argument("--slo", default=None, help="SLOs in ms for goodput, e.g. ttft=500,tpot=100[,e2el=...]")
+    g.add_argument("--goodput", nargs="+", metavar="NAME:MS", default=None,
+                   help="vLLM's spelling of --slo: ttft:500 tpot:100 [e2el:...]")
     g.add_argument("--slo-attainment", type=float, default=0.9,
                    help="sweeps: report the highest rate with at least this fraction of requests within the SLOs")
     g.add_argument("--out", type=Path, default=None, help="write bench.json and the PNG plots here")
@@ -266,6 +268,10 @@ def run(argv: list[str]) -> int:
         args.url = f"http://{args.host}:{args.port}"
     if args.random_range_ratio is not None and ":" in args.random_input_len + args.random_output_len:
         parser.error("--random-range-ratio needs a single --random-input-len and --random-output-len N, not MIN:MAX")
+    if args.goodput:
+        if args.slo:
+            parser.error("--slo and --goodput: give one")
+        args.slo = ",".join(item.replace(":", "=", 1) for item in args.goodput)
     if args.rate is not None and args.sweep:
         parser.error("--rate and --sweep: give one (a sweep's rates are its own)")
     if args.result_filename and args.sweep:

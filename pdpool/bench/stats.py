@@ -71,9 +71,12 @@ def parse_slo(text: str) -> dict[str, float]:
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, sep, value = part.partition("=")
         name = name.strip().lower()
-        if not sep or name not in SLO_METRICS:
-            raise ValueError(f"--slo: {part!r} is not NAME=MS with NAME one of {', '.join(SLO_METRICS)}")
-        slo[name] = float(value)
+        try:
+            if not sep or name not in SLO_METRICS:
+                raise ValueError
+            slo[name] = float(value)
+        except ValueError:
+            raise ValueError(f"--slo: {part!r} is not NAME=MS with NAME one of {', '.join(SLO_METRICS)}") from None
         if not slo[name] > 0:
             raise ValueError(f"--slo: {name} must be > 0 ms")
     return slo
