@@ -20,6 +20,7 @@ import pytest
 from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import scaled
 
 from pdpool.bench import client, datasets
 from pdpool.bench.datasets import BenchRequest
@@ -129,7 +130,7 @@ _chunk = st.recursive(_json, lambda inner: st.dictionaries(_keys, inner, max_siz
                       | st.lists(st.dictionaries(_keys, inner, max_size=3), max_size=2), max_leaves=12)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=scaled(150), suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(_chunk.map(json.dumps) | st.sampled_from(["{", "not json", "\u00e9"]), max_size=4), st.booleans())
 def test_any_stream_gives_a_record_never_an_exception(fault_server, chunks, done):
     """A chunk that was JSON but not OpenAI-shaped ('data: [1, 2]', a string delta, usage with null counts)
