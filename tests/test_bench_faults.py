@@ -296,7 +296,8 @@ def test_a_request_timeout_says_so(fault_server):
 
 
 def _conversation(*turns: str) -> dict:
-    return {"id": "x", "conversations": [{"from": who, "value": text} for who, text in zip(["human", "gpt"] * 3, turns)]}
+    speakers = ["human", "gpt"] * 3
+    return {"id": "x", "conversations": [{"from": who, "value": text} for who, text in zip(speakers, turns)]}
 
 
 def test_sharegpt_dataset_as_vllm_samples_it(fault_server, tmp_path):
