@@ -364,3 +364,17 @@ def test_host_and_port_stand_for_the_url_as_in_vllm(fault_server, tmp_path):
     assert proc.returncode == 0, proc.stderr
     data = json.loads((tmp_path / "bench.json").read_text())
     assert data["config"]["url"] == fault_server and data["runs"][0]["summary"]["completed"] == 2
+
+
+def test_percentile_flags_shape_the_table_and_summary_too(fault_server, tmp_path):
+    """--metric-percentiles 95 and --percentile-metrics shaped only the --save-result file: the printed table (what
+    vllm bench serve users read) and bench.json still gave p50, p90, p99 of all four metrics."""
+    proc = _bench("--url", f"{fault_server}/ok", "--num-requests", "3", "--metric-percentiles", "95,99.9",
+                  "--percentile-metrics", "ttft,e2el", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("(ms)"))
+    assert header.split() == ["(ms)", "mean", "p50", "p95", "p99.9"]
+    rows = [w[0] for w in map(str.split, proc.stdout.splitlines()) if w and w[0] in ("TTFT", "TPOT", "ITL", "E2EL")]
+    assert rows == ["TTFT", "E2EL"]
+    summary = json.loads((tmp_path / "bench.json").read_text())["runs"][0]["summary"]
+    assert list(summary["itl_ms"]) == ["mean", "p50", "p95", "p99.9"]  # every metric keeps its distribution

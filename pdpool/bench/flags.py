@@ -146,10 +146,12 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--result-dir", type=Path, default=Path("."), help="default: the current folder")
     g.add_argument("--result-filename", default=None,
                    help="default: {label}-{rate}qps[-concurrency{N}]-{model}-{date}.json")
-    g.add_argument("--percentile-metrics", type=_checked(vllm_result.parse_metrics),
-                   default=vllm_result.DEFAULT_METRICS, help="of ttft, tpot, itl, e2el; default ttft,tpot,itl")
-    g.add_argument("--metric-percentiles", type=_checked(vllm_result.parse_percentiles),
-                   default=vllm_result.DEFAULT_PERCENTILES, help="comma-separated, default 99")
+    g.add_argument("--percentile-metrics", type=_checked(vllm_result.parse_metrics), default=None,
+                   help="of ttft, tpot, itl, e2el: the table's rows (default all) and the result file's "
+                   "(default ttft,tpot,itl)")
+    g.add_argument("--metric-percentiles", type=_checked(vllm_result.parse_percentiles), default=None,
+                   help="comma-separated: the table's and bench.json's, with p50 (default 50,90,99), and the "
+                   "result file's (default 99)")
     return p
 
 

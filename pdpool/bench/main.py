@@ -115,7 +115,8 @@ async def _run_one(args, reqs, bodies, rate, seed, slo, lengths, desc) -> dict:
         records, duration = await load.run_load(len(reqs), send, new_record, rate=rate, concurrency=args.concurrency,
                                                 time_limit=args.time_limit or math.inf, seed=seed,
                                                 burstiness=args.burstiness, progress=not args.no_progress, desc=desc)
-    summary = stats.summarize(records, duration, slo, num_requests=len(reqs))
+    percentiles = sorted({50.0, *args.metric_percentiles}) if args.metric_percentiles else stats.PERCENTILES
+    summary = stats.summarize(records, duration, slo, num_requests=len(reqs), percentiles=percentiles)
     return {"rate": rate, "concurrency": args.concurrency, "summary": summary, "records": records}
 
 
@@ -156,7 +157,7 @@ def run(argv: list[str]) -> int:
     if args.sweep:
         sweep = {"rates": rates, "slo_attainment_target": args.slo_attainment,
                  "max_rate_meeting_slo": stats.max_rate_meeting_attainment(runs, args.slo_attainment) if slo else None}
-    print(report.table(label, runs))
+    print(report.table(label, runs, args.percentile_metrics or stats.METRICS))
     for line in report.failures(runs, args.time_limit):  # without --out the table never said why requests failed
         print(f"pdpool bench: {line}", file=sys.stderr)
     if sweep and slo:
@@ -166,7 +167,8 @@ def run(argv: list[str]) -> int:
         for r in runs:
             data = vllm_result.result(r, backend=backend, label=args.label or backend, model=args.model,
                                       tokenizer=args.tokenizer, burstiness=args.burstiness,
-                                      metrics=args.percentile_metrics, percentiles=args.metric_percentiles)
+                                      metrics=args.percentile_metrics or vllm_result.DEFAULT_METRICS,
+                                      percentiles=args.metric_percentiles or vllm_result.DEFAULT_PERCENTILES)
             print(f"wrote {vllm_result.write(data, args.result_dir, args.result_filename)}")
     if args.out:
         config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "api_key"}

@@ -7,7 +7,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from pdpool.bench.stats import RequestRecord
+from pdpool.bench.stats import METRICS, RequestRecord
 
 VERSION = 1
 RESULT_FILE = "bench.json"
@@ -51,8 +51,9 @@ def _ms(value) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-def table(label: str, runs: list[dict]) -> str:
-    """One block per run: counts, throughput, cache hits, goodput, then the latency distributions."""
+def table(label: str, runs: list[dict], metrics=METRICS) -> str:
+    """One block per run: counts, throughput, cache hits, goodput, then the latency distributions of ``metrics``
+    (mean and the percentiles the summary holds)."""
     lines = []
     for run in runs:
         s = run["summary"]
@@ -77,10 +78,11 @@ def table(label: str, runs: list[dict]) -> str:
             rows.append(("SLO attainment", f"{s['slo_attainment']:.3f}"))
         width = max(len(name) for name, _ in rows)
         lines += [f"{name:<{width}}  {value}" for name, value in rows]
-        lines.append(f"{'(ms)':<6}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
-        for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2EL")):
-            d = s[key]
-            lines.append(f"{name:<6}{_ms(d['mean']):>10}{_ms(d['p50']):>10}{_ms(d['p90']):>10}{_ms(d['p99']):>10}")
+        columns = list(s["ttft_ms"])  # mean, then the percentiles
+        lines.append(f"{'(ms)':<6}" + "".join(f"{c:>10}" for c in columns))
+        for metric in metrics:
+            d = s[f"{metric}_ms"]
+            lines.append(f"{metric.upper():<6}" + "".join(f"{_ms(d.get(c)):>10}" for c in columns))
     return "\n".join(lines)
 
 

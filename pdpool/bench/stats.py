@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 PERCENTILES = (50, 90, 99)
+METRICS = ("ttft", "tpot", "itl", "e2el")  # the keys of metric_values, in the table's order
 SLO_METRICS = ("ttft", "tpot", "e2el")
 
 
@@ -48,12 +49,18 @@ class RequestRecord:
         return (self.latency - self.ttft) / (self.completion_tokens - 1)
 
 
-def distribution(values_s: list[float]) -> dict:
-    """mean, p50, p90, p99 of ``values_s`` (seconds) in milliseconds; None for each when there is no value."""
+def percentile_key(p: float) -> str:
+    """``p50``, ``p99``, ``p99.9``: vLLM's names."""
+    return f"p{int(p)}" if p == int(p) else f"p{p}"
+
+
+def distribution(values_s: list[float], percentiles=PERCENTILES) -> dict:
+    """mean and ``percentiles`` (default p50, p90, p99) of ``values_s`` (seconds) in milliseconds; None for each when
+    there is no value."""
     if not values_s:
-        return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
+        return {"mean": None, **{percentile_key(p): None for p in percentiles}}
     ms = np.asarray(values_s, dtype=float) * 1000.0
-    return {"mean": float(ms.mean()), **{f"p{p}": float(np.percentile(ms, p)) for p in PERCENTILES}}
+    return {"mean": float(ms.mean()), **{percentile_key(p): float(np.percentile(ms, p)) for p in percentiles}}
 
 
 def metric_values(records: list[RequestRecord]) -> dict[str, list[float]]:
@@ -96,9 +103,9 @@ def meets_slo(record: RequestRecord, slo: dict[str, float]) -> bool:
 
 
 def summarize(records: list[RequestRecord], duration_s: float, slo: dict[str, float] | None = None,
-              num_requests: int | None = None) -> dict:
+              num_requests: int | None = None, percentiles=PERCENTILES) -> dict:
     """``num_requests``: the requests the run was to send; those without a record (the time limit came first) are
-    ``not_sent``."""
+    ``not_sent``. ``percentiles``: those of each latency distribution."""
     done = [r for r in records if r.ok]
     input_tokens = sum(r.prompt_tokens for r in done)
     output_tokens = sum(r.completion_tokens for r in done)
@@ -117,7 +124,7 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: dict[str, fl
         "request_throughput": per_s(len(done)),
         "output_throughput": per_s(output_tokens),
         "total_token_throughput": per_s(input_tokens + output_tokens),
-        **{f"{name}_ms": distribution(values) for name, values in metric_values(records).items()},
+        **{f"{name}_ms": distribution(values, percentiles) for name, values in metric_values(records).items()},
         "slo": slo or None,
         "goodput": None,
         "slo_attainment": None,

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pdpool.bench.stats import RequestRecord, metric_values
+from pdpool.bench.stats import METRICS, RequestRecord, metric_values, percentile_key
 
-METRICS = ("ttft", "tpot", "itl", "e2el")
 DEFAULT_METRICS = ("ttft", "tpot", "itl")  # vLLM's defaults
 DEFAULT_PERCENTILES = (99.0,)
 
@@ -38,10 +37,6 @@ def parse_percentiles(text: str) -> tuple[float, ...]:
     if not values or not all(0 <= p <= 100 for p in values):
         raise ValueError(f"{text!r}: each percentile must be in [0, 100]")
     return values
-
-
-def _percentile_name(p: float) -> str:
-    return str(int(p)) if p == int(p) else str(p)
 
 
 def result(run: dict, *, backend: str, label: str, model: str, tokenizer: str | None, burstiness: float,
@@ -82,7 +77,7 @@ def result(run: dict, *, backend: str, label: str, model: str, tokenizer: str | 
         out[f"median_{name}_ms"] = float(np.median(ms))
         out[f"std_{name}_ms"] = float(ms.std())
         for p in percentiles:
-            out[f"p{_percentile_name(p)}_{name}_ms"] = float(np.percentile(ms, p))
+            out[f"{percentile_key(p)}_{name}_ms"] = float(np.percentile(ms, p))
     return out
 
 
