@@ -378,3 +378,22 @@ def test_percentile_flags_shape_the_table_and_summary_too(fault_server, tmp_path
     assert rows == ["TTFT", "E2EL"]
     summary = json.loads((tmp_path / "bench.json").read_text())["runs"][0]["summary"]
     assert list(summary["itl_ms"]) == ["mean", "p50", "p95", "p99.9"]  # every metric keeps its distribution
+
+
+@settings(max_examples=scaled(200), suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.dictionaries(st.sampled_from(["prompt", "messages", "max_tokens", "other"]), _json, min_size=1, max_size=3))
+def test_any_jsonl_line_gives_requests_or_an_error_naming_its_line(tmp_path_factory, item):
+    """A JSONL line with a wrong type ('"max_tokens": null', '"prompt": 5', '"messages": 5') raised a TypeError or
+    AttributeError out of the dataset reader: a traceback instead of 'FILE:LINE: ...'."""
+    path = tmp_path_factory.mktemp("jsonl") / "d.jsonl"
+    path.write_text('{"prompt": "fine"}\n' + json.dumps(item) + "\n")
+    try:
+        reqs = datasets.jsonl_requests(path, 5, datasets.Lengths())
+    except ValueError as exc:
+        assert str(exc).startswith(f"{path}:2: "), exc
+    else:
+        assert len(reqs) == 2
+        for r in reqs:
+            assert isinstance(r.max_tokens, int) and r.max_tokens >= 1 and isinstance(r.prompt_len, int)
+            assert isinstance(r.prompt, str) or r.messages is not None or (
+                isinstance(r.prompt, list) and all(isinstance(t, int) for t in r.prompt))

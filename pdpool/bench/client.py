@@ -8,7 +8,7 @@ import time
 
 import aiohttp
 
-from pdpool.bench.datasets import BenchRequest
+from pdpool.bench.datasets import BenchRequest, is_int
 from pdpool.bench.stats import RequestRecord
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -65,7 +65,7 @@ def _token_count(counts: dict, key: str) -> int | None:
     value = counts.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if not is_int(value) or value < 0:
         raise ValueError(f"usage.{key} is not a count: {value!r}")
     return value
 

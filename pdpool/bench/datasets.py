@@ -117,6 +117,11 @@ def shared_prefix_requests(num_groups: int, prompts_per_group: int, system_promp
     return out
 
 
+def is_int(value) -> bool:
+    """A JSON integer (``true`` is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def jsonl_requests(path: Path, default_output_len: int, lengths: Lengths) -> list[BenchRequest]:
     """One JSON object a line: ``{"prompt": text | [ids]}`` or ``{"messages": [...]}``, optionally with
     ``"max_tokens"`` (else ``default_output_len``). Blank lines are skipped."""
@@ -131,14 +136,23 @@ def jsonl_requests(path: Path, default_output_len: int, lengths: Lengths) -> lis
                 raise ValueError(f"{path}:{number}: not JSON: {exc}") from None
             if not isinstance(item, dict) or ("prompt" in item) == ("messages" in item):
                 raise ValueError(f"{path}:{number}: need an object with exactly one of 'prompt' and 'messages'")
-            max_tokens = int(item.get("max_tokens", default_output_len))
+            max_tokens = item.get("max_tokens", default_output_len)
+            if not is_int(max_tokens) or max_tokens < 1:
+                raise ValueError(f"{path}:{number}: max_tokens must be an integer >= 1, not {max_tokens!r}")
             if "messages" in item:
                 messages = item["messages"]
-                text = " ".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
+                if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+                    raise ValueError(f"{path}:{number}: messages must be a non-empty list of objects")
+                text = " ".join(str(m.get("content", "")) for m in messages)
                 out.append(BenchRequest(None, messages, lengths.count(text), max_tokens))
             else:
                 prompt = item["prompt"]
-                n = len(prompt) if isinstance(prompt, list) else lengths.count(prompt)
+                if isinstance(prompt, list) and prompt and all(map(is_int, prompt)):
+                    n = len(prompt)
+                elif isinstance(prompt, str):
+                    n = lengths.count(prompt)
+                else:
+                    raise ValueError(f"{path}:{number}: prompt must be a string or a non-empty list of token ids")
                 out.append(BenchRequest(prompt, None, n, max_tokens))
     if not out:
         raise ValueError(f"{path}: no requests")
