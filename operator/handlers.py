@@ -124,7 +124,7 @@ def register(registry: kopf.OperatorRegistry, options: Options) -> None:
         except reconcile.ChildConflict as exc:
             _set_status(patch, body, await observe(memo.kube, body, pool, ("ChildConflict", str(exc)), generation))
             kopf.warn(body, reason="ChildConflict", message=str(exc))
-            raise kopf.TemporaryError(str(exc), delay=30) from None
+            return  # the status timer applies again every tick (kopf's retries only repeated the Warning)
         except ApiError as exc:
             if exc.status not in REFUSED:  # conflicts, throttling, a webhook down: try again soon
                 raise kopf.TemporaryError(f"API: {exc}", delay=5) from None
@@ -133,15 +133,15 @@ def register(registry: kopf.OperatorRegistry, options: Options) -> None:
             message = f"the API server refused a child: {exc}"
             _set_status(patch, body, await observe(memo.kube, body, pool, ("ChildRejected", message), generation))
             kopf.warn(body, reason="ChildRejected", message=message)
-            raise kopf.TemporaryError(message, delay=10) from None
+            return  # as for a conflict: the timer retries, this generation's Warning is posted once
         if result.writes:
             logger.info(f"created {result.created}, patched {result.patched}, deleted {result.deleted}")
             announce(body, result)
         waiting = await missing_secrets(memo.kube, pool)
         error = ("SecretMissing", waiting) if waiting else None
         _set_status(patch, body, await observe(memo.kube, body, pool, error, generation))
-        if waiting:  # pods cannot start without it; look again soon (the timer clears the status once it exists)
-            raise kopf.TemporaryError(waiting, delay=10)
+        if waiting:  # pods cannot start without it (the timer clears the status once it exists)
+            kopf.warn(body, reason="SecretMissing", message=waiting)
 
     @kopf.timer(*RESOURCE, interval=options.status_interval, registry=registry)
     async def refresh_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger, **_) -> None:

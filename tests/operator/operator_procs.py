@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import socket
@@ -31,6 +32,12 @@ def wait_until(predicate, timeout: float = 20.0, interval: float = 0.1, what: st
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+def posted_within(events: list[dict]) -> float:
+    """Seconds between the first and the last of these Events (once, or again on every retry?)."""
+    times = [datetime.datetime.fromisoformat(e["eventTime"]) for e in events]
+    return (max(times) - min(times)).total_seconds()
 
 
 class OperatorProcess:

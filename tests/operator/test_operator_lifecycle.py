@@ -9,7 +9,7 @@ import time
 import pytest
 import redis
 
-from operator_procs import OperatorProcess, wait_until
+from operator_procs import OperatorProcess, posted_within, wait_until
 from operator_examples import ROOT
 from pdpool.kv_index.keys import key_prefix
 
@@ -58,7 +58,7 @@ def test_deleting_a_pool_whose_redis_password_secret_is_gone_does_not_hang(clust
         cluster.kubectl("delete", POOL, "ext", "--timeout=60s")
         took = time.monotonic() - started
         assert took < 8, f"deletion took {took:.1f}s"
-        (left,) = wait_until(lambda: events(cluster, "ext", "RedisKeysLeft"), what="a RedisKeysLeft event")
+        (left, *_) = wait_until(lambda: events(cluster, "ext", "RedisKeysLeft"), what="a RedisKeysLeft event")
         assert "ext-redis" in left["message"], left["message"]
     finally:
         redis.Redis(port=redis_server.port, password="pw-1").config_set("requirepass", "")
@@ -106,3 +106,21 @@ def test_a_generated_secret_deleted_by_hand_restarts_the_pods_that_read_it(clust
     time.sleep(1.0)
     assert generation() == after, "restarted once, not on every tick"
     cluster.kubectl("delete", POOL, "keys", "--timeout=20s")
+
+
+
+def test_a_pool_waiting_on_a_secret_says_so_once_in_its_events(cluster, operator):
+    """kubectl describe shows why the pool waits, once: the status timer notices when the Secret appears."""
+    apply(cluster, "waits", {"router": {"apiKeySecretRef": {"name": "waits-key"}}})
+    wait_until(lambda: conditions(cluster, "waits").get("Degraded", {}).get("reason") == "SecretMissing",
+               what="SecretMissing")
+    time.sleep(11)  # past the change handler's old retry delay (10 s)
+    (warning, *_) = warnings = events(cluster, "waits", "SecretMissing")
+    assert warning["type"] == "Warning" and "waits-key (key api-key)" in warning["message"], warning
+    assert posted_within(warnings) < 5, warnings  # once (kopf may post an Event twice on a slow answer)
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "Secret",
+                                                          "metadata": {"name": "waits-key"},
+                                                          "stringData": {"api-key": "k"}}))
+    wait_until(lambda: conditions(cluster, "waits").get("Degraded", {}).get("status") == "False", timeout=10,
+               what="the Secret found")
+    cluster.kubectl("delete", POOL, "waits", "--timeout=20s")
