@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 
+_FIELDS = (b"data:", b"event:", b"id:", b"retry:", b":")   # an SSE event's lines start so
 _NULL_USAGE = (b', "usage": null', b',"usage":null')
 _RESPONSE_ENDS = (b"response.completed", b"response.incomplete", b"response.failed", b"error", b"message_stop")
 
@@ -80,9 +81,11 @@ class SSERelay:
             self.usage = response["usage"]
 
     def tail(self) -> bytes:
-        """What is left at the end (an incomplete event: passed on as is)."""
+        """What is left at the end: an incomplete event is dropped (a client cannot parse half an event, and
+        would stop there, before the error event that follows); bytes that are no event (a body that is no SSE)
+        pass on as is."""
         rest, self._pending = self._pending, b""
-        return rest
+        return b"" if rest.startswith(_FIELDS) else rest
 
 
 def _data(data: bytes):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, event, given, settings, strategies as st
+from hypothesis import HealthCheck, event, example, given, settings, strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "disagg"))
 from cluster import assert_no_leaks, completion_body, running_nodes, token_ids, wait_for  # noqa: E402
@@ -157,6 +157,7 @@ def sse_events(raw: bytes) -> list[str]:
 @settings(max_examples=scaled(6), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(leg=st.sampled_from(["prefill", "decode"]), kind=st.sampled_from(["truncate", "reset", "garbage"]),
        after=st.integers(1, 1200), stream=st.booleans())
+@example(leg="decode", kind="truncate", after=500, stream=True)   # mid-event, after the stream started
 def test_a_node_answer_cut_reset_or_garbled_on_the_way(cluster, proxied, leg, kind, after, stream):
     """At least one byte of the answer gets through: a connection closed before any makes the router's client send
     the request once more on a new one (it takes that for a node closing an idle keep-alive connection as the
@@ -209,6 +210,9 @@ def check_outcome(r: httpx.Response, want: dict, stream: bool) -> str:
         return f"error {r.status_code}"
     assert r.status_code == 200, r.text
     events = sse_events(r.content)
+    assert r.content.endswith(b"\n\n"), r.content[-300:]
+    for e in events[:-1]:   # a client parses every event: half of one would end its stream before the error
+        json.loads(e)
     if events[-1] == "[DONE]":
         assert "".join(c["text"] for e in events[:-1] for c in json.loads(e)["choices"]) == want["choices"][0]["text"]
         return "answered"
@@ -239,3 +243,4 @@ def test_a_node_paused_at_any_moment_never_hangs_the_request(cluster, impatient,
     event(f"{victim} paused: {check_outcome(r, want, stream)}")
     assert elapsed < PREFILL_TIMEOUT + 3 * REQUEST_TIMEOUT + 5, elapsed   # max_retries 2: three decode legs at most
     settled(cluster, impatient, expired)
+
