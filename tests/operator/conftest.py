@@ -49,3 +49,16 @@ def redis_server(tmp_path_factory):
     server = RedisServer(tmp_path_factory.mktemp("redis"))
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def plain_operator(cluster, tmp_path_factory, request):
+    """One ``pdpool operator`` with the default flags on the module's cluster, the CRD applied."""
+    from operator_examples import ROOT
+    from operator_procs import OperatorProcess
+
+    cluster.kubectl("apply", "-f", str(ROOT / "operator" / "crd.yaml"))
+    proc = OperatorProcess(cluster.kubeconfig, tmp_path_factory.mktemp("operator"),
+                           f"op-{request.module.__name__.rsplit('_', 1)[-1]}")
+    yield proc
+    proc.stop()

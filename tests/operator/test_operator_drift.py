@@ -18,8 +18,8 @@ from hypothesis import given
 
 from k8s_emulator import defaults
 from k8s_emulator.resources import Registry
-from operator_examples import NAMES, ROOT, example_body
-from operator_procs import OperatorProcess, wait_until
+from operator_examples import NAMES, example_body
+from operator_procs import wait_until
 from pdpool.operator import builders
 from pdpool.operator.reconcile import carries, drifted
 from pdpool.operator.spec import parse_pool
@@ -65,14 +65,6 @@ def test_a_quantity_changed_by_hand_and_values_outside_resources_are_compared_ex
     assert not carries({"readOnly": True}, {})
 
 
-@pytest.fixture(scope="module")
-def operator(cluster, tmp_path_factory):
-    cluster.kubectl("apply", "-f", str(ROOT / "operator" / "crd.yaml"))
-    proc = OperatorProcess(cluster.kubeconfig, tmp_path_factory.mktemp("operator"), "op-drift")
-    yield proc
-    proc.stop()
-
-
 def get(cluster, kind: str, name: str) -> dict:
     return cluster.kubectl.json("get", kind, name)
 
@@ -81,7 +73,7 @@ def operator_child_writes(cluster) -> set[tuple[str, str]]:
     return {(w["resource"], w["name"]) for w in cluster.writes() if w.get("resource") in CHILD_KINDS}
 
 
-def test_hand_edits_are_undone_and_only_the_edited_child_is_written(cluster, operator, tmp_path):
+def test_hand_edits_are_undone_and_only_the_edited_child_is_written(cluster, plain_operator, tmp_path):
     body = {"apiVersion": "pdpool.io/v1alpha1", "kind": "InferencePool", "metadata": {"name": "drift"},
             "spec": {"decode": {"replicas": 1, "resources": RESOURCES}}}
     path = tmp_path / "drift.yaml"

@@ -6,22 +6,12 @@ from __future__ import annotations
 import json
 import time
 
-import pytest
 import redis
 
-from operator_procs import OperatorProcess, posted_within, wait_until
-from operator_examples import ROOT
+from operator_procs import posted_within, wait_until
 from pdpool.kv_index.keys import key_prefix
 
 POOL = "inferencepools.pdpool.io"
-
-
-@pytest.fixture(scope="module")
-def operator(cluster, tmp_path_factory):
-    cluster.kubectl("apply", "-f", str(ROOT / "operator" / "crd.yaml"))
-    proc = OperatorProcess(cluster.kubeconfig, tmp_path_factory.mktemp("operator"), "op-lifecycle")
-    yield proc
-    proc.stop()
 
 
 def apply(cluster, name: str, spec: dict) -> None:
@@ -39,7 +29,7 @@ def events(cluster, name: str, reason: str) -> list[dict]:
             if e["involvedObject"].get("name") == name and e["reason"] == reason]
 
 
-def test_deleting_a_pool_whose_redis_password_secret_is_gone_does_not_hang(cluster, operator, redis_server):
+def test_deleting_a_pool_whose_redis_password_secret_is_gone_does_not_hang(cluster, plain_operator, redis_server):
     """``kubectl delete -f`` of a file holding the password Secret before the pool: the finalizer cannot log in to
     Redis, and no retry will change that. Before, it retried for 31 s (kubectl delete waited) and then gave up."""
     secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "ext-redis"},
@@ -64,7 +54,7 @@ def test_deleting_a_pool_whose_redis_password_secret_is_gone_does_not_hang(clust
         redis.Redis(port=redis_server.port, password="pw-1").config_set("requirepass", "")
 
 
-def test_two_pools_whose_child_names_meet_are_told_whose_object_it_is(cluster, operator):
+def test_two_pools_whose_child_names_meet_are_told_whose_object_it_is(cluster, plain_operator):
     """Pool ``twin`` has the Service twin-decode (its decode nodes); pool ``twin-decode`` wants it as its router's
     Service. The second pool is Degraded naming the owner; the first is untouched."""
     apply(cluster, "twin", {})
@@ -82,7 +72,7 @@ def test_two_pools_whose_child_names_meet_are_told_whose_object_it_is(cluster, o
         cluster.kubectl("delete", POOL, name, "--timeout=20s")
 
 
-def test_a_generated_secret_deleted_by_hand_restarts_the_pods_that_read_it(cluster, operator):
+def test_a_generated_secret_deleted_by_hand_restarts_the_pods_that_read_it(cluster, plain_operator):
     """It comes back with a new value; pods read it at start. Before, nothing restarted: the router kept the old
     internal token and every node pod started after it the new one (or the nodes a Redis password Redis lacked)."""
     apply(cluster, "keys", {})
@@ -109,7 +99,7 @@ def test_a_generated_secret_deleted_by_hand_restarts_the_pods_that_read_it(clust
 
 
 
-def test_a_pool_waiting_on_a_secret_says_so_once_in_its_events(cluster, operator):
+def test_a_pool_waiting_on_a_secret_says_so_once_in_its_events(cluster, plain_operator):
     """kubectl describe shows why the pool waits, once: the status timer notices when the Secret appears."""
     apply(cluster, "waits", {"router": {"apiKeySecretRef": {"name": "waits-key"}}})
     wait_until(lambda: conditions(cluster, "waits").get("Degraded", {}).get("reason") == "SecretMissing",
