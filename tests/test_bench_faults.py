@@ -63,6 +63,10 @@ async def _handle(request: web.Request) -> web.StreamResponse:
         return await _stream(request, _text_chunks(2), done=False)
     if fault == "empty":  # an event stream that ends before its first event
         return await _stream(request, [], done=False)
+    if fault == "bad-gateway":  # an error page that is not UTF-8
+        return web.Response(status=502, body=b"\xff\xfe gateway down", content_type="text/plain")
+    if fault == "partial-usage":  # usage without completion_tokens: the text is counted
+        return await _stream(request, _text_chunks(2) + [b'{"choices": [], "usage": {"prompt_tokens": 7}}'])
     if fault == "slow":
         await asyncio.sleep(1.0)
         return await _stream(request, _text_chunks(1))
@@ -397,3 +401,16 @@ def test_any_jsonl_line_gives_requests_or_an_error_naming_its_line(tmp_path_fact
             assert isinstance(r.max_tokens, int) and r.max_tokens >= 1 and isinstance(r.prompt_len, int)
             assert isinstance(r.prompt, str) or r.messages is not None or (
                 isinstance(r.prompt, list) and all(isinstance(t, int) for t in r.prompt))
+
+
+def test_an_error_page_that_is_not_utf8_keeps_its_status(fault_server):
+    """aiohttp's text() raised UnicodeDecodeError on it: the record said 'UnicodeDecodeError: ...', not the 502."""
+    record = _send(f"{fault_server}/bad-gateway")
+    assert not record.ok and record.error.startswith("HTTP 502: ") and "gateway down" in record.error
+
+
+def test_usage_without_completion_tokens_is_counted_locally(fault_server):
+    """A usage object without completion_tokens failed the request ('usage has no completion_tokens'), though its
+    text had all come: now its prompt_tokens are taken and its output counted as a usage-less stream's."""
+    record = _send(f"{fault_server}/partial-usage")
+    assert record.ok and (record.prompt_tokens, record.completion_tokens, record.usage_reported) == (7, 2, False)

@@ -70,16 +70,18 @@ def _token_count(counts: dict, key: str) -> int | None:
     return value
 
 
-def _read_usage(record: RequestRecord, usage) -> None:
+def _read_usage(record: RequestRecord, usage) -> bool:
+    """Fill the record's counts from ``usage``; False when it has no ``completion_tokens`` (counted locally then)."""
     if not isinstance(usage, dict) or not isinstance(usage.get("prompt_tokens_details") or {}, dict):
         raise ValueError(f"usage is not an object of counts: {json.dumps(usage)[:200]}")
     prompt, completion = _token_count(usage, "prompt_tokens"), _token_count(usage, "completion_tokens")
-    if completion is None:
-        raise ValueError("usage has no completion_tokens")
-    record.usage_reported = True
     record.prompt_tokens = record.prompt_tokens if prompt is None else prompt
+    if completion is None:
+        return False
+    record.usage_reported = True
     record.completion_tokens = completion
     record.cached_tokens = _token_count(usage.get("prompt_tokens_details") or {}, "cached_tokens") or 0
+    return True
 
 
 async def send(session: aiohttp.ClientSession, url: str, body: dict, record: RequestRecord,
@@ -95,7 +97,7 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict, record: Req
     try:
         async with session.post(url, json=body, headers=headers) as resp:
             if resp.status != 200:
-                record.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                record.error = f"HTTP {resp.status}: {(await resp.text(errors='replace'))[:300]}"
                 return record
             async for raw in resp.content:
                 line = raw.strip()
@@ -128,8 +130,7 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict, record: Req
                                 f"no event stream in the response (Content-Type {resp.content_type})")
                 return record
         record.latency = time.perf_counter() - start
-        if usage is not None:
-            _read_usage(record, usage)
+        counted = usage is not None and _read_usage(record, usage)
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:  # ValueError: JSON, shape, line size
         detail = str(exc)
         if not detail and isinstance(exc, asyncio.TimeoutError) and session.timeout.total is not None:
@@ -137,7 +138,7 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict, record: Req
         record.error = f"{type(exc).__name__}: {detail}"[:300]
         record.latency = None
         return record
-    if usage is None:
+    if not counted:
         text = "".join(text_parts)
         record.completion_tokens = count_tokens(text) if count_tokens else len(text_parts)
     return record
