@@ -27,6 +27,7 @@ from pdpool.router.sse import SSERelay
 from pdpool.router.upstream import TRANSPORT_ERRORS, ClientErrorReply, UpstreamError, classify_status
 from pdpool.server import anthropic_messages
 from pdpool.server.errors import APIError
+from pdpool.server.stream_events import sse_frame
 
 logger = logging.getLogger("pdpool.router")
 
@@ -288,10 +289,13 @@ class RequestPath:
             err = APIError(f"upstream node failed mid-stream: {error}", status=502, type="internal_server_error",
                            code="upstream_stream_broken")
             if rr.path == anthropic_messages.PATH:   # Anthropic's error event
-                event = b"event: error\ndata: " + json.dumps(err.anthropic_body()).encode()
+                event = b"event: error\ndata: " + json.dumps(err.anthropic_body()).encode() + b"\n\n"
+            elif rr.path.endswith("/responses"):     # the Responses API's, numbered on from the node's events
+                event = sse_frame({"type": "error", "sequence_number": relay.num_events, "code": err.code,
+                                   "message": err.message, "param": None})
             else:
-                event = b"data: " + json.dumps(err.body()).encode()
-            await exchange.write((b"\n\n" if tail else b"") + event + b"\n\n")
+                event = b"data: " + json.dumps(err.body()).encode() + b"\n\n"
+            await exchange.write((b"\n\n" if tail else b"") + event)
         self._count_hits("decode", rr, plan, d, _cached_tokens({"usage": relay.usage}))
         await exchange.end_stream()
 

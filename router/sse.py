@@ -24,6 +24,7 @@ class SSERelay:
         self._pending = b""
         self.usage: dict | None = None
         self.done = False
+        self.num_events = 0              # named events relayed (a Responses stream's next sequence_number)
         self.at_boundary = True          # the client has received whole events only
 
     def feed(self, chunk: bytes) -> bytes:
@@ -43,6 +44,7 @@ class SSERelay:
 
     def _event(self, event: bytes) -> bytes:
         if event.startswith(b"event: "):
+            self.num_events += 1
             self._response_event(event)
             return event + b"\n\n"
         payload = event[6:] if event.startswith(b"data: ") else None

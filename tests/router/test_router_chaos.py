@@ -244,3 +244,46 @@ def test_a_node_paused_at_any_moment_never_hangs_the_request(cluster, impatient,
     assert elapsed < PREFILL_TIMEOUT + 3 * REQUEST_TIMEOUT + 5, elapsed   # max_retries 2: three decode legs at most
     settled(cluster, impatient, expired)
 
+
+
+def sse_frames(raw: bytes) -> list[tuple[str | None, dict | str]]:
+    """(event name, parsed data) of each event; "[DONE]" as is."""
+    frames = []
+    for block in raw.decode().split("\n\n"):
+        name = data = None
+        for line in block.splitlines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                data = line[6:] if line[6:] == "[DONE]" else json.loads(line[6:])
+        if data is not None:
+            frames.append((name, data))
+    return frames
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/responses", {"input": "Tell me a story about a lighthouse.", "max_output_tokens": 24}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 24}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 24}),
+])
+def test_a_stream_broken_mid_way_ends_with_its_apis_error_event(cluster, proxied, path, body):
+    """The router's final error event has the shape a node's own has on that API: a Responses stream's ``error``
+    event (type, code, message, param, the next sequence_number), an Anthropic ``error`` event, a chat chunk's
+    ``{"error": ...}``."""
+    router, faults = proxied
+    expired = expiries(cluster)
+    faults["decode"].arm("truncate", 900)
+    r = httpx.post(router.url + path, json={"model": "demo", "stream": True, "temperature": 0, **body}, timeout=60)
+    faults["decode"].disarm()
+    assert r.status_code == 200, r.text
+    frames = sse_frames(r.content)
+    name, error = frames[-1]
+    if path == "/v1/responses":
+        assert name == "error" and error["type"] == "error" and error["code"] == "upstream_stream_broken", error
+        assert error["message"] and "param" in error
+        assert [data["sequence_number"] for _, data in frames] == list(range(len(frames))), frames
+    elif path == "/v1/messages":
+        assert name == "error" and error["type"] == "error" and error["error"]["type"] == "api_error", error
+    else:
+        assert name is None and error["error"]["code"] == "upstream_stream_broken", error
+    settled(cluster, router, expired)
