@@ -272,7 +272,9 @@ class AsyncLLM:
         assert self._work is not None
         pending: asyncio.Future | None = None
         idle = False
-        while True:
+        # shutdown cancels this task, and also ends it here: asyncio.wait_for before Python 3.12 swallows a cancel that
+        # comes in the turn where the wait for work ends (a wake or an add at the same time)
+        while not self._closed:
             if pending is None:
                 if not self.engine.has_unfinished_requests():
                     self._work.clear()

@@ -57,3 +57,19 @@ def test_abort_from_another_task_ends_the_stream_with_an_abort_output(llm, num_r
     assert len(streamed) >= num_read
     assert engine.kv_cache_manager.num_free_blocks == free_before
     assert not engine.has_unfinished_requests()
+
+
+def test_shutdown_ends_the_loop_when_a_wake_comes_with_it(llm):
+    """The loop's cancel can be lost when its wait for work ends in the same turn (asyncio.wait_for before Python
+    3.12 then returns the result); shutdown still ends the loop instead of waiting for it for ever."""
+    async def main():
+        allm = AsyncLLM(llm.config, engine=llm.engine, frontend=llm.frontend)
+        [_ async for _ in await allm.add_request("w", PROMPT, SamplingParams(max_tokens=2))]
+        await asyncio.sleep(0.05)   # idle after work: the loop waits for work with a timeout (the heap trim)
+        allm.wake()
+        shutdown = asyncio.ensure_future(allm.shutdown())
+        done, _ = await asyncio.wait({shutdown}, timeout=10)
+        assert done, "shutdown waits for the engine loop"
+        await shutdown
+
+    asyncio.run(main())
