@@ -120,7 +120,7 @@ def register(registry: kopf.OperatorRegistry, options: Options) -> None:
         try:
             async with memo.locks[pool.uid]:  # never interleaved with the timer's drift repair
                 result = await reconcile.apply(memo.kube, builders.render(pool), pool.uid,
-                                               builders.prunable(pool))
+                                               builders.prunable(pool), memo.overridden)
         except reconcile.ChildConflict as exc:
             _set_status(patch, body, await observe(memo.kube, body, pool, ("ChildConflict", str(exc)), generation))
             kopf.warn(body, reason="ChildConflict", message=str(exc))
@@ -157,7 +157,7 @@ def register(registry: kopf.OperatorRegistry, options: Options) -> None:
             if pool is not None and applied == pool.generation and not meta.get("deletionTimestamp"):
                 try:
                     result = await reconcile.apply(memo.kube, builders.render(pool), pool.uid,
-                                               builders.prunable(pool))
+                                               builders.prunable(pool), memo.overridden)
                     if result.writes:
                         logger.info(f"repaired drift: created {result.created}, patched {result.patched}, "
                                     f"deleted {result.deleted}")

@@ -145,7 +145,7 @@ async def run(args: argparse.Namespace) -> int:
     operator = asyncio.create_task(kopf.operator(
         registry=registry, settings=settings, standalone=True, clusterwide=not args.namespace,
         namespaces=args.namespace, stop_flag=stop, memo=kopf.Memo(kube=kube, connection=connection,
-                                                   locks=collections.defaultdict(asyncio.Lock))))
+                                                   locks=collections.defaultdict(asyncio.Lock), overridden=set())))
     health.kopf_task = operator
     holding = asyncio.create_task(elector.hold()) if elector else None
     done, _ = await asyncio.wait({t for t in (operator, holding) if t}, return_when=asyncio.FIRST_COMPLETED)

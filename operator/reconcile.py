@@ -139,9 +139,14 @@ def drifted(desired: dict, actual: dict) -> bool:
     return not carries({**body, "metadata": meta}, actual)
 
 
-async def apply(kube, desired: list[dict], uid: str, prunable: list[tuple[str, str, str]] = ()) -> Result:
+async def apply(kube, desired: list[dict], uid: str, prunable: list[tuple[str, str, str]] = (),
+                overridden: set[str] | None = None) -> Result:
     """Bring the children to ``desired``; ``kube`` is a ``pdpool.operator.kube.Kube``. ``prunable``: (kind,
-    namespace, name) of the children only some specs have; those not in ``desired`` are deleted when owned."""
+    namespace, name) of the children only some specs have; those not in ``desired`` are deleted when owned.
+    ``overridden`` (kept by the caller across calls): children whose repair came back still drifted, because the
+    API server's admission (a mutating webhook: Kyverno's 'always pull', say) rewrites a field the pool sets; they
+    are not repaired again until their rendering changes, or every status tick would write them."""
+    overridden = set() if overridden is None else overridden
     result = Result()
     recreated: set[str] = set()  # Secrets created in this pass (the builders render them before their readers)
     for obj in desired:
@@ -163,18 +168,21 @@ async def apply(kube, desired: list[dict], uid: str, prunable: list[tuple[str, s
             owners = [f"{ref.get('kind')} {ref.get('name')}" for ref in actual["metadata"].get("ownerReferences") or []]
             raise ChildConflict(f"{key(obj)} exists and is not owned by this InferencePool (it belongs to "
                                 f"{', '.join(owners) if owners else 'no owner: created outside any pool'})")
-        have = (actual["metadata"].get("annotations") or {}).get(SPEC_HASH)
+        want = meta["annotations"][SPEC_HASH]
+        repair = (actual["metadata"].get("annotations") or {}).get(SPEC_HASH) == want  # else: a new rendering
         restart = sorted(secrets_read(obj) & recreated) if obj["kind"] == "Deployment" else []
-        if obj["kind"] in CREATE_ONLY or (have == meta["annotations"][SPEC_HASH] and not drifted(obj, actual)
-                                          and not restart):
+        mark = f"{uid}/{key(obj)}@{want}"
+        if obj["kind"] in CREATE_ONLY or (repair and not restart and (mark in overridden or not drifted(obj, actual))):
             result.unchanged.append(key(obj))
             continue
         patch = merge_patch(obj, actual)
         if restart:
             patch["spec"]["template"]["metadata"].setdefault("annotations", {})[RESTARTED] = \
                 f"{','.join(restart)} recreated at {datetime.datetime.now(datetime.timezone.utc).isoformat()}"
-        await kube.merge_patch(obj["kind"], meta["namespace"], meta["name"], patch)
+        stored = await kube.merge_patch(obj["kind"], meta["namespace"], meta["name"], patch)
         result.patched.append(key(obj))
+        if repair and not restart and isinstance(stored, dict) and drifted(obj, stored):
+            overridden.add(mark)
     wanted = {(o["kind"], o["metadata"]["namespace"], o["metadata"]["name"]) for o in desired}
     for kind, namespace, name in prunable:
         if (kind, namespace, name) in wanted:

@@ -1,8 +1,9 @@
-"""A child the cluster's admission policy denies (Gatekeeper, Kyverno: a validating webhook answers 403 Forbidden,
-'admission webhook ... denied the request: ...') is the pool's Degraded condition, with the policy's message.
+"""The cluster's admission policies (Gatekeeper, Kyverno). A child a validating webhook denies (403 Forbidden,
+'admission webhook ... denied the request: ...') is the pool's Degraded condition, with the policy's message; a
+field a mutating webhook rewrites is not fought on every status tick.
 
-The operator runs behind a proxy in front of the emulator that plays such a webhook for Deployments named
-``policed-*`` while the policy is on; the test's kubectl talks to the emulator directly.
+The operator runs behind a proxy in front of the emulator that plays such webhooks for Deployments named
+``policed-*`` (while the policy is on) and ``mutated-*``; the test's kubectl talks to the emulator directly.
 """
 
 from __future__ import annotations
@@ -41,8 +42,22 @@ class WebhookProxy:
         name = request.path.rsplit("/", 1)[-1] if request.method != "POST" else json.loads(body)["metadata"]["name"]
         return name.startswith("policed-")
 
+    @staticmethod
+    def _mutated(request: web.Request, body: bytes) -> bytes:
+        """A mutating policy (Kyverno's 'always pull images', say) on Deployments named ``mutated-*``."""
+        if request.method not in ("POST", "PATCH", "PUT") or "/deployments" not in request.path or not body:
+            return body
+        obj = json.loads(body)
+        name = request.path.rsplit("/", 1)[-1] if request.method != "POST" else obj["metadata"]["name"]
+        containers = ((obj.get("spec") or {}).get("template") or {}).get("spec", {}).get("containers")
+        if not name.startswith("mutated-") or not containers:
+            return body
+        for container in containers:
+            container["imagePullPolicy"] = "Always"
+        return json.dumps(obj).encode()
+
     async def _forward(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
+        body = self._mutated(request, await request.read())
         if self._denies(request, body):
             return web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 403,
                                       "reason": "Forbidden", "message": DENIAL}, status=403)
@@ -114,3 +129,24 @@ def test_a_child_an_admission_webhook_denies_is_degraded_with_the_policys_messag
     wait_until(lambda: degraded(cluster, "policed").get("status") == "False", timeout=15, what="not Degraded")
     assert cluster.kubectl.json("get", "deployment", "policed-router")
     cluster.kubectl("delete", POOL, "policed", "--timeout=20s")
+
+
+def test_a_field_a_mutating_webhook_rewrites_is_not_fought_on_every_tick(cluster, policed):
+    """The webhook sets imagePullPolicy: Always where the pool says IfNotPresent. Repairing it is tried once; the
+    stored object comes back rewritten, so the operator leaves it (before: a PATCH of every Deployment every tick,
+    forever)."""
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(
+        {"apiVersion": "pdpool.io/v1alpha1", "kind": "InferencePool", "metadata": {"name": "mutated"}, "spec": {}}))
+    wait_until(lambda: cluster.kubectl.json("get", POOL, "mutated").get("status", {}).get("observedGeneration") == 1,
+               what="generation 1 applied")
+    time.sleep(1.5)  # the first ticks: one repair each, answered with the rewritten object
+    cluster.clear_writes()
+    time.sleep(2.0)
+    patches = [w for w in cluster.writes() if w.get("resource") == "deployments"]
+    assert patches == [], f"{len(patches)} writes in 2 s"
+    (container,) = cluster.kubectl.json("get", "deployment", "mutated-decode")["spec"]["template"]["spec"]["containers"]
+    assert container["imagePullPolicy"] == "Always"
+    cluster.kubectl("patch", POOL, "mutated", "--type=merge", "-p", '{"spec": {"engine": {"maxNumSeqs": 4}}}')
+    wait_until(lambda: "4" in cluster.kubectl.json("get", "deployment", "mutated-decode")["spec"]["template"]["spec"]
+               ["containers"][0]["args"], timeout=10, what="a spec change still applied")
+    cluster.kubectl("delete", POOL, "mutated", "--timeout=20s")
