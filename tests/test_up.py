@@ -199,10 +199,11 @@ def test_a_model_that_is_not_here_is_refused_before_anything_starts(tmp_path):
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(body))
     out = subprocess.run([sys.executable, "-m", "pdpool.cli", "up", str(tmp_path / "p.yaml"), "--port",
                           str(free_port())], capture_output=True, text=True, timeout=60,
-                         env=dict(os.environ, PDPOOL_CACHE=str(tmp_path)))
+                         env=dict(os.environ, PDPOOL_CACHE=str(tmp_path), HF_HUB_CACHE=str(tmp_path / "hub")))
     assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr
-    assert out.stderr == (f"pdpool up: error: model.name '{tmp_path / 'no-model'}' is not 'demo' nor a local "
-                          "folder with a config.json (models are never downloaded)\n")
+    assert out.stderr == (f"pdpool up: error: model.name '{tmp_path / 'no-model'}': not 'demo', not a local folder "
+                          f"with a config.json, and not a model in the Hugging Face cache ({tmp_path / 'hub'}) "
+                          "(models are never downloaded)\n")
 
 
 def test_an_unreachable_redis_is_one_error_and_nothing_to_clean(tmp_path):

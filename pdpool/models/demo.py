@@ -4,7 +4,7 @@
 ``~/.cache/pdpool``), converting on first use: transformers dequantizes the Q4_1 GGUF to float32, we write the
 state dict as bfloat16 safetensors plus config and tokenizer. Conversion goes to a temp folder renamed into place,
 under a file lock, so concurrent processes convert once and readers never see a half-written folder.
-Any other name is a local folder path.
+Any other name is a local folder path, or a hub id (``org/name``) already in the Hugging Face cache.
 """
 
 from __future__ import annotations
@@ -28,28 +28,59 @@ def cache_dir() -> Path:
 
 
 def resolve_model(model: str) -> Path:
-    """'demo' -> the converted folder (converting once); anything else -> that local folder."""
+    """'demo' -> the converted folder (converting once); anything else -> that local folder, or that hub id's
+    snapshot in the Hugging Face cache."""
     if model == DEMO_NAME:
         return ensure_demo_model()
     return _local_folder(model)
 
 
-def check_model(model: str) -> None:
+def check_model(model: str, setting: str = "--model") -> None:
     """Raise ``FileNotFoundError`` now, as ``resolve_model`` would later, for a model that cannot load: a folder
     without a config.json, or the demo model neither converted nor convertible (its package missing). Cheap: it
-    converts nothing (a command checks its ``--model`` with it before it starts serving)."""
+    converts nothing (a command checks its ``--model`` with it before it starts serving). ``setting``: what the
+    message calls the model's name."""
     if model != DEMO_NAME:
-        _local_folder(model)
+        _local_folder(model, setting)
     elif not (cache_dir() / "models" / DEMO_DIR / "config.json").is_file():
         gguf_path()
 
 
-def _local_folder(model: str) -> Path:
+def _local_folder(model: str, setting: str = "--model") -> Path:
     path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"--model {model!r}: not 'demo' and not a local folder with a config.json "
-                                "(models are never downloaded)")
-    return path
+    if (path / "config.json").is_file():
+        return path
+    cached = hub_cache_folder(model)
+    if cached is not None:
+        return cached
+    raise FileNotFoundError(f"{setting} {model!r}: not 'demo', not a local folder with a config.json, and not a "
+                            f"model in the Hugging Face cache ({hub_cache_dir()}) (models are never downloaded)")
+
+
+def hub_cache_dir() -> Path:
+    """Where Hugging Face's hub keeps its downloads: ``HF_HUB_CACHE``, else ``$HF_HOME/hub`` (default
+    ``~/.cache/huggingface/hub``)."""
+    cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if cache:
+        return Path(cache).expanduser()
+    return Path(os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface").expanduser() / "hub"
+
+
+def hub_cache_folder(model: str) -> Path | None:
+    """A hub id (``Qwen/Qwen3-0.6B``, as ``vllm serve`` takes it) already in the local Hugging Face cache: the
+    snapshot its ``main`` ref names, else its only snapshot; None when it is not there. Never downloads."""
+    parts = model.split("/")
+    if len(parts) != 2 or not all(parts) or any(p in (".", "..") or p.startswith("~") for p in parts):
+        return None
+    repo = hub_cache_dir() / f"models--{parts[0]}--{parts[1]}"
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        snapshots = [repo / "snapshots" / ref.read_text().strip()]
+    else:
+        snapshots = list((repo / "snapshots").glob("*")) if (repo / "snapshots").is_dir() else []
+    if len(snapshots) == 1 and (snapshots[0] / "config.json").is_file():
+        return snapshots[0]
+    return None
 
 
 def gguf_path() -> Path:

@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from pdpool.models.demo import check_model
 from pdpool.node_process import free_port, http_get, parse_metrics
 from pdpool.up import redis as local_redis
 from pdpool.up import state
@@ -286,11 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     if flags_error is not None:  # each node would exit on it and be restarted, with backoff, forever
         print(f"pdpool up: error: {flags_error}", file=sys.stderr)
         return 2
-    model = up.pool.node.model.model
-    if model != "demo" and not (Path(model).expanduser() / "config.json").is_file():
-        # every node and the router would fail on it and restart, with backoff, forever
-        print(f"pdpool up: error: model.name {model!r} is not 'demo' nor a local folder with a config.json "
-              "(models are never downloaded)", file=sys.stderr)
+    try:   # every node and the router would fail on it and restart, with backoff, forever
+        check_model(up.pool.node.model.model, "model.name")
+    except FileNotFoundError as exc:
+        print(f"pdpool up: error: {exc}", file=sys.stderr)
         return 2
     bind_error = port_taken(args.host, up.port)
     if bind_error is not None:

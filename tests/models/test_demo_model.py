@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -75,8 +77,49 @@ def test_concurrent_conversions_convert_once(tmp_path, monkeypatch):
     assert (results[0] / "model.safetensors").is_file() and (results[0] / "tokenizer.json").is_file()
 
 
-def test_other_model_names_are_local_folders(tmp_path):
+def test_other_model_names_are_local_folders(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(FileNotFoundError, match="never downloaded"):
         demo.resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
     (tmp_path / "config.json").write_text("{}")
     assert demo.resolve_model(str(tmp_path)) == tmp_path
+
+
+def hub_snapshot(cache: Path, repo: str, revision: str, files: Path) -> Path:
+    """A model as huggingface_hub stores it: blobs, a snapshot of links to them, and refs/main."""
+    root = cache / f"models--{repo.replace('/', '--')}"
+    snapshot = root / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    (root / "blobs").mkdir()
+    for f in files.iterdir():
+        if f.is_file():
+            blob = root / "blobs" / f.name
+            shutil.copy(f, blob)
+            (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
+    return snapshot
+
+
+def test_a_hub_id_in_the_hugging_face_cache_is_served_from_it(tmp_path, monkeypatch, demo_model_dir):
+    """``vllm serve Qwen/Qwen3-0.6B`` finds the model that huggingface_hub downloaded earlier; so does pdpool,
+    never downloading: the snapshot ``refs/main`` names (else the only one), under HF_HUB_CACHE or HF_HOME/hub."""
+    from pdpool.frontend import Frontend
+
+    cache = tmp_path / "home" / "hub"
+    old = hub_snapshot(cache, "acme/tiny", "0123abc", demo_model_dir)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    assert demo.resolve_model("acme/tiny") == old            # the only snapshot
+    new = old.parent / "4567def"
+    shutil.copytree(old, new, symlinks=True)
+    with pytest.raises(FileNotFoundError, match="not a model in the Hugging Face cache"):
+        demo.resolve_model("acme/tiny")                      # two snapshots and no ref: which one is unknown
+    (cache / "models--acme--tiny" / "refs").mkdir()
+    (cache / "models--acme--tiny" / "refs" / "main").write_text("4567def")
+    assert demo.resolve_model("acme/tiny") == new
+    demo.check_model("acme/tiny")
+    assert Frontend.from_model("acme/tiny").tokenizer.encode("hello") == \
+        Frontend.from_model(str(demo_model_dir)).tokenizer.encode("hello")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))   # it wins over HF_HOME
+    for name in ("acme/tiny", "acme/other", "../tiny", "acme/tiny/extra"):
+        with pytest.raises(FileNotFoundError, match="never downloaded"):
+            demo.check_model(name)
