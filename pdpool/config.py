@@ -64,7 +64,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    model: str = opt("demo", "Model: 'demo' (bundled SmolLM2-135M-Instruct) or a local HF folder.",
+    model: str = opt("demo", "Model: 'demo' (bundled SmolLM2-135M-Instruct), a local HF folder, or a hub id "
+                     "already in the Hugging Face cache (never downloaded).",
                      crd="model.name")
     served_model_name: str | None = opt(None, "Name the API serves the model as (default: --model).",
                                         crd="model.servedModelName")
@@ -196,7 +197,8 @@ class NodeConfig:
 @dataclass
 class RouterConfig:
     """The OpenAI gateway in front of a pool: picks a prefill and a decode node per request (docs/router.md)."""
-    model: str = opt("demo", "Model whose tokenizer the router uses: 'demo' or a local HF folder (no weights read).",
+    model: str = opt("demo", "Model whose tokenizer the router uses: 'demo', a local HF folder or a cached hub id "
+                     "(no weights read).",
                      crd="model.name")
     served_model_name: str | None = opt(None, "Name the API serves the model as (default: --model); also the "
                                         "model id of the block-hash fingerprint.", crd="model.servedModelName")
