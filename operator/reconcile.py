@@ -100,8 +100,8 @@ def carries(desired, actual, field: str = "") -> bool:
     false``, ``value: ""``) or a quantity it canonicalised (``0.5`` is stored as ``500m``, ``1024Mi`` as ``1Gi``).
     Lists are compared element by element: a container added or removed by hand is a difference. ``field``: the
     key ``desired`` sits under."""
-    if actual is None:
-        return not desired
+    if actual is None:  # left out: an empty value, or a plain bool's false (a pointer's false is stored)
+        return desired in ("", {}, []) or (desired is False and field == "readOnly")
     if isinstance(desired, dict):
         inner = "quantity" if field in ("limits", "requests") else ""
         return isinstance(actual, dict) and all(carries(v, actual.get(k), inner or k) for k, v in desired.items())

@@ -63,6 +63,8 @@ def test_a_quantity_changed_by_hand_and_values_outside_resources_are_compared_ex
     assert not carries({"args": ["--max-num-seqs", "4"]}, {"args": ["--max-num-seqs", "4000m"]})
     assert carries({"readOnly": False, "value": ""}, {})  # zero values the API server leaves out
     assert not carries({"readOnly": True}, {})
+    # a pointer's false is stored: removing it by hand (the token then mounted) is a difference
+    assert not carries({"automountServiceAccountToken": False}, {})
 
 
 def get(cluster, kind: str, name: str) -> dict:
