@@ -145,8 +145,8 @@ def register(registry: kopf.OperatorRegistry, options: Options) -> None:
 
     @kopf.timer(*RESOURCE, interval=options.status_interval, registry=registry)
     async def refresh_status(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger, **_) -> None:
-        """Status from the children; and drift repair (a deleted child, a hand-scaled Deployment whose replicas
-        the pool sets) once the change handlers have applied the current generation."""
+        """Status from the children; and drift repair (a child deleted or edited by hand, a hand-scaled
+        Deployment whose replicas the pool sets) once the change handlers have applied the current generation."""
         async with memo.locks[body["metadata"]["uid"]]:  # never interleaved with a change handler's apply
             current = copy.deepcopy(dict(body))  # ``body`` is live: read it once, under the lock
             meta, applied = current["metadata"], (current.get("status") or {}).get("observedGeneration", 0)
