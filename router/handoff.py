@@ -4,6 +4,7 @@
             prefill fails (connect, 5xx, 429, timeout)  -> decode-only on the same decode node ("fallback")
             prefill refuses the request (other 4xx)      -> the same: the decode node answers the client's request
             decode fails before its first byte          -> next decode node, at most --max-retries times
+            decode refuses the handle (4xx naming it)   -> the same decode node, decode-only
             decode fails after streaming started        -> a final SSE error event, then close
             client disconnects                          -> upstream connections closed (the nodes abort, the
                                                            prefill leg included), and a prefill lease the decode
@@ -206,7 +207,20 @@ class RequestPath:
                 if handle is not None:  # the next node prefills locally; free the lease now
                     self._release(plan.prefill, handle, rr.request_id)
                     handle = None
-            except BaseException:  # the client left, or the node refused the request itself (4xx)
+            except _PassThrough as exc:   # the node refused the request (4xx)
+                self._announce(note)
+                if handle is None:
+                    raise
+                self._release(plan.prefill, handle, rr.request_id)
+                if b"kv_transfer_params" not in exc.reply.body:
+                    raise
+                # It refused the handle, the router's own field (the client cannot send one): a prefill node of
+                # another version, or KV this node cannot read. Not the client's error: the same node, decode-only.
+                logger.warning("decode node %s refused the KV handle of %s; decode-only: %s", d.node_id,
+                               plan.prefill.node_id, exc.reply.body[:300])
+                handle = None
+                tries.insert(attempt + 1, d)
+            except BaseException:  # the client left
                 self._announce(note)
                 if handle is not None:
                     self._release(plan.prefill, handle, rr.request_id)

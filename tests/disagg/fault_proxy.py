@@ -7,6 +7,7 @@ lease calls pass untouched), once:
     truncate   the node's first ``after`` bytes, then the connection closes (FIN)
     reset      the node's first ``after`` bytes, then a TCP reset (RST)
     garbage    ``after`` bytes that are no HTTP, then the connection closes
+    rewrite    the answer passes whole, ``old`` bytes replaced by ``new`` (of the same length) in it
 
 The node itself answers in full either way: it takes the answer as delivered.
 """
@@ -22,7 +23,7 @@ import threading
 class Fault:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._armed: tuple[str, int] | None = None
+        self._armed: tuple | None = None
         self.fired = 0
 
     def arm(self, kind: str, after: int = 0) -> None:
@@ -30,11 +31,16 @@ class Fault:
         with self._lock:
             self._armed = (kind, after)
 
+    def arm_rewrite(self, old: bytes, new: bytes) -> None:
+        assert len(old) == len(new), "the answer's Content-Length stays"
+        with self._lock:
+            self._armed = ("rewrite", (old, new))
+
     def disarm(self) -> None:
         with self._lock:
             self._armed = None
 
-    def take(self) -> tuple[str, int] | None:
+    def take(self) -> tuple | None:
         with self._lock:
             armed, self._armed = self._armed, None
             if armed is not None:
@@ -84,6 +90,10 @@ class FaultProxy:
                     await client_w.drain()
                     continue
                 kind, after = fault
+                if kind == "rewrite":
+                    client_w.write(data.replace(*after))
+                    await client_w.drain()
+                    continue
                 if kind == "garbage":
                     client_w.write(bytes((i * 37 + 11) % 256 for i in range(after)))
                 else:

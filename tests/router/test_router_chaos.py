@@ -288,3 +288,19 @@ def test_a_stream_broken_mid_way_ends_with_its_apis_error_event(cluster, proxied
     else:
         assert name is None and error["error"]["code"] == "upstream_stream_broken", error
     settled(cluster, router, expired)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_handle_the_decode_node_refuses_falls_back_to_decode_only(cluster, proxied, stream):
+    """A prefill node of another version (its KV handle's ``pdpool_version``, as in a rolling upgrade) hands over a
+    handle the decode node refuses with a 400 naming ``kv_transfer_params``: a field the client never sent (the
+    router owns it). The client gets its answer, decode-only, not that 400; the lease is released."""
+    router, faults = proxied
+    expired = expiries(cluster)
+    body = completion_body(prompt(30), 8, stream=stream)
+    faults["prefill"].arm_rewrite(b'"pdpool_version": 2', b'"pdpool_version": 9')
+    r = httpx.post(router.url + "/v1/completions", json=body, timeout=60)
+    faults["prefill"].disarm()
+    want = cluster["d0"].complete({**body, "stream": False})
+    assert check_outcome(r, want, stream) == "answered"
+    settled(cluster, router, expired)
