@@ -9,6 +9,7 @@ the router counts no request in flight on any node.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import json
 import signal
@@ -131,7 +132,6 @@ def test_a_client_leaving_at_any_moment_leaves_nothing_behind(cluster, router, s
     settled(cluster, router, expired)
 
 
-
 # ---- a network that breaks a node's answer ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -148,10 +148,6 @@ def proxied(cluster, start_router):
     yield router, faults
     for proxy in proxies:
         proxy.close()
-
-
-def sse_events(raw: bytes) -> list[str]:
-    return [line[6:] for line in raw.decode(errors="replace").splitlines() if line.startswith("data: ")]
 
 
 @settings(max_examples=scaled(4), deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -201,6 +197,22 @@ def answer(router, body: dict) -> tuple[httpx.Response | Exception, float]:
     return r, time.monotonic() - t0
 
 
+def sse_frames(raw: bytes) -> list[tuple[str | None, dict | str]]:
+    """(event name, parsed data) of each event; "[DONE]" as is."""
+    frames = []
+    for block in raw.decode().split("\n\n"):
+        name = data = None
+        for line in block.splitlines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                data = line[6:] if line[6:] == "[DONE]" else json.loads(line[6:])
+        if data is not None:
+            frames.append((name, data))
+    return frames
+
+
+
 def check_outcome(r: httpx.Response, want: dict, stream: bool) -> str:
     """The colocated answer, or a clear error: an OpenAI error (5xx) or a stream's final error event."""
     if not stream:
@@ -210,14 +222,13 @@ def check_outcome(r: httpx.Response, want: dict, stream: bool) -> str:
         assert r.status_code in (502, 503, 504) and r.json()["error"]["message"], r.text
         return f"error {r.status_code}"
     assert r.status_code == 200, r.text
-    events = sse_events(r.content)
     assert r.content.endswith(b"\n\n"), r.content[-300:]
-    for e in events[:-1]:   # a client parses every event: half of one would end its stream before the error
-        json.loads(e)
-    if events[-1] == "[DONE]":
-        assert "".join(c["text"] for e in events[:-1] for c in json.loads(e)["choices"]) == want["choices"][0]["text"]
+    frames = sse_frames(r.content)   # every event parses: half of one would end a client's stream before the error
+    last = frames[-1][1]
+    if last == "[DONE]":
+        assert "".join(c["text"] for _, data in frames[:-1] for c in data["choices"]) == want["choices"][0]["text"]
         return "answered"
-    assert json.loads(events[-1])["error"]["code"] == "upstream_stream_broken", events[-3:]
+    assert last["error"]["code"] == "upstream_stream_broken", frames[-3:]
     return "stream error event"
 
 
@@ -225,8 +236,6 @@ def check_outcome(r: httpx.Response, want: dict, stream: bool) -> str:
 @given(victim=st.sampled_from(["p0", "d0", "d1"]), delay=st.floats(0.0, 1.0),
        pause=st.floats(0.2, REQUEST_TIMEOUT + 1.0), stream=st.booleans())
 def test_a_node_paused_at_any_moment_never_hangs_the_request(cluster, impatient, victim, delay, pause, stream):
-    import concurrent.futures
-
     expired = expiries(cluster)
     body = completion_body(prompt(30), 12, stream=stream)
     node = cluster[victim]
@@ -245,21 +254,6 @@ def test_a_node_paused_at_any_moment_never_hangs_the_request(cluster, impatient,
     assert elapsed < PREFILL_TIMEOUT + 3 * REQUEST_TIMEOUT + 5, elapsed   # max_retries 2: three decode legs at most
     settled(cluster, impatient, expired)
 
-
-
-def sse_frames(raw: bytes) -> list[tuple[str | None, dict | str]]:
-    """(event name, parsed data) of each event; "[DONE]" as is."""
-    frames = []
-    for block in raw.decode().split("\n\n"):
-        name = data = None
-        for line in block.splitlines():
-            if line.startswith("event: "):
-                name = line[7:]
-            elif line.startswith("data: "):
-                data = line[6:] if line[6:] == "[DONE]" else json.loads(line[6:])
-        if data is not None:
-            frames.append((name, data))
-    return frames
 
 
 @pytest.mark.parametrize("path, body", [
