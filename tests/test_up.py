@@ -180,6 +180,8 @@ def external_redis_pool(tmp_path: Path, url: str) -> Path:
     (["--", "--no-such-flag"], "prefill-0's pdpool serve flags (the pool's, and those after --): unrecognized "
                                "arguments: --no-such-flag"),
     (["--", "--max-num-seqs", "0"], "--max-num-seqs: 0 is below the minimum 1"),
+    (["--", "--chat-template", "/no/such/template.jinja"], "--chat-template '/no/such/template.jinja' looks like a "
+                                                           "file path, but it cannot be read"),
 ])
 def test_bad_flags_and_addresses_are_one_line_of_error(tmp_path, args, message):
     """Refused before anything starts, on one line, exit 2 (--port 99999 and a Redis URL without a scheme raised a

@@ -341,6 +341,7 @@ def check_serve_flags(specs) -> str | None:
     """What ``pdpool serve`` would refuse in a node's flags (the pool's own and those after --), before any
     node starts."""
     from pdpool import config
+    from pdpool.frontend import load_chat_template
 
     for spec in specs:
         if spec.argv[:1] != ["serve"]:
@@ -348,7 +349,9 @@ def check_serve_flags(specs) -> str | None:
         parser = _CheckingParser(prog="pdpool serve")
         config.add_arguments(parser)
         try:
-            config.from_args(parser.parse_args(spec.argv[1:]))
+            cfg = config.from_args(parser.parse_args(spec.argv[1:]))
+            if cfg.model.chat_template:   # pdpool serve refuses one it cannot read or compile (exit 2)
+                load_chat_template(cfg.model.chat_template)
         except (_FlagError, config.ConfigError, ValueError, OSError) as exc:
             return f"{spec.name}'s pdpool serve flags (the pool's, and those after --): {exc}"
     return None
