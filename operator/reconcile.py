@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import copy
 import datetime
-import re
 from dataclasses import dataclass, field
-from fractions import Fraction
 
 from pdpool.operator.builders.common import SPEC_HASH
 from pdpool.operator.kube import ApiError
+from pdpool.operator.quantity import quantity
 
 CREATE_ONLY = {"Secret"}
 RESTARTED = "pdpool.io/restarted-for"  # pod-template annotation: the Secrets recreated under running pods
@@ -79,21 +78,6 @@ def merge_patch(desired: dict, actual: dict) -> dict:
     return patch
 
 
-_SCALE = {"Ki": 2 ** 10, "Mi": 2 ** 20, "Gi": 2 ** 30, "Ti": 2 ** 40, "Pi": 2 ** 50, "Ei": 2 ** 60,
-          "n": Fraction(1, 10 ** 9), "u": Fraction(1, 10 ** 6), "m": Fraction(1, 1000), "": 1, "k": 10 ** 3,
-          "M": 10 ** 6, "G": 10 ** 9, "T": 10 ** 12, "P": 10 ** 15, "E": 10 ** 18}
-_AMOUNT = re.compile(r"([+-]?(?:\d+\.?\d*|\.\d+))(?:[eE]([+-]?\d+)|([KMGTPE]i|[numkMGTPE]))?")
-
-
-def _amount(value) -> Fraction | None:
-    """A resource quantity's value (``1000m`` and ``1`` are one CPU); None for anything else."""
-    found = None if isinstance(value, bool) else _AMOUNT.fullmatch(str(value).strip())
-    if found is None:
-        return None
-    base, power, unit = found.groups()
-    return Fraction(base) * (Fraction(10) ** int(power) if power else _SCALE[unit or ""])
-
-
 def carries(desired, actual, field: str = "") -> bool:
     """Whether ``actual`` (as the API server stores it) holds every field of ``desired``. Fields the server adds
     (defaults, allocated IPs) are no difference; nor is a zero value it leaves out (``omitempty``: ``readOnly:
@@ -109,8 +93,8 @@ def carries(desired, actual, field: str = "") -> bool:
         return isinstance(actual, list) and len(actual) == len(desired) and all(map(carries, desired, actual))
     if desired == actual and type(desired) is type(actual):
         return True
-    return field in ("quantity", "sizeLimit") and _amount(desired) is not None and \
-        _amount(desired) == _amount(actual)
+    return field in ("quantity", "sizeLimit") and quantity(desired) is not None and \
+        quantity(desired) == quantity(actual)
 
 
 def secrets_read(obj: dict) -> set[str]:

@@ -13,6 +13,7 @@ from typing import Any
 
 from pdpool import config
 from pdpool.operator import crd
+from pdpool.operator.quantity import quantity
 
 NODE_ROLES = ("prefill", "decode")
 NODE_HTTP_PORT = 8000
@@ -133,7 +134,7 @@ def _check(pool: Pool) -> None:
     if pool.node.device.device == "cuda":
         for role in NODE_ROLES:
             limits = pool.roles[role].resources.get("limits") or {}
-            if not limits.get(GPU):
+            if not quantity(limits.get(GPU)):   # absent, 0 or "0": no GPU ("0" is a true string)
                 raise SpecError(f"engine.device is cuda but {role}.resources.limits has no {GPU}")
 
 

@@ -27,3 +27,16 @@ def test_empty_spec_is_the_cpu_demo_with_schema_defaults():
 def test_specs_the_schema_cannot_reject(spec, message):
     with pytest.raises(SpecError, match=message):
         parse_pool(make_body(spec))
+
+
+@pytest.mark.parametrize("gpus, refused", [(0, True), ("0", True), ("0m", True), ("0.0", True), (1, False),
+                                           ("1", False), ("2", False)])
+def test_a_cuda_pool_needs_a_gpu_however_the_count_is_written(gpus, refused):
+    """``nvidia.com/gpu: "0"`` (a string, as the API server stores quantities) was taken for a GPU."""
+    limits = {"resources": {"limits": {"nvidia.com/gpu": gpus}}}
+    body = make_body({"engine": {"device": "cuda"}, "prefill": limits, "decode": limits})
+    if refused:
+        with pytest.raises(SpecError, match="has no nvidia.com/gpu"):
+            parse_pool(body)
+    else:
+        parse_pool(body)
