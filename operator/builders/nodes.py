@@ -159,8 +159,10 @@ def node_deployment(pool: Pool, role: str) -> dict:
         "envFrom": [{"configMapRef": {"name": f"{pool.name}-config"}}],
         "env": common_env(pool) + list(role_spec.env),
         "resources": role_spec.resources,
-        # startup covers model load; after it, liveness restarts a wedged process, readiness gates traffic
-        "startupProbe": http_probe(HEALTH_LIVE, STARTUP_PERIOD,
+        # startup covers model load (the node listens at once and loads on a thread, so it asks readiness: the
+        # load must end within loadTimeoutSeconds); after it, liveness restarts a wedged process, readiness gates
+        # traffic
+        "startupProbe": http_probe(HEALTH_READY, STARTUP_PERIOD,
                                    math.ceil(pool.spec["model"]["loadTimeoutSeconds"] / STARTUP_PERIOD)),
         "livenessProbe": http_probe(HEALTH_LIVE, 10, 3),
         "readinessProbe": http_probe(HEALTH_READY, 5, 2),

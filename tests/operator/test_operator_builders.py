@@ -81,7 +81,7 @@ def test_node_containers_run_pdpool_serve_with_the_spec_as_flags():
         assert not any("password" in a.lower() or "key=" in a for a in c["args"])
         assert c["readinessProbe"]["httpGet"]["path"] == "/health/ready"
         assert c["livenessProbe"]["httpGet"]["path"] == "/health/live"
-        assert c["startupProbe"]["httpGet"]["path"] == "/health/live"
+        assert c["startupProbe"]["httpGet"]["path"] == "/health/ready"   # the load (test_operator_startup_probe)
         assert "pdpool.operator.drain" in c["lifecycle"]["preStop"]["exec"]["command"]
         assert pod["spec"]["terminationGracePeriodSeconds"] > cfg.disagg.kv_lease_seconds
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
