@@ -246,7 +246,9 @@ class RouterConfig:
                                  ge=0.01)
     connect_timeout: float = opt(2.0, "Seconds to connect to a node.", ge=0.01)
     node_cooldown: float = opt(2.0, "Seconds a node that failed to answer is left out.", ge=0)
-    request_timeout: float = opt(600.0, "Seconds before a proxied request is abandoned.", ge=1)
+    request_timeout: float = opt(600.0, "Seconds a node may take to start its answer, and then between two pieces "
+                                 "of it, before the request is abandoned (a stream that keeps coming is never cut).",
+                                 ge=1)
     workers: int = opt(1, "Router processes accepting on --port (SO_REUSEPORT), sharing the Redis index and the "
                        "metrics; each counts only its own requests in flight (docs/router.md, Workers).", ge=1, le=64,
                        crd="router.workers")

@@ -12,7 +12,8 @@ Why not aiohttp's client: it was 13% of the router's CPU per request (its reques
 registry, cookie jar, tracing hooks, timers per read). This client does what the legs need and nothing else.
 Chunked and Content-Length bodies are decoded by llhttp; a body is handed on chunk by chunk, never buffered
 whole unless ``read()`` asks; reading pauses above ``HIGH_WATER`` buffered bytes (a slow client slows the node's
-socket, not the router's memory). One timer per request bounds the whole exchange (``timeout``).
+socket, not the router's memory). One timer per request bounds the wait for the answer's head, and then each
+gap between two pieces of its body (``timeout``): a stream that keeps coming is never cut, one that stalls is.
 
 A node may close an idle keep-alive connection just as a request is written on it; then, and only when not
 one byte of the response arrived, the request is sent once more on a new connection (a node that closed the
@@ -73,7 +74,7 @@ class Response:
 
     __slots__ = ("status", "headers", "content_type", "keep_alive", "complete", "_conn", "_chunks", "_buffered",
                  "_waiter", "_exc", "_timer", "_paused", "_until_eof", "_got_bytes", "_headers_done", "_released",
-                 "_on_complete")
+                 "_on_complete", "_idle", "_last")
 
     def __init__(self, conn: "_Connection", on_complete=None) -> None:
         self._conn = conn
@@ -93,6 +94,8 @@ class Response:
         self._got_bytes = False
         self._headers_done = False
         self._released = False
+        self._idle = 0.0              # the timeout: the longest wait for the head, then between body pieces
+        self._last = 0.0              # when the head or the latest body piece arrived (loop time)
 
     # ---- the connection feeds these -----------------------------------------------------------------
 
@@ -102,6 +105,7 @@ class Response:
             w.set_result(None)
 
     def _feed(self, data: bytes) -> None:
+        self._last = self._conn.loop.time()
         self._chunks.append(data)
         self._buffered += len(data)
         if self._buffered > HIGH_WATER and not self._paused:
@@ -127,7 +131,15 @@ class Response:
 
     def _timed_out(self) -> None:
         self._timer = None
-        self._fail(asyncio.TimeoutError())
+        if self._headers_done:   # answering: the timeout runs from the latest piece (one re-arm per gap, not per piece)
+            resume = self._last + self._idle
+            if resume > self._conn.loop.time():
+                self._timer = self._conn.loop.call_at(resume, self._timed_out)
+                return
+            what = "nothing more of its answer"
+        else:
+            what = "no answer"
+        self._fail(asyncio.TimeoutError(f"the node sent {what} in {round(self._idle, 1):g} s"))
         self._conn.abort()
 
     # ---- the caller reads ---------------------------------------------------------------------------------
@@ -250,6 +262,7 @@ class _Connection(asyncio.Protocol):
         h = r.headers
         r.content_type = h.get("content-type", "application/octet-stream").split(";", 1)[0].strip().lower()
         r._until_eof = "content-length" not in h and "chunked" not in h.get("transfer-encoding", "").lower()
+        r._last = self.loop.time()
         r._headers_done = True
         r._wake()
 
@@ -274,6 +287,7 @@ class _Connection(asyncio.Protocol):
         r = Response(self, on_complete)
         self.response = r
         self.parser = httptools.HttpResponseParser(self)
+        r._idle = max(0.0, deadline - self.loop.time())
         r._timer = self.loop.call_at(deadline, r._timed_out)
         self.transport.writelines((head, body))
         return r

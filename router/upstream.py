@@ -86,7 +86,8 @@ class Upstream:
         return {REQUEST_ID_HEADER: request_id, **internal_api.headers(self.internal_token)}
 
     def timeout(self, total: float | None = None) -> aiohttp.ClientTimeout:
-        return aiohttp.ClientTimeout(total=total or self.request_timeout, sock_connect=self.connect_timeout)
+        """The wait for each read, as the lean client's (``router/http1.py``): a stream that keeps coming is not cut."""
+        return aiohttp.ClientTimeout(sock_read=total or self.request_timeout, sock_connect=self.connect_timeout)
 
     async def open(self, url: str, body: dict | bytes, request_id: str, timeout: float | None = None):
         """POST (a dict, or JSON already serialized) and wait for the status line and headers; the caller reads

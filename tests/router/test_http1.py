@@ -44,6 +44,7 @@ class Upstream:
         app.router.add_post("/echo", self.echo)
         app.router.add_post("/sse", self.sse)
         app.router.add_post("/slow", self.slow)
+        app.router.add_post("/stall", self.stall)
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                     keepalive_timeout=keepalive_timeout)
         self.loop.run_until_complete(self.runner.setup())
@@ -93,6 +94,19 @@ class Upstream:
             self.abandoned.set()
             raise
         await resp.write_eof()
+        return resp
+
+    async def stall(self, request: web.Request) -> web.StreamResponse:
+        """One event, then nothing (a node that hangs mid-stream)."""
+        self._seen(request)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: 0\n\n")
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            self.abandoned.set()
+            raise
         return resp
 
     async def slow(self, request: web.Request) -> web.Response:
@@ -422,6 +436,27 @@ def test_a_timeout_closes_the_connection_and_the_upstream_sees_it(upstream):
             await post(client, upstream.url + "/slow", timeout=0.3)
         assert time.monotonic() - t0 < 2
         assert client.num_idle() == 0
+
+    run(go)
+    assert upstream.abandoned.wait(5)
+
+
+def test_a_stream_that_keeps_coming_outlives_the_timeout_and_one_that_stalls_does_not(upstream):
+    """The timeout bounds the wait for the head and then each gap in the body, not the whole answer: a long stream
+    (here 4 s of events every 20 ms, under a 0.5 s timeout) was cut mid-way with an empty TimeoutError."""
+    upstream.abandoned.clear()
+
+    async def go(client):
+        resp = await post(client, upstream.url + "/sse", timeout=0.5)
+        body = await resp.read()
+        assert body.count(b"data: ") == 200
+        resp = await post(client, upstream.url + "/stall", timeout=0.5)
+        t0 = time.monotonic()
+        assert (await resp.readany()).startswith(b"data: 0")
+        with pytest.raises(asyncio.TimeoutError, match="nothing more of its answer in 0.5 s"):
+            while await resp.readany():
+                pass
+        assert time.monotonic() - t0 < 3
 
     run(go)
     assert upstream.abandoned.wait(5)

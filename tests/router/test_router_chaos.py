@@ -32,7 +32,7 @@ pytestmark = pytest.mark.timeout(600)
 
 TRANSFER_TIMEOUT = 2.0       # the nodes' --kv-transfer-timeout: a pull from a paused prefill node gives up soon
 PREFILL_TIMEOUT = 1.5        # the router's --prefill-timeout
-REQUEST_TIMEOUT = 4.0        # the router's --request-timeout (one decode leg, whole)
+REQUEST_TIMEOUT = 4.0        # the router's --request-timeout (a leg's wait for its head, then each gap in its body)
 NUM_BLOCKS = 96              # every node's (tests/disagg/cluster.py); an idle node has them all free
 WORDS = "amber birch cobalt delta ember fjord granite hollow indigo juniper kestrel lagoon".split()
 _serial = itertools.count()
