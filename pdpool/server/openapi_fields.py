@@ -165,7 +165,7 @@ def common_fields(model: dict) -> dict:
         "n": nullable(integer(1, MAX_N)),
         "prompt_logprobs": nullable(integer(0, MAX_LOGPROBS)),
         "priority": nullable(integer(SEED_MIN, SEED_MAX)),
-        "cache_salt": nullable({"type": "string"}),
+        "cache_salt": nullable({"type": "string", "minLength": 1, "maxLength": 128, "pattern": "^[^@/\\\\\\u0000]*$"}),
         "user": nullable({"type": "string"}),
         "return_token_ids": nullable({"type": "boolean"}),
         "return_tokens_as_token_ids": nullable({"type": "boolean", "description": (

@@ -191,12 +191,25 @@ def _common(body: dict, kind: str, served_model_names: list[str]) -> dict:
                 prompt_logprobs=get_int(body, "prompt_logprobs", None, ge=0, le=MAX_LOGPROBS)
                 if "prompt_logprobs" in body else None,
                 n=n, priority=get_int(body, "priority", 0, ge=INT64_MIN, le=INT64_MAX),
-                cache_salt=get_str(body, "cache_salt"),
+                cache_salt=_cache_salt(body),
                 kv_transfer_params=kv, user=get_str(body, "user"),
                 return_token_ids=get_bool(body, "return_token_ids"),
                 return_tokens_as_token_ids=get_bool(body, "return_tokens_as_token_ids", None),
                 use_beam_search=get_bool(body, "use_beam_search"),
                 length_penalty=get_float(body, "length_penalty", 1.0))
+
+
+_SALT_FORBIDDEN = frozenset("@/\\\x00")
+MAX_CACHE_SALT = 128
+
+
+def _cache_salt(body: dict) -> str | None:
+    """vLLM's rule (0.32): a salt is a non-empty string of at most 128 characters without '@', '/', '\\' or NUL."""
+    salt = get_str(body, "cache_salt")
+    if salt is not None and (not salt or len(salt) > MAX_CACHE_SALT or not _SALT_FORBIDDEN.isdisjoint(salt)):
+        raise APIError(f"'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT} characters without "
+                       f"'@', '/', '\\' or NUL, got {short_repr(salt)}", param="cache_salt")
+    return salt
 
 
 # vLLM's older structured-output fields, each one constraint of ``structured_outputs``.

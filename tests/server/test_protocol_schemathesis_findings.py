@@ -1,9 +1,10 @@
-"""Request-body rules schemathesis found broken against the nodes' and the router's /openapi.json (each test fails
+"""Request-body rules (most of them found by schemathesis) broken against the nodes' and the router's /openapi.json (each test fails
 on the code before the fix): the parser itself, no server."""
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, strategies as st
 
 from pdpool.server import json_body, protocol
 from pdpool.server.errors import APIError
@@ -57,3 +58,17 @@ def test_bad_words_with_an_unpaired_surrogate_is_a_400(value):
     with pytest.raises(APIError) as err:
         protocol.parse_completion({"model": "demo", "prompt": "x", "bad_words": value}, NAMES)
     assert err.value.param == "bad_words"
+
+
+@given(st.text(alphabet=st.sampled_from(["a", "é", "@", "/", "\\", "\x00", "-"]), max_size=140))
+def test_cache_salt_follows_vllms_rule(salt):
+    """vLLM (0.32) refuses an empty salt, one over 128 characters, and one holding '@', '/', '\\' or NUL, with a 400
+    naming cache_salt; pdpool took them all."""
+    body = {"prompt": "hi", "cache_salt": salt}
+    ok = 1 <= len(salt) <= 128 and not set(salt) & set("@/\\\x00")
+    if ok:
+        assert protocol.parse_completion(body, NAMES).cache_salt == salt
+    else:
+        with pytest.raises(APIError) as info:
+            protocol.parse_completion(body, NAMES)
+        assert info.value.param == "cache_salt"
