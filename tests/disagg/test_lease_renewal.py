@@ -30,10 +30,12 @@ def test_queued_handoffs_keep_their_leases(nodes):
     bodies = [completion_body(p, 48, ignore_eos=True) for p in PROMPTS]
     expected = [token_ids(dr.complete(b)) for b in bodies]  # colocated, on the decode node
     proxy = DisaggProxy(pr.url, dr.url)
-    handles = [proxy.handle(b) for b in bodies]  # all prefilled first: every lease runs from here
     before_pr, before_dr = pr.kv(), dr.kv()
+    # Each handle goes to the decode node as soon as it is issued, as a router sends it; there they queue one after
+    # another for longer than the lease. (Prefilling all four first left the first lease to run out before any
+    # decode began whenever the four prefills took over a second: a slow or loaded machine, not a missed renewal.)
     with ThreadPoolExecutor(len(bodies)) as pool:
-        replies = list(pool.map(lambda bh: proxy.decode(*bh), zip(bodies, handles)))
+        replies = list(pool.map(lambda b: proxy.decode(b, proxy.handle(b)), bodies))
     assert [r.status_code for r in replies] == [200] * len(bodies), [r.text for r in replies]
     assert [token_ids(r.json()) for r in replies] == expected
     after_pr, after_dr = pr.kv(), dr.kv()
