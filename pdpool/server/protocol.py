@@ -65,8 +65,9 @@ class GenerationRequest:
     # divides a beam's log probability by its length to that power
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    # the fields of ``pdpool.frontend.DEFAULTABLE`` the body sets (not null): the others take the server's generation defaults
-    sampling_given: frozenset[str] = frozenset()
+    # the JSON body it was parsed from: the generation defaults fill only the fields it left unset (read then, not
+    # at every parse: the router parses every request and applies no defaults)
+    body: dict | None = dataclasses.field(default=None, repr=False, compare=False)
 
 
 # ---- typed field readers -------------------------------------------------------------------------
@@ -342,23 +343,14 @@ def _sampling_fields(body: dict, max_tokens: int | None, logprobs: int | None) -
     return make_sampling_params(kwargs)
 
 
-_NONE_GIVEN: frozenset[str] = frozenset()
-
-
-def _sampling_given(body: dict) -> frozenset[str]:
-    if _SAMPLING_FIELDS.isdisjoint(body):
-        return _NONE_GIVEN
-    return frozenset(name for name in DEFAULTABLE if body.get(name) is not None)
-
-
 def apply_generation_defaults(req: GenerationRequest, defaults, max_model_len: int) -> None:
     """A node's generation defaults (``pdpool.frontend.GenerationDefaults``) on the fields ``req`` left unset, as
     vLLM (0.32) applies its generation config: each sampling field the body did not set (or set to null); a chat's
     budget when it gave none (within the context); a cap on every budget. A beam search takes only the
     temperature, as vLLM's. A request the defaults make inconsistent (``min_tokens`` over the cap) is a 400."""
-    params = req.params
+    params, body = req.params, req.body or {}
     for name, value in defaults.sampling.items():
-        if name not in req.sampling_given and (name == "temperature" or not req.use_beam_search):
+        if body.get(name) is None and (name == "temperature" or not req.use_beam_search):
             setattr(params, name, value)
     if req.kind == "chat" and not req.max_tokens_given and defaults.max_tokens is not None:
         params.max_tokens = min(defaults.max_tokens, max_model_len)
@@ -441,7 +433,7 @@ def parse_completion(body: dict, served_model_names: list[str]) -> GenerationReq
         params.prompt_logprobs = max(common["prompt_logprobs"], params.prompt_logprobs or 0)
     return _checked(GenerationRequest(prompts=prompts, params=params, max_tokens_given=max_tokens is not None,
                                       echo=echo, logprobs=logprobs, echo_only=echo_only,
-                                      sampling_given=_sampling_given(body), **common))
+                                      body=body, **common))
 
 
 # ---- /v1/chat/completions ------------------------------------------------------------------------
@@ -609,7 +601,7 @@ def parse_chat(body: dict, served_model_names: list[str], render, tool_parser: s
         params.structured_outputs = StructuredOutputs("json", tool_choice.schema, param="tools")
     return _checked(GenerationRequest(prompts=[prompt], params=params, max_tokens_given=max_tokens is not None,
                                       logprobs=logprobs, tool_choice=tool_choice, response_role=response_role,
-                                      chat_echo=chat_echo, sampling_given=_sampling_given(body), **common))
+                                      chat_echo=chat_echo, body=body, **common))
 
 
 def parse_translated_chat(chat: dict, parse_chat, names: dict[str, str]) -> GenerationRequest:
