@@ -12,7 +12,9 @@ import sys
 from pdpool import config
 
 
-def _serve(argv: list[str]) -> int:
+def serve_config(argv: list[str]) -> config.NodeConfig:
+    """``pdpool serve``'s settings: its flags over its ``--config`` YAML file (``vllm serve --config``), validated; a
+    bad flag or file exits with status 2 and the error."""
     parser = argparse.ArgumentParser(prog="pdpool serve", description="Serve a model over the OpenAI API.")
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="The model, as vLLM's `vllm serve MODEL` takes it: the same as --model.")
@@ -25,9 +27,16 @@ def _serve(argv: list[str]) -> int:
             parser.error(f"the model is given twice, as {tag!r} and as --model {flag!r}; give it once")
         setattr(ns, "model.model", tag)
     try:
-        cfg = config.from_args(ns)
+        path = getattr(ns, "server.config", None)
+        if path is not None:
+            config.merge_config_file(vars(ns), config.read_config_file(path), path)
+        return config.from_args(ns)
     except config.ConfigError as exc:
         parser.error(str(exc))
+
+
+def _serve(argv: list[str]) -> int:
+    cfg = serve_config(argv)
     from pdpool.frontend import ChatTemplateError, load_chat_template
     from pdpool.models.demo import check_model
 

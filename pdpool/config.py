@@ -25,6 +25,8 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_origin
 
+import yaml
+
 ROLES = ("both", "prefill", "decode")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -67,8 +69,10 @@ class ModelConfig:
     model: str = opt("demo", "Model: 'demo' (bundled SmolLM2-135M-Instruct), a local HF folder, or a hub id "
                      "already in the Hugging Face cache (never downloaded).",
                      crd="model.name")
-    served_model_name: str | None = opt(None, "Name the API serves the model as (default: --model).",
-                                        crd="model.servedModelName")
+    # Several, as vLLM's flag takes them (--served-model-name a b): a request may name any, /v1/models lists them
+    # all, answers carry the first. A pool's spec (the CRD's help is this one's) names one.
+    served_model_name: str | list[str] | None = opt(None, "Name the API serves the model as (default: --model).",
+                                                    crd="model.servedModelName")
     dtype: str = opt("auto", "Weight and activation dtype; auto is bfloat16 on CUDA and on CPUs with native bf16 "
                               "(AVX512_BF16, AMX), float32 on other CPUs.",
                      choices=DTYPES, crd="engine.dtype")
@@ -125,6 +129,8 @@ class DeviceConfig:
 
 @dataclass
 class ServerConfig:
+    config: str | None = opt(None, "YAML file of settings keyed by their long flag names (max-model-len or "
+                             "max_model_len); a flag on the command line wins over it (vLLM's --config).")
     host: str | None = opt(None, LISTEN_HELP)
     port: int = opt(8000, "HTTP port.", ge=0, le=65535)
     role: str = opt("both", "Node role in a disaggregated pool.", choices=ROLES)
@@ -182,12 +188,17 @@ class NodeConfig:
     def __post_init__(self) -> None:
         validate(self)
         _check_auto_tool_choice(self.server)
-        _check_patterns(self.server)
         generation_override(self.model)
 
     @property
+    def served_model_names(self) -> list[str]:
+        names = self.model.served_model_name or self.model.model
+        return [names] if isinstance(names, str) else list(names)
+
+    @property
     def served_model_name(self) -> str:
-        return self.model.served_model_name or self.model.model
+        """The first served name: the one answers, metrics and block-hash fingerprints carry."""
+        return self.served_model_names[0]
 
     @property
     def node_id(self) -> str:
@@ -277,7 +288,6 @@ class RouterCommandConfig:
     def __post_init__(self) -> None:
         validate(self)
         _check_auto_tool_choice(self.router)
-        _check_patterns(self.router)
 
     @property
     def served_model_name(self) -> str:
@@ -314,20 +324,6 @@ def matches_pattern(pattern: str, value: str) -> bool:
 _PATTERN_MEANINGS = {HEADER_VALUE: "a header value (printable ASCII)"}
 
 
-def _check_patterns(section) -> None:
-    """Every value (list item) of a setting that declares a ``pattern`` matches it, as the CRD asks at apply time:
-    a pattern holds wherever the setting comes from (flags, YAML, a pool file)."""
-    for f in options(type(section)):
-        pattern = f.metadata["pattern"]
-        value = getattr(section, f.name)
-        if pattern is None or value is None:
-            continue
-        for item in value if isinstance(value, list) else [value]:
-            if not matches_pattern(pattern, item):
-                raise ConfigError(f"{flag_name(f)}: {item!r} is not "
-                                  f"{_PATTERN_MEANINGS.get(pattern, 'a match for ' + pattern)}")
-
-
 def auto_tool_parser(section) -> str | None:
     """The parser that serves tool_choice "auto", or None where auto is refused."""
     return section.tool_call_parser if section.enable_auto_tool_choice else None
@@ -352,16 +348,29 @@ def all_options(cfg_cls: type = NodeConfig) -> list[tuple[str, dataclasses.Field
     return [(sec, f) for sec, cls in sections(cfg_cls) for f in options(cls)]
 
 
+def _annotation(f: dataclasses.Field) -> Any:
+    return eval(f.type, {"Literal": Literal}, {}) if isinstance(f.type, str) else f.type  # postponed strings
+
+
 def _base_type(f: dataclasses.Field) -> type:
-    t = f.type
-    if isinstance(t, str):
-        t = eval(t, {"Literal": Literal}, {})  # annotations are postponed strings
+    """The type of the setting's value: list for a repeatable flag; of ``X | None`` and of ``str | list[str]``
+    (several values, one allowed alone: ``several``), the first."""
+    t = _annotation(f)
     if get_origin(t) is list:  # a repeatable flag
         return list
     if get_origin(t) is not None:  # X | None
         args = [a for a in get_args(t) if a is not type(None)]
         t = args[0]
     return t
+
+
+def _nullable(f: dataclasses.Field) -> bool:
+    return type(None) in get_args(_annotation(f))
+
+
+def several(f: dataclasses.Field) -> bool:
+    """A ``str | list[str]`` setting: its flag takes one value or more (vLLM's ``--served-model-name a b``)."""
+    return any(get_origin(a) is list for a in get_args(_annotation(f)))
 
 
 def flag_name(f: dataclasses.Field) -> str:
@@ -404,6 +413,8 @@ def add_arguments(parser: argparse.ArgumentParser, cfg_cls: type = NodeConfig) -
             kw: dict[str, Any] = dict(dest=f"{sec}.{f.name}", default=argparse.SUPPRESS, help=f.metadata["help"])
             if t is bool:
                 kw["action"] = argparse.BooleanOptionalAction
+            elif several(f):   # --served-model-name a b: the list; another --served-model-name replaces it (vLLM's)
+                kw.update(nargs="+", metavar=f.name.upper())
             elif t is list:  # repeatable (--decode URL --decode URL) or a JSON list (--decode '["URL", "URL"]')
                 kw.update(action="extend", type=list_value, metavar=f.name.upper())
             else:
@@ -463,6 +474,8 @@ def to_argv(cfg, cfg_cls: type = NodeConfig, *, include_secrets: bool = False) -
                 continue
             if isinstance(value, bool):
                 argv.append(flag_name(f) if value else "--no-" + flag_name(f)[2:])
+            elif isinstance(value, list) and several(f):
+                argv += [flag_name(f), *map(str, value)]
             elif isinstance(value, list):
                 if not value or any(str(item).startswith("[") for item in value):
                     argv += [flag_name(f), json.dumps([str(item) for item in value])]
@@ -474,19 +487,32 @@ def to_argv(cfg, cfg_cls: type = NodeConfig, *, include_secrets: bool = False) -
     return argv
 
 
-def _check_field(sec: str, f: dataclasses.Field, value: Any) -> None:
-    if value is None:
-        return
-    name = flag_name(f)
+def _check_field(f: dataclasses.Field, value: Any, name: str | None = None) -> None:
+    """``value`` is of the setting's type, within its choices, bounds and pattern; else a ConfigError that names
+    the setting as ``name`` (default: its flag)."""
+    name = name or flag_name(f)
     t = _base_type(f)
+    if value is None:
+        if not _nullable(f):
+            raise ConfigError(f"{name}: expected {t.__name__}, got None")
+        return
+    if several(f) and isinstance(value, list):
+        if not value or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{name}: expected a string or a non-empty list of strings, got {value!r}")
+        _check_pattern(f, value, name)
+        return
     if t is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if t is list:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{name}: expected a list of strings, got {value!r}")
+        _check_pattern(f, value, name)
         return
-    if t is not Any and not isinstance(value, t):
-        raise ConfigError(f"{name}: expected {t.__name__}, got {value!r}")
+    if t is not Any and (not isinstance(value, t) or (t is not bool and isinstance(value, bool))):
+        raise ConfigError(f"{name}: expected {t.__name__}, got {value!r}")   # YAML's true is not a number
+    if t is float and value != value:
+        raise ConfigError(f"{name}: expected a number, got nan")
+    _check_pattern(f, [value], name)
     m = f.metadata
     if m.get("choices") and value not in m["choices"]:
         raise ConfigError(f"{name}: {value!r} is not one of {list(m['choices'])}")
@@ -500,4 +526,54 @@ def validate(cfg) -> None:
     for sec, cls in sections(type(cfg)):
         section = getattr(cfg, sec)
         for f in options(cls):
-            _check_field(sec, f, getattr(section, f.name))
+            _check_field(f, getattr(section, f.name))
+
+
+def _check_pattern(f: dataclasses.Field, items: list, name: str) -> None:
+    """Every value (list item) of a setting that declares a ``pattern`` matches it, as the CRD asks at apply time:
+    a pattern holds wherever the setting comes from (flags, YAML, a pool file)."""
+    pattern = f.metadata["pattern"]
+    for item in items if pattern is not None else []:
+        if not matches_pattern(pattern, item):
+            raise ConfigError(f"{name}: {item!r} is not {_PATTERN_MEANINGS.get(pattern, 'a match for ' + pattern)}")
+
+
+def read_config_file(path: str) -> dict:
+    """The settings of a ``--config`` YAML file (a mapping); a ConfigError naming the file where it cannot be read,
+    is not YAML, or holds something else than a mapping."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except (OSError, ValueError, RecursionError, yaml.YAMLError) as exc:   # ValueError: not UTF-8
+        raise ConfigError(f"--config {path}: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of settings at the top level, got "
+                          f"{type(data).__name__}")
+    return data
+
+
+def merge_config_file(given: dict, data: dict, path: str, cfg_cls: type = NodeConfig) -> None:
+    """Put a ``--config`` file's settings under the flags, as ``vllm serve --config``: ``given`` (the parsed flags,
+    as ``from_args`` reads them) gains each setting the command line left out. A key is a setting's long flag name,
+    with dashes or underscores (``max-model-len``, ``max_model_len``); one value for a list setting is one item. An
+    unknown key, a setting given twice, or a value of the wrong type, choice or range is a ConfigError naming the
+    file and the key."""
+    fields = {f.name: (sec, f) for sec, f in all_options(cfg_cls)}
+    from_file: set[str] = set()
+    for key, value in data.items():
+        name = key.replace("-", "_") if isinstance(key, str) else None
+        if name not in fields:
+            raise ConfigError(f"--config {path}: unknown setting {key!r}")
+        if name in from_file:
+            raise ConfigError(f"--config {path}: {key}: the setting is given twice")
+        from_file.add(name)
+        sec, f = fields[name]
+        if isinstance(value, str) and _base_type(f) is list:
+            value = [value]
+        try:
+            _check_field(f, value, key)
+        except ConfigError as exc:
+            raise ConfigError(f"--config {path}: {exc}") from None
+        given.setdefault(f"{sec}.{name}", value)   # the command line wins

@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-import yaml
-
 from pdpool import config
 from pdpool.router import filters, pickers, scorers  # noqa: F401  (they register their plugins)
 from pdpool.router.plugins import Plugin, build
@@ -50,37 +48,19 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def read_yaml(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise SettingsError(f"--config {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise SettingsError(f"--config {path}: expected a mapping at the top level")
-    return data
-
-
 def load(argv: list[str], environ: dict | None = None) -> tuple[config.RouterCommandConfig, dict]:
     """(validated config, the YAML's ``scheduler`` section or {}); raises SystemExit on a bad flag."""
     ns = parser().parse_args(argv)
     given = vars(ns)
     scheduler: dict = {}
     path = given.get(f"{_SECTION}.config")
-    if path:
-        data = read_yaml(path)
-        scheduler = data.pop("scheduler", None) or {}
-        if not isinstance(scheduler, dict):
-            raise SettingsError("--config: 'scheduler' must be a mapping")
-        fields = {f.name: f for _, f in config.all_options(config.RouterCommandConfig)}
-        for key, value in data.items():
-            name = str(key).replace("-", "_")
-            if name not in fields:
-                raise SettingsError(f"--config: unknown setting {key!r}")
-            if isinstance(value, str) and config._base_type(fields[name]) is list:   # decode: URL, as one flag
-                value = [value]
-            given.setdefault(f"{_SECTION}.{name}", value)   # flags win
     try:
+        if path:   # the same file format as pdpool serve's --config, plus a scheduler section
+            data = config.read_config_file(path)
+            scheduler = data.pop("scheduler", None) or {}
+            if not isinstance(scheduler, dict):
+                raise SettingsError(f"--config {path}: 'scheduler' must be a mapping")
+            config.merge_config_file(given, data, path, config.RouterCommandConfig)   # flags win
         cfg = config.from_args(argparse.Namespace(**given), config.RouterCommandConfig, environ)
     except (config.ConfigError, TypeError) as exc:
         raise SettingsError(str(exc)) from None
