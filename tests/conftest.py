@@ -25,6 +25,20 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 SERVER_START_TIMEOUT = 300.0
+TESTS = Path(__file__).resolve().parent
+# (module, the module it reads the run of): run after it when both are collected (tests/helm/test_chart_rbac.py)
+RUN_AFTER = [(TESTS / "helm" / "test_chart_rbac.py", TESTS / "operator" / "test_operator_e2e.py")]
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    """Each module of ``RUN_AFTER`` moved to just after the module whose run it reads, where both are collected,
+    so that it reads that run instead of running the module again."""
+    for module, after in RUN_AFTER:
+        moved = [item for item in items if item.path == module]
+        rest = [item for item in items if item.path != module]
+        last = max((i for i, item in enumerate(rest) if item.path == after), default=None)
+        if moved and last is not None:
+            items[:] = rest[:last + 1] + moved + rest[last + 1:]
 
 
 @pytest.fixture(scope="session")

@@ -19,10 +19,23 @@ See `k8s_emulator/__init__.py` for the emulator's API and its limitations.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 
 from k8s_emulator import Emulator
 from k8s_tools import Kubectl, write_kubeconfig
+
+
+class ModuleRequests(NamedTuple):
+    """A test module's emulated cluster at the module's end: every request it saw, and how many tests failed."""
+
+    requests: list[dict]
+    failed: int
+
+
+# {module name: ModuleRequests}, filled by tests/operator's ``cluster`` as each module ends (the session's stash)
+MODULE_REQUESTS = pytest.StashKey[dict]()
 
 
 @pytest.fixture

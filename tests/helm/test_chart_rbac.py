@@ -13,9 +13,11 @@ import sys
 import pytest
 
 from chart import NAMESPACE, ROOT, VALUE_SETS, render
+from k8s_fixtures import MODULE_REQUESTS
 from pdpool.operator.builders.router import DISCOVERY_RULES
 
 OPERATOR_AGENTS = ("pdpool-operator", "kopf/")  # the operator's own client, and kopf's
+E2E_MODULE = "test_operator_e2e"
 
 
 def triples(rules: list[dict]) -> set[tuple[str, str, str]]:
@@ -29,15 +31,21 @@ def called(requests: list[dict]) -> set[tuple[str, str, str]]:
 
 
 @pytest.fixture(scope="module")
-def e2e_requests(tmp_path_factory) -> list[dict]:
-    """The operator's requests during tests/operator/test_operator_e2e.py (its own pytest run, all of it)."""
-    log = tmp_path_factory.mktemp("rbac") / "requests.json"
-    env = {**os.environ, "PDPOOL_K8S_REQUEST_LOG": str(log)}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "tests/operator/test_operator_e2e.py", "-q", "-x",
-                           "-p", "no:cacheprovider"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, "the operator e2e suite failed:\n" + proc.stdout[-4000:]
-    requests = json.loads(log.with_name("requests.json.test_operator_e2e").read_text())
+def e2e_requests(tmp_path_factory, pytestconfig) -> list[dict]:
+    """The operator's requests during tests/operator/test_operator_e2e.py, all of it: from this session's run of
+    it where it ran before this module (tests/conftest.py orders it so), else from a pytest run of its own."""
+    ran = pytestconfig.stash.get(MODULE_REQUESTS, {}).get(E2E_MODULE)
+    if ran is not None:
+        assert ran.failed == 0, f"the operator e2e suite failed: {ran.failed} of its tests (above)"
+        requests = ran.requests
+    else:
+        log = tmp_path_factory.mktemp("rbac") / "requests.json"
+        env = {**os.environ, "PDPOOL_K8S_REQUEST_LOG": str(log)}
+        proc = subprocess.run([sys.executable, "-m", "pytest", f"tests/operator/{E2E_MODULE}.py", "-q", "-x",
+                               "-p", "no:cacheprovider"], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, "the operator e2e suite failed:\n" + proc.stdout[-4000:]
+        requests = json.loads(log.with_name(f"requests.json.{E2E_MODULE}").read_text())
     mine = [r for r in requests if r["user_agent"].startswith(OPERATOR_AGENTS)]
     assert mine, {r["user_agent"] for r in requests}
     return mine

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests/ folder
-from k8s_fixtures import k8s_module  # noqa: E402,F401
+from k8s_fixtures import MODULE_REQUESTS, ModuleRequests, k8s_module  # noqa: E402,F401
 from k8s_tools import Kubectl, write_kubeconfig  # noqa: E402
 
 
@@ -33,8 +33,12 @@ class Cluster:
 def cluster(k8s_module, tmp_path_factory, request):
     tmp = tmp_path_factory.mktemp("cluster")
     kubeconfig = write_kubeconfig(tmp / "kubeconfig", k8s_module.url)
+    failed = request.session.testsfailed
     yield Cluster(k8s_module, kubeconfig, Kubectl(kubeconfig, tmp / "home"))
-    # tests/helm/test_chart_rbac.py runs a module with this set, and compares its requests with the chart's RBAC
+    # tests/helm/test_chart_rbac.py compares a module's requests with the chart's RBAC: it reads them here when the
+    # module ran earlier in this session, or runs the module in a pytest of its own with this set
+    request.config.stash.setdefault(MODULE_REQUESTS, {})[request.module.__name__] = ModuleRequests(
+        k8s_module.requests(), request.session.testsfailed - failed)
     log = os.environ.get("PDPOOL_K8S_REQUEST_LOG")
     if log:
         Path(log).with_name(f"{Path(log).name}.{request.module.__name__}").write_text(
