@@ -104,9 +104,13 @@ class RequestPath:
             return await self._decode(exchange, rr, plan, None, "decode_only")
         log_lines.info(logger, "route: prefill %s -> decode %s (matched blocks %s)", plan.prefill.node_id,
                        plan.decode[0].node_id, plan.matched_blocks)
-        handle = await self._prefill(rr, plan)
-        self._note(plan, "disaggregated" if handle is not None else "fallback")
-        return await self._decode(exchange, rr, plan, handle, None)
+        prefilled = await self._prefill(rr, plan)
+        if prefilled is None:
+            self._note(plan, "fallback")
+            return await self._decode(exchange, rr, plan, None, None)
+        # Counted once the decode node takes the handle: one it refuses makes this a fallback (``_decode``).
+        handle, realized = prefilled
+        return await self._decode(exchange, rr, plan, handle, "disaggregated", realized)
 
     def _note(self, plan: RoutePlan, decision: str) -> None:
         self.metrics.decision_seconds.observe(plan.seconds)
@@ -114,9 +118,10 @@ class RequestPath:
             self.metrics.affinity_yields.inc()
         self.metrics.decisions[decision].inc()
 
-    async def _prefill(self, rr: RoutedRequest, plan: RoutePlan) -> dict | None:
-        """The KV handle, or None when the request should go decode-only (also when the prefill node refused it:
-        a 4xx for the client's own request comes from the decode node)."""
+    async def _prefill(self, rr: RoutedRequest, plan: RoutePlan) -> tuple[dict, int | None] | None:
+        """The KV handle and the prefill node's realized prefix hits, or None when the request should go
+        decode-only (also when the prefill node refused it: a 4xx for the client's own request comes from the
+        decode node)."""
         p = plan.prefill
         body = rr.prefill_body(p.pdpool, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
         body.pop("stream_options", None)
@@ -160,11 +165,10 @@ class RequestPath:
             ticket.done()
         self._answered(p)
         handle = payload.get("kv_transfer_params") if isinstance(payload, dict) else None
-        self._count_hits("prefill", rr, plan, p, _cached_tokens(payload))
         if not isinstance(handle, dict):
             self._failed(p, UpstreamError("http_5xx", "the prefill answer has no kv_transfer_params"))
             return None
-        return handle
+        return handle, _cached_tokens(payload)
 
     def _release_after(self, leg: asyncio.Future, prefill, request_id: str) -> None:
         if leg.cancelled() or leg.exception() is not None:
@@ -173,9 +177,10 @@ class RequestPath:
         self._release(prefill, result.get("kv_transfer_params") if isinstance(result, dict) else None, request_id)
 
     async def _decode(self, exchange, rr: RoutedRequest, plan: RoutePlan, handle: dict | None,
-                      decode_only: str | None) -> None:
-        """``decode_only``: the decision to count and log once the first decode leg is sent (the node works on
-        it meanwhile), or None when ``serve`` counted it already."""
+                      decision: str | None, prefill_realized: int | None = None) -> None:
+        """``decision``: the decision to count once the first decode leg is sent (the node works on it
+        meanwhile), or None when ``serve`` counted it already; "disaggregated" also counts the prefill leg's
+        hits (``prefill_realized``), unless the decode node refuses the handle: then it is a "fallback"."""
         tries = plan.decode[:1 + self.max_retries]
         last: UpstreamError | None = None
         for attempt, d in enumerate(tries):
@@ -197,7 +202,7 @@ class RequestPath:
             self.index.record(plan.block_hashes, d)
             # The decision's metrics and log line wait until the answer is on its way (``_announce``): the node
             # often answers before the router would have got this far.
-            note = [plan, decode_only, d] if decode_only is not None and not attempt else None
+            note = [plan, decision, d, rr, prefill_realized] if decision is not None and not attempt else None
             try:
                 return await self._decode_on(exchange, rr, plan, d, opened, hide_usage, ticket, note, relay)
             except UpstreamError as err:
@@ -208,11 +213,14 @@ class RequestPath:
                     self._release(plan.prefill, handle, rr.request_id)
                     handle = None
             except _PassThrough as exc:   # the node refused the request (4xx)
+                refused = handle is not None and b"kv_transfer_params" in exc.reply.body
+                if refused and note:   # the KV served nothing: a fallback, without the prefill leg's hits
+                    note[1] = "fallback"
                 self._announce(note)
                 if handle is None:
                     raise
                 self._release(plan.prefill, handle, rr.request_id)
-                if b"kv_transfer_params" not in exc.reply.body:
+                if not refused:
                     raise
                 # It refused the handle, the router's own field (the client cannot send one): a prefill node of
                 # another version, or KV this node cannot read. Not the client's error: the same node, decode-only.
@@ -230,13 +238,16 @@ class RequestPath:
         raise APIError(f"every decode node tried failed; last: {last}", status=503, code="upstream_unavailable")
 
     def _announce(self, note: list | None) -> None:
-        """A decode-only decision's metrics and log line, once (``note``: [plan, decision, decode node])."""
+        """A decision's metrics, once, and a decode-only one's log line (``note``: [plan, decision, decode node,
+        request, the prefill leg's realized hits])."""
         if note:
-            plan, decision, d = note
+            plan, decision, d, rr, prefill_realized = note
             note.clear()
             self._note(plan, decision)
-            log_lines.info(logger, "route: %s %s (matched blocks %s)", decision.replace("_", "-"), d.node_id,
-                           plan.matched_blocks)
+            if decision == "disaggregated":
+                self._count_hits("prefill", rr, plan, plan.prefill, prefill_realized)
+            elif decision == "decode_only":
+                log_lines.info(logger, "route: decode-only %s (matched blocks %s)", d.node_id, plan.matched_blocks)
 
     async def _decode_on(self, exchange, rr, plan, d, opened, hide_usage, ticket, note, relay) -> None:
         resp = await opened

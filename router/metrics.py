@@ -46,7 +46,8 @@ class RouterMetrics:
         else:
             counter = local.counter
         self.requests = counter("pdpool_router_requests", "Routed requests by decision: disaggregated, decode_only, "
-                                "fallback (prefill failed, served decode-only), retry (one per extra decode try).",
+                                "fallback (prefill failed, or its KV handle refused: served decode-only), retry (one per "
+                                "extra decode try).",
                                 ["decision"])
         # labels() hashes the values and takes a lock on every call: the children a request touches are kept
         self.decisions = {d: self.requests.labels(d) for d in DECISIONS}

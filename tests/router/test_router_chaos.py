@@ -292,9 +292,17 @@ def test_a_handle_the_decode_node_refuses_falls_back_to_decode_only(cluster, pro
     router, faults = proxied
     expired = expiries(cluster)
     body = completion_body(prompt(30), 8, stream=stream)
+    counted = ['pdpool_router_requests_total{decision="%s"}' % d for d in ("disaggregated", "fallback")] + [
+        'pdpool_router_%s_total{role="prefill"}' % m
+        for m in ("prompt_tokens", "prefix_predicted_hit_tokens", "prefix_realized_hit_tokens")]
+    before = {name: router.value(name) for name in counted}
     faults["prefill"].arm_rewrite(b'"pdpool_version": 2', b'"pdpool_version": 9')
     r = httpx.post(router.url + "/v1/completions", json=body, timeout=60)
     faults["prefill"].disarm()
     want = cluster["d0"].complete({**body, "stream": False})
     assert check_outcome(r, want, stream) == "answered"
     settled(cluster, router, expired)
+    # Counted as the fallback it is: no disaggregated decision, and no prefill leg's (predicted, realized) hits
+    # for KV that served nothing.
+    grew = {name: router.value(name) - before[name] for name in counted}
+    assert grew == {name: 1 if "fallback" in name else 0 for name in counted}, grew
