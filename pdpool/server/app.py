@@ -121,7 +121,7 @@ async def _request_id_middleware(request: web.Request, handler):
 # ---- handlers ------------------------------------------------------------------------------------
 
 def _served_names(request: web.Request) -> list[str]:
-    return [request.app[CONFIG_KEY].served_model_name]
+    return request.app[CONFIG_KEY].served_model_names
 
 
 def forwarded_token_ids(body: dict, num_prompts: int) -> list[list[int]] | None:
@@ -256,26 +256,27 @@ async def detokenize_route(request: web.Request) -> web.Response:
     return web.json_response(tokenize.detokenize(body, llm.frontend, _served_names(request)))
 
 
-def _model_card(request: web.Request) -> dict:
+def _model_card(request: web.Request, name: str) -> dict:
     cfg = request.app[CONFIG_KEY]
     node = request.app[NODE_KEY]
-    card = {"id": cfg.served_model_name, "object": "model", "created": node.created, "owned_by": "pdpool",
-            "root": cfg.model.model, "parent": None}
+    card = {"id": name, "object": "model", "created": node.created, "owned_by": "pdpool", "root": cfg.model.model,
+            "parent": None}
     if node.llm is not None:
         card["max_model_len"] = node.llm.max_model_len
     return card
 
 
 async def models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [_model_card(request)]})
+    """One card per served name (vLLM's, with several ``--served-model-name``)."""
+    return web.json_response({"object": "list", "data": [_model_card(request, n) for n in _served_names(request)]})
 
 
 async def model(request: web.Request) -> web.Response:
     """``GET /v1/models/{model}`` (OpenAI's retrieve): the card of a served name, else a 404 naming what is."""
-    card = _model_card(request)
-    if request.match_info["model"] != card["id"]:
-        raise protocol.model_not_found(request.match_info["model"], [card["id"]])
-    return web.json_response(card)
+    names = _served_names(request)
+    if request.match_info["model"] not in names:
+        raise protocol.model_not_found(request.match_info["model"], names)
+    return web.json_response(_model_card(request, request.match_info["model"]))
 
 
 async def version(request: web.Request) -> web.Response:

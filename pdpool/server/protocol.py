@@ -169,13 +169,14 @@ def model_not_found(model: str, served_model_names: list[str]) -> APIError:
 
 
 def _common(body: dict, kind: str, served_model_names: list[str]) -> dict:
+    """The fields every generation request shares. ``model``, any served name, becomes the first, which the answer
+    carries (vLLM's, with several ``--served-model-name``)."""
     model = body.get("model")
-    if model is None:
-        model = served_model_names[0]
-    if not isinstance(model, str):
+    if model is not None and not isinstance(model, str):
         raise APIError("'model' must be a string", param="model")
-    if model not in served_model_names:
+    if model is not None and model not in served_model_names:
         raise model_not_found(model, served_model_names)
+    model = served_model_names[0]
     stream = get_bool(body, "stream")
     include_usage, continuous = _stream_options(body, stream)
     n = get_int(body, "n", 1, ge=1, le=MAX_N)
