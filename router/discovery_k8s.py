@@ -14,10 +14,10 @@ With ``--redis`` too, Redis serves the prefix index only: an endpoint's id is ``
 pdpool node gives itself by default (a pod's hostname is its name), so the index's entries name the same nodes.
 
 Credentials (no kopf, no kubernetes client package): in a pod the service account (token re-read on every
-request, since kubelet rotates it); elsewhere the current context of ``$KUBECONFIG`` or ``~/.kube/config``
-(token, token file or client certificate; exec plugins are not supported). ``--kube-api URL`` overrides the
-server; outside a pod it then talks to that URL without credentials, never sending a kubeconfig's secrets to
-another server.
+request, since kubelet rotates it); elsewhere the current context of ``$KUBECONFIG`` (several files merged as
+kubectl merges them) or ``~/.kube/config`` (token, token file or client certificate; exec plugins are not
+supported). ``--kube-api URL`` overrides the server; outside a pod it then talks to that URL without credentials,
+never sending a kubeconfig's secrets to another server.
 """
 
 from __future__ import annotations
@@ -127,33 +127,63 @@ def _ssl(server: str, ca: str | None, cert: str | None, key: str | None, insecur
     return ctx
 
 
-def from_kubeconfig(path: Path) -> KubeConnection:
+def _merged_kubeconfig(paths: list[Path]) -> tuple[dict, dict[str, dict[str, tuple[dict, Path]]]]:
+    """The files of ``$KUBECONFIG`` merged as kubectl (client-go's loading rules) merges them: the first file to
+    name a cluster, context or user wins (the whole entry), the first file that sets current-context wins, and a
+    file that does not exist is skipped. Returns (the scalar settings, {"clusters" | "contexts" | "users": {name:
+    (entry, the folder of its file, where its relative paths point)}})."""
+    top: dict = {}
+    named: dict[str, dict[str, tuple[dict, Path]]] = {"clusters": {}, "contexts": {}, "users": {}}
+    found = False
+    for path in paths:
+        try:
+            doc = yaml.safe_load(path.read_text()) or {}
+        except FileNotFoundError:
+            continue
+        found = True
+        if not isinstance(doc, dict):
+            raise TypeError(f"{path} is not a mapping")
+        for key, value in doc.items():
+            if key in named:
+                for item in value or []:
+                    named[key].setdefault(item["name"], (item.get(key[:-1]) or {}, path.parent))
+            elif value and key not in top:
+                top[key] = value
+    if not found:
+        raise FileNotFoundError(f"no such file: {os.pathsep.join(map(str, paths))}")
+    return top, named
+
+
+def from_kubeconfig(path: Path | list[Path]) -> KubeConnection:
+    """The current context of one kubeconfig, or of several merged (``_merged_kubeconfig``)."""
+    paths = [path] if isinstance(path, Path) else path
+    label = os.pathsep.join(map(str, paths))
     try:
-        doc = yaml.safe_load(path.read_text()) or {}
-        ctx_name = doc["current-context"]
-        context = next(c["context"] for c in doc["contexts"] if c["name"] == ctx_name)
-        cluster = next(c["cluster"] for c in doc["clusters"] if c["name"] == context["cluster"])
-        user = next((u.get("user") or {} for u in doc.get("users") or [] if u["name"] == context.get("user")), {})
-    except (OSError, yaml.YAMLError, KeyError, StopIteration, TypeError) as exc:
-        raise KubeConfigError(f"kubeconfig {path}: {type(exc).__name__}: {exc}") from None
+        top, named = _merged_kubeconfig(paths)
+        ctx_name = top["current-context"]
+        context, _ = named["contexts"][ctx_name]
+        cluster, cluster_base = named["clusters"][context["cluster"]]
+        user, user_base = named["users"].get(context.get("user"), ({}, cluster_base))
+    except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError) as exc:
+        raise KubeConfigError(f"kubeconfig {label}: {type(exc).__name__}: {exc}") from None
     if "exec" in user or "auth-provider" in user:
-        raise KubeConfigError(f"kubeconfig {path}: exec and auth-provider credentials are not supported; "
+        raise KubeConfigError(f"kubeconfig {label}: exec and auth-provider credentials are not supported; "
                               "use a token or a client certificate")
-    base = path.parent
     server = cluster["server"].rstrip("/")
     written: list[str] = []                       # inline certificates and key: loaded, then removed
     try:
         context = _ssl(server, _pem_file(cluster.get("certificate-authority-data"),
-                                         cluster.get("certificate-authority"), base, written),
-                       _pem_file(user.get("client-certificate-data"), user.get("client-certificate"), base, written),
-                       _pem_file(user.get("client-key-data"), user.get("client-key"), base, written),
+                                         cluster.get("certificate-authority"), cluster_base, written),
+                       _pem_file(user.get("client-certificate-data"), user.get("client-certificate"), user_base,
+                                 written),
+                       _pem_file(user.get("client-key-data"), user.get("client-key"), user_base, written),
                        bool(cluster.get("insecure-skip-tls-verify")))
     except (ValueError, OSError) as exc:          # bad base64, unreadable or invalid PEM (ssl.SSLError)
-        raise KubeConfigError(f"kubeconfig {path}: TLS material: {exc}") from None
+        raise KubeConfigError(f"kubeconfig {label}: TLS material: {exc}") from None
     finally:
         for name in written:
             os.unlink(name)
-    token_file = str(base / user["tokenFile"]) if user.get("tokenFile") else None
+    token_file = str(user_base / user["tokenFile"]) if user.get("tokenFile") else None
     return KubeConnection(server, token=user.get("token"), token_file=token_file, ssl=context)
 
 
@@ -169,9 +199,9 @@ def connect(kube_api: str | None, environ=os.environ, service_account: Path = SE
                               own_namespace=own.read_text().strip() if own.exists() else None)
     if kube_api:
         return KubeConnection(kube_api.rstrip("/"), ssl=_ssl(kube_api, None, None, None, False))
-    path = (environ.get("KUBECONFIG") or "").split(os.pathsep)[0] or str(Path.home() / ".kube" / "config")
+    paths = list(dict.fromkeys(p for p in (environ.get("KUBECONFIG") or "").split(os.pathsep) if p))
     try:
-        return from_kubeconfig(Path(path))
+        return from_kubeconfig([Path(p) for p in paths] or Path.home() / ".kube" / "config")
     except KubeConfigError as exc:
         if host:   # in a pod: the token is what is missing, not a kubeconfig
             hint = (f"in a pod (KUBERNETES_SERVICE_HOST is set) with no service account token at "

@@ -20,13 +20,15 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import yaml
 from aiohttp import web
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from k8s_emulator import Emulator  # noqa: E402
 from k8s_emulator.resources import ResourceType  # noqa: E402
 from k8s_fixtures import k8s  # noqa: E402,F401
-from k8s_tools import write_kubeconfig  # noqa: E402
+from k8s_tools import kubectl_path, write_kubeconfig  # noqa: E402
 
 from pdpool.node_process import free_port, http_get  # noqa: E402
 from pdpool.router.discovery_k8s import (KubeConfigError, KubeConnection, KubernetesDiscovery,  # noqa: E402
@@ -521,3 +523,103 @@ def test_finding_no_slice_says_where_it_looked_and_the_pods_own_namespace(k8s, t
     assert len(lines) == 1 and lines[0][0] == "WARNING", lines
     for part in ("namespace default", "demo-prefill", "demo-decode", f"this pod runs in namespace {NS}"):
         assert part in lines[0][1], (part, lines)
+
+
+# ---- KUBECONFIG with several files ------------------------------------------------------------------------
+
+NAMES = ("a", "b")
+
+
+@st.composite
+def kubeconfig_files(draw) -> list[dict | None]:
+    """1-3 kubeconfig files (None: a path in $KUBECONFIG that does not exist), each naming some of the clusters,
+    users and contexts a and b, and maybe a current-context; the values say which file they come from."""
+    files: list[dict | None] = []
+    for i in range(draw(st.integers(1, 3))):
+        if draw(st.integers(0, 5)) == 0:
+            files.append(None)
+            continue
+        doc: dict = {"apiVersion": "v1", "kind": "Config"}
+        names = lambda: draw(st.lists(st.sampled_from(NAMES), unique=True))  # noqa: E731
+        doc["clusters"] = [{"name": n, "cluster": {"server": f"https://f{i}-{n}.example:6443"}} for n in names()]
+        doc["users"] = [{"name": n, "user": {"token": f"f{i}-{n}"}} for n in names()]
+        doc["contexts"] = [{"name": n, "context": {"cluster": draw(st.sampled_from(NAMES)),
+                                                   "user": draw(st.sampled_from(NAMES)),
+                                                   **({"namespace": f"f{i}-{n}"} if draw(st.booleans()) else {})}}
+                           for n in names()]
+        current = draw(st.sampled_from((None,) + NAMES))
+        if current:
+            doc["current-context"] = current
+        files.append(doc)
+    return files
+
+
+def write_kubeconfigs(root: Path, files: list[dict | None]) -> str:
+    """The files, each in a folder of its own, as a $KUBECONFIG list."""
+    paths = []
+    for i, doc in enumerate(files):
+        path = root / f"f{i}" / "config"
+        if doc is not None:
+            path.parent.mkdir()
+            path.write_text(yaml.safe_dump(doc))
+        paths.append(str(path))
+    return ":".join(paths)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(files=kubeconfig_files())
+def test_several_kubeconfig_files_merge_as_kubectl_merges_them(files):
+    """KUBECONFIG=a:b: the first file to name a cluster, user or context wins, current-context is the first file's
+    that sets one, a missing file is skipped. Real kubectl's view of the current context is the oracle."""
+    with tempfile.TemporaryDirectory() as root:
+        env = {"KUBECONFIG": write_kubeconfigs(Path(root), files)}
+        view = subprocess.run([str(kubectl_path()), "config", "view", "--minify", "--raw", "-o", "json"],
+                              env={**env, "HOME": root}, capture_output=True, text=True, timeout=30)
+        try:
+            conn = connect(None, environ=env)
+        except KubeConfigError as exc:
+            conn, refused = None, str(exc)
+        if view.returncode != 0:
+            event(f"kubectl: {view.stderr.strip().split(' ')[1]}")
+            if "cannot locate user" in view.stderr:    # kubectl refuses a context's missing user; no credentials here
+                assert conn is not None and conn.headers() == {}
+            else:                                      # no current context, or its cluster is missing
+                assert conn is None, (view.stderr, conn)
+            return
+        want = json.loads(view.stdout)
+        assert conn is not None, (refused, want)
+        event("merged")
+        assert conn.server == want["clusters"][0]["cluster"]["server"].rstrip("/")
+        assert conn.headers() == {"Authorization": f"Bearer {want['users'][0]['user']['token']}"}
+
+
+def test_each_file_of_kubeconfig_resolves_its_own_relative_paths(tmp_path):
+    """A user defined in the second file reads its tokenFile beside that file, not beside the first one."""
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    (tmp_path / "one" / "config").write_text(yaml.safe_dump({"current-context": "c", "contexts": [
+        {"name": "c", "context": {"cluster": "k", "user": "u"}}]}))
+    (tmp_path / "two" / "config").write_text(yaml.safe_dump({
+        "clusters": [{"name": "k", "cluster": {"server": "http://127.0.0.1:1"}}],
+        "users": [{"name": "u", "user": {"tokenFile": "token"}}]}))
+    (tmp_path / "two" / "token").write_text("second\n")
+    conn = connect(None, environ={"KUBECONFIG": f"{tmp_path / 'one' / 'config'}:{tmp_path / 'two' / 'config'}"})
+    assert conn.server == "http://127.0.0.1:1" and conn.headers() == {"Authorization": "Bearer second"}
+
+
+def test_discovery_through_a_kubeconfig_split_over_two_files(k8s, tmp_path):  # noqa: F811
+    """The context (and current-context) in one file, the emulator's cluster in another: the router lists the
+    emulator's EndpointSlices."""
+    serve_endpointslices(k8s)
+    k8s.client().post(SLICES, make_slice("demo-decode-a", "decode", 8000, [make_endpoint("10.0.0.1", "demo-decode-0")]))
+    whole = yaml.safe_load(write_kubeconfig(tmp_path / "whole", k8s.url, NS).read_text())
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.write_text(yaml.safe_dump({"current-context": whole["current-context"], "contexts": whole["contexts"]}))
+    second.write_text(yaml.safe_dump({"clusters": whole["clusters"], "users": whole["users"],
+                                      "contexts": [{"name": "emulator", "context": {"cluster": "nowhere"}}]}))
+    conn = connect(None, environ={"KUBECONFIG": f"{first}:{second}"})
+
+    async def body(pool: Pool, d: KubernetesDiscovery):
+        assert set(pool.endpoints) == {"demo-decode-0:8000"}
+
+    asyncio.run(run_discovery(k8s.url, body, conn=conn))
