@@ -198,6 +198,7 @@ async def _generate(request: web.Request, llm, req: protocol.GenerationRequest,
     server_config = request.app[CONFIG_KEY].server
     if req.return_tokens_as_token_ids is None:   # the request's choice wins, either way, as in vLLM
         req.return_tokens_as_token_ids = server_config.return_tokens_as_token_ids
+    req.priority = protocol.header_priority(request.headers.get(protocol.PRIORITY_HEADER), req.priority)
     max_log_len = server_config.max_log_len
     if max_log_len:
         logger.info("request %s: %s prompt %r", rid, req.kind, str(req.prompts[0])[:max_log_len])

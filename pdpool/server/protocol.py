@@ -162,6 +162,18 @@ def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
     return get_bool(opts, "include_usage"), get_bool(opts, "continuous_usage_stats")
 
 
+PRIORITY_HEADER = "X-Vllm-Priority"
+
+
+def header_priority(header: str | None, priority: int) -> int:
+    """vLLM's ``X-Vllm-Priority``: a request header that, an integer, wins over the body's ``priority``; a header
+    that is not one is ignored, as vLLM ignores it."""
+    try:
+        return int(header) if header is not None else priority
+    except ValueError:
+        return priority
+
+
 def model_not_found(model: str, served_model_names: list[str]) -> APIError:
     """The 404 for a model name this server does not serve (a request's ``model``, or ``GET /v1/models/{model}``)."""
     return APIError(f"The model {short_repr(model)} does not exist. Served: {served_model_names}", status=404,
