@@ -26,10 +26,15 @@ def serve_config(argv: list[str]) -> config.NodeConfig:
         if flag is not None and flag != tag:
             parser.error(f"the model is given twice, as {tag!r} and as --model {flag!r}; give it once")
         setattr(ns, "model.model", tag)
+    swallowed = len(getattr(ns, "model.served_model_name", [])) > 1   # a model after the names would be the last
     try:
         path = getattr(ns, "server.config", None)
         if path is not None:
             config.merge_config_file(vars(ns), config.read_config_file(path), path)
+        if swallowed and not hasattr(ns, "model.model"):
+            # --served-model-name takes every value after it: a model written there would be served as a name
+            parser.error("give the model as the first argument (pdpool serve MODEL --served-model-name NAME ...) "
+                         "or with --model, as vllm serve asks")
         return config.from_args(ns)
     except config.ConfigError as exc:
         parser.error(str(exc))

@@ -105,3 +105,21 @@ def test_any_bytes_are_a_config_or_a_clear_error(text):
     code, err, path = serve([], text)
     assert code == 2 and "Traceback" not in err, err
     assert taken(err) or path in err, err
+
+
+def test_a_model_swallowed_by_served_model_name_is_refused():
+    """--served-model-name takes every value after it (vLLM's nargs +), so a model written after the names would
+    become a name and the node would serve the default model (demo) under it; vLLM refuses that order, and so does
+    pdpool where two names or more come with no model otherwise given."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit):
+        cli.serve_config(["--served-model-name", "llama", "/models/llama"])
+    assert "first argument" in err.getvalue(), err.getvalue()
+    assert cli.serve_config(["/models/llama", "--served-model-name", "a", "b"]).served_model_names == ["a", "b"]
+    assert cli.serve_config(["--served-model-name", "a", "--model", "m"]).model.model == "m"
+    assert cli.serve_config(["--served-model-name", "a"]).served_model_names == ["a"]   # the operator's argv, with
+    # the default model (to_argv leaves it out): one value cannot be a name and a model
+    path = os.path.join(tempfile.mkdtemp(), "serve.yaml")
+    with open(path, "w") as f:
+        f.write("served-model-name: [a, b]\n")   # no swallowing in a file: the default model under its names
+    assert cli.serve_config(["--config", path]).served_model_names == ["a", "b"]
