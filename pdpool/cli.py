@@ -19,7 +19,7 @@ def serve_config(argv: list[str]) -> config.NodeConfig:
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="The model, as vLLM's `vllm serve MODEL` takes it: the same as --model.")
     config.add_arguments(parser)
-    ns = parser.parse_args(argv)
+    ns = parser.parse_args(config.dashed_flags(argv))
     tag = ns.__dict__.pop("model_tag")
     if tag is not None:
         flag = getattr(ns, "model.model", None)

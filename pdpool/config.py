@@ -227,7 +227,8 @@ class RouterConfig:
     redis_password: str | None = opt(None, "Redis password.", secret=True)
     pool: str = opt("default", "Pool name; Redis keys are namespaced by it, and --kubernetes watches its node "
                     "Services <pool>-prefill and <pool>-decode.")
-    namespace: str = opt("default", "Kubernetes namespace of the pool.")
+    namespace: str | None = opt(None, "Kubernetes namespace of the pool (default: --kubernetes watches the pod's "
+                                "own, else the kubeconfig context's, else default; Redis keys use default).")
     prefill: list[str] = opt([], "Static prefill node URL (repeatable).")
     decode: list[str] = opt([], "Static decode node URL (repeatable).")
     both: list[str] = opt([], "Static colocated node URL, pdpool or any OpenAI server (repeatable).")
@@ -379,6 +380,20 @@ def flag_name(f: dataclasses.Field) -> str:
 
 def env_name(f: dataclasses.Field) -> str:
     return "PDPOOL_" + f.name.upper()
+
+
+def dashed_flags(argv: list[str]) -> list[str]:
+    """``argv`` with each flag's name in dashes, as ``vllm serve`` reads ``--max_model_len=4096`` (a value, after
+    ``=`` or on its own, is left as it is; so is all after a bare ``--``)."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + argv[i:]
+        if arg.startswith("--"):
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
 
 
 def _parse_bool(s: str) -> bool:

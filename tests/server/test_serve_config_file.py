@@ -123,3 +123,12 @@ def test_a_model_swallowed_by_served_model_name_is_refused():
     with open(path, "w") as f:
         f.write("served-model-name: [a, b]\n")   # no swallowing in a file: the default model under its names
     assert cli.serve_config(["--config", path]).served_model_names == ["a", "b"]
+
+
+def test_flags_take_underscores_as_vllm_serve_does():
+    """``vllm serve`` reads ``--max_model_len`` as ``--max-model-len`` (the name only, never a value); so does a
+    --config key, and so does ``pdpool serve``'s command line."""
+    cfg = cli.serve_config(["demo", "--max_model_len=300", "--no_enable_prefix_caching", "--served_model_name",
+                            "a_b", "--chat_template=--not_a_flag_here"])
+    assert (cfg.scheduler.max_model_len, cfg.cache.enable_prefix_caching) == (300, False)
+    assert cfg.served_model_names == ["a_b"] and cfg.model.chat_template == "--not_a_flag_here"
