@@ -46,6 +46,7 @@ def pick_backend(name: str, device: torch.device) -> AttentionBackend:
     """'auto' is triton on CUDA (torch if the kernels cannot be imported), cpu on the CPU (torch if its native
     decode kernel cannot be built or loaded)."""
     if name != "auto":
+        _check_device(name, device)
         return get_backend(name)
     if device.type == "cuda":
         try:
@@ -59,3 +60,19 @@ def pick_backend(name: str, device: torch.device) -> AttentionBackend:
             return get_backend("cpu")
         log.warning("the CPU decode kernel is unavailable; using the torch attention backend")
     return get_backend("torch")
+
+
+def _check_device(name: str, device: torch.device) -> None:
+    """Refuse at load a backend that cannot run on ``device``: triton launches on CUDA only (or under Triton's
+    interpreter, TRITON_INTERPRET=1, as the kernel tests run it), and cpu's native kernels read host memory; either
+    would otherwise fail every request's first step."""
+    if name == "triton" and device.type != "cuda":
+        from pdpool.kernels._launch import interpreting  # imports triton, which the triton backend needs anyway
+
+        if interpreting():
+            return
+        raise ValueError(f"--attention-backend triton needs --device cuda (this node runs on {device.type}); "
+                         "use --attention-backend auto, cpu or torch")
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError(f"--attention-backend cpu needs --device cpu (this node runs on {device.type}); "
+                         "use --attention-backend auto, triton or torch")
