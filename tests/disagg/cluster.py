@@ -7,6 +7,7 @@ and ``kv_transfer_params.pdpool_test_hold`` may hold a transfer at a chosen poin
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import signal
@@ -86,15 +87,17 @@ class Node(NodeProcess):
 
 @contextlib.contextmanager
 def running_nodes(spec: dict[str, tuple[str, list[str]]], log_dir: Path, redis_url: str | None):
-    """``{"name": (role, [flags])}``: the nodes started, ready; stopped on the way out (a failed start too)."""
+    """``{"name": (role, [flags])}``: the nodes started, ready; stopped on the way out (a failed start too), all at
+    once: each stops as ``NodeProcess.stop`` stops it (SIGTERM, SIGKILL after its grace), and a node's exit takes
+    seconds of CPU (the interpreter's teardown of torch), which one node after the other would add up."""
     nodes = {name: Node(name, role, flags, log_dir, redis_url) for name, (role, flags) in spec.items()}
     try:
         for node in nodes.values():
             node.wait_ready()
         yield nodes
     finally:
-        for node in nodes.values():
-            node.stop()
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(nodes))) as pool:
+            list(pool.map(lambda node: node.stop(), nodes.values()))
 
 
 def wait_for(cond, timeout: float = 10.0, what: str = "condition"):
