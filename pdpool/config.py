@@ -227,7 +227,8 @@ class RouterConfig:
     redis_password: str | None = opt(None, "Redis password.", secret=True)
     pool: str = opt("default", "Pool name; Redis keys are namespaced by it, and --kubernetes watches its node "
                     "Services <pool>-prefill and <pool>-decode.")
-    namespace: str = opt("default", "Kubernetes namespace of the pool.")
+    namespace: str | None = opt(None, "Kubernetes namespace of the pool (default: --kubernetes watches the pod's "
+                                "own, else the kubeconfig context's, else default; Redis keys use default).")
     prefill: list[str] = opt([], "Static prefill node URL (repeatable).")
     decode: list[str] = opt([], "Static decode node URL (repeatable).")
     both: list[str] = opt([], "Static colocated node URL, pdpool or any OpenAI server (repeatable).")

@@ -99,7 +99,8 @@ class Router:
         if r.redis:
             from pdpool.kv_index import IndexReader, PoolKeys, connect
 
-            self.reader = IndexReader(connect(r.redis, r.redis_password, timeout=0.25), PoolKeys(r.namespace, r.pool))
+            keys = PoolKeys(r.namespace or "default", r.pool)   # the nodes' default (no pod namespace)
+            self.reader = IndexReader(connect(r.redis, r.redis_password, timeout=0.25), keys)
         self.index = PrefixIndex(self.reader, ApproxIndex(r.approx_index_entries), self.run_sync, self.metrics,
                                  recent_seconds=r.recent_seconds, lookup=r.index_lookup)
         self.pool.listeners.append(self.index.on_change)

@@ -93,7 +93,14 @@ class KubeConnection:
     token: str | None = None
     token_file: str | None = None
     ssl: ssl.SSLContext | bool = False
-    own_namespace: str | None = None              # in a pod, the pod's (the service account's namespace file)
+    own_namespace: str | None = None              # in a pod, the pod's (``pod_namespace``)
+    context_namespace: str | None = None          # outside, the kubeconfig's current context's
+
+    @property
+    def namespace(self) -> str:
+        """The namespace to watch without ``--namespace``: the pod's own, else the kubeconfig context's, else
+        default (client-go's and kubectl's default namespace)."""
+        return self.own_namespace or self.context_namespace or "default"
 
     def headers(self) -> dict[str, str]:
         token = self.token
@@ -162,6 +169,7 @@ def from_kubeconfig(path: Path | list[Path]) -> KubeConnection:
         top, named = _merged_kubeconfig(paths)
         ctx_name = top["current-context"]
         context, _ = named["contexts"][ctx_name]
+        context_namespace = context.get("namespace") or None
         cluster, cluster_base = named["clusters"][context["cluster"]]
         user, user_base = named["users"].get(context.get("user"), ({}, cluster_base))
     except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError) as exc:
@@ -184,21 +192,35 @@ def from_kubeconfig(path: Path | list[Path]) -> KubeConnection:
         for name in written:
             os.unlink(name)
     token_file = str(user_base / user["tokenFile"]) if user.get("tokenFile") else None
-    return KubeConnection(server, token=user.get("token"), token_file=token_file, ssl=context)
+    return KubeConnection(server, token=user.get("token"), token_file=token_file, ssl=context,
+                          context_namespace=context_namespace)
+
+
+def pod_namespace(environ, service_account: Path = SERVICE_ACCOUNT) -> str | None:
+    """A pod's own namespace, as client-go's in-cluster config finds it: ``POD_NAMESPACE`` (the downward API),
+    else the service account's ``namespace`` file."""
+    own = (environ.get("POD_NAMESPACE") or "").strip()
+    if not own:
+        try:
+            own = (service_account / "namespace").read_text().strip()
+        except OSError:
+            pass
+    return own or None
 
 
 def connect(kube_api: str | None, environ=os.environ, service_account: Path = SERVICE_ACCOUNT) -> KubeConnection:
     """In a pod: the service account (``kube_api`` overrides the server); else ``kube_api`` without credentials,
     else the kubeconfig's current context."""
     host, port = environ.get("KUBERNETES_SERVICE_HOST"), environ.get("KUBERNETES_SERVICE_PORT", "443")
+    own = pod_namespace(environ, service_account) if host else None
     if host and (service_account / "token").exists():
         server = kube_api or f"https://{url_host(host)}:{port}"
-        ca, own = service_account / "ca.crt", service_account / "namespace"
+        ca = service_account / "ca.crt"
         return KubeConnection(server.rstrip("/"), token_file=str(service_account / "token"),
                               ssl=_ssl(server, str(ca) if ca.exists() else None, None, None, False),
-                              own_namespace=own.read_text().strip() if own.exists() else None)
+                              own_namespace=own)
     if kube_api:
-        return KubeConnection(kube_api.rstrip("/"), ssl=_ssl(kube_api, None, None, None, False))
+        return KubeConnection(kube_api.rstrip("/"), ssl=_ssl(kube_api, None, None, None, False), own_namespace=own)
     paths = list(dict.fromkeys(p for p in (environ.get("KUBECONFIG") or "").split(os.pathsep) if p))
     try:
         return from_kubeconfig([Path(p) for p in paths] or Path.home() / ".kube" / "config")
@@ -252,8 +274,15 @@ class KubernetesDiscovery:
         self._told_empty = False                     # an empty list was logged (until a list finds slices)
 
     @classmethod
-    def from_config(cls, r, pool: Pool, session: aiohttp.ClientSession) -> "KubernetesDiscovery":
-        return cls(connect(r.kube_api), r.namespace, r.pool, pool, session, r.discovery_seconds)
+    def from_config(cls, r, pool: Pool, session: aiohttp.ClientSession,
+                    conn: KubeConnection | None = None) -> "KubernetesDiscovery":
+        """``--namespace`` when given, else the connection's (``KubeConnection.namespace``)."""
+        conn = conn or connect(r.kube_api)
+        if not r.namespace:
+            where = ("the pod's own" if conn.own_namespace else
+                     "the kubeconfig context's" if conn.context_namespace else "no other given")
+            logger.info("watching EndpointSlices in namespace %s (%s; --namespace sets another)", conn.namespace, where)
+        return cls(conn, r.namespace or conn.namespace, r.pool, pool, session, r.discovery_seconds)
 
     def _url(self, **params) -> str:
         query = urllib.parse.urlencode({"labelSelector": self.selector, **params})

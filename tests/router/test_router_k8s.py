@@ -623,3 +623,52 @@ def test_discovery_through_a_kubeconfig_split_over_two_files(k8s, tmp_path):  # 
         assert set(pool.endpoints) == {"demo-decode-0:8000"}
 
     asyncio.run(run_discovery(k8s.url, body, conn=conn))
+
+
+# ---- the namespace watched without --namespace --------------------------------------------------------------
+
+def test_a_router_without_namespace_watches_its_kubeconfig_contexts(k8s, stubs, start_router, tmp_path,  # noqa: F811
+                                                                    monkeypatch):
+    """kubectl's default namespace is the current context's: so is the router's, without --namespace (it watched
+    namespace default and found no node). The kubeconfig is split over two files, as kubectl merges them."""
+    serve_endpointslices(k8s)
+    port = stubs
+    k8s.client().post(SLICES, make_slice("demo-decode-a", "decode", port, [make_endpoint("127.0.0.2",
+                                                                                          "demo-decode-0")]))
+    whole = yaml.safe_load(write_kubeconfig(tmp_path / "whole", k8s.url, NS).read_text())
+    (tmp_path / "contexts").write_text(yaml.safe_dump({"current-context": whole["current-context"],
+                                                       "contexts": whole["contexts"]}))
+    (tmp_path / "clusters").write_text(yaml.safe_dump({"clusters": whole["clusters"], "users": whole["users"]}))
+    monkeypatch.setenv("KUBECONFIG", f"{tmp_path / 'contexts'}:{tmp_path / 'clusters'}")
+    router = start_router(["--kubernetes", "--pool", POOL], name="router-k8s-context-namespace")
+    status, body = http_get(router.url + "/health/ready")
+    assert (status, json.loads(body).get("nodes")) == (200, {f"demo-decode-0:{port}": "decode"})
+
+
+@pytest.mark.parametrize("given, pod_env, ns_file, context, want", [
+    (None, None, "serving", None, "serving"),          # in a pod: the service account's namespace file
+    (None, "from-env", "serving", None, "from-env"),   # POD_NAMESPACE (the downward API) first, as client-go
+    (None, None, None, None, "default"),               # in a pod without either
+    ("mine", "from-env", "serving", None, "mine"),     # --namespace wins
+    (None, None, None, "ctx", "ctx"),                  # outside a pod: the kubeconfig context's
+    (None, None, None, "", "default"),                 # a context without one
+    ("mine", None, None, "ctx", "mine"),
+])
+def test_the_namespace_watched_by_default(tmp_path, given, pod_env, ns_file, context, want):
+    from pdpool.config import RouterConfig
+
+    if context is None:                               # in a pod
+        (tmp_path / "token").write_text("t")
+        if ns_file:
+            (tmp_path / "namespace").write_text(ns_file + "\n")
+        env = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", **({"POD_NAMESPACE": pod_env} if pod_env else {})}
+    else:
+        env = {"KUBECONFIG": str(write_kubeconfig(tmp_path / "config", "http://127.0.0.1:1", context))}
+    conn = connect(None, environ=env, service_account=tmp_path)
+    r = RouterConfig(kubernetes=True, pool=POOL, **({"namespace": given} if given else {}))
+
+    async def build():
+        async with aiohttp.ClientSession() as session:
+            return KubernetesDiscovery.from_config(r, Pool(), session, conn=conn).namespace
+
+    assert asyncio.run(build()) == want
