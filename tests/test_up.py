@@ -284,36 +284,98 @@ def test_kubernetes_discovery_in_the_file_still_finds_local_nodes_by_heartbeat(t
     assert "--kubernetes" not in spec.argv and "--redis" in spec.argv
 
 
-def test_cors_in_the_file_reaches_the_router_and_the_nodes(tmp_path):
-    """The spec's cors section (as the operator reads it) gives every process the CORS flags; each line of
-    --dry-run is parsed back by `pdpool router`'s and `pdpool serve`'s own parsers."""
+def dry_run_configs(*args: str) -> tuple[object, dict]:
+    """``pdpool up --dry-run ARGS``, each line parsed back by `pdpool router`'s and `pdpool serve`'s own parsers:
+    (the router's config, {node name: its config})."""
     import argparse
     import shlex
 
     from pdpool import config
     from pdpool.router import settings
 
+    out = subprocess.run([sys.executable, "-m", "pdpool.cli", "up", "--dry-run", *args], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    argvs = {line.split("| ", 1)[1].split(":", 1)[0]: shlex.split(line.split(" pdpool ", 1)[1])
+             for line in out.stdout.splitlines() if " pdpool " in line}
+    router, _ = settings.load(argvs.pop("router-0")[1:], environ={})
+    nodes = {}
+    for name, argv in argvs.items():
+        assert argv[0] == "serve"
+        parser = argparse.ArgumentParser()
+        config.add_arguments(parser)
+        nodes[name] = config.from_args(parser.parse_args(argv[1:]), environ={})
+    return router, nodes
+
+
+def test_cors_in_the_file_reaches_the_router_and_the_nodes(tmp_path):
+    """The spec's cors section (as the operator reads it) gives every process the CORS flags; each line of
+    --dry-run is parsed back by `pdpool router`'s and `pdpool serve`'s own parsers."""
     cors = {"allowedOrigins": ["https://app.example", "http://localhost:3000"], "allowCredentials": True,
             "allowedHeaders": []}
     body = copy.deepcopy(DEFAULT_POOL)
     body["spec"]["cors"] = cors
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(body))
-    out = subprocess.run([sys.executable, "-m", "pdpool.cli", "up", str(tmp_path / "p.yaml"), "--dry-run",
-                          "--port", "8123"], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    argvs = {line.split("| ", 1)[1].split(":", 1)[0]: shlex.split(line.split(" pdpool ", 1)[1])
-             for line in out.stdout.splitlines()}
-    assert sorted(argvs) == ["decode-0", "prefill-0", "router-0"]
-    router, _ = settings.load(argvs.pop("router-0")[1:], environ={})
-    sections = [router.router]
-    for argv in argvs.values():
-        assert argv[0] == "serve"
-        parser = argparse.ArgumentParser()
-        config.add_arguments(parser)
-        sections.append(config.from_args(parser.parse_args(argv[1:]), environ={}).server)
+    router, nodes = dry_run_configs(str(tmp_path / "p.yaml"), "--port", "8123")
+    assert sorted(nodes) == ["decode-0", "prefill-0"]
+    sections = [router.router, *(node.server for node in nodes.values())]
     for section in sections:
         assert (section.allowed_origins, section.allow_credentials, section.allowed_methods,
                 section.allowed_headers) == (cors["allowedOrigins"], True, ["*"], [])
+
+
+@pytest.mark.parametrize("flags", [
+    ["--served-model-name", "foo"],
+    ["--model", "demo", "--served-model-name", "a", "b"],
+    ["--block-size", "32", "--dtype", "float32"],
+    ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--trust-request-chat-template"],
+    ["--allowed-origins", "https://app.example", "--no-allow-credentials"],
+])
+def test_flags_after_dashes_that_the_router_shares_reach_it_too(flags):
+    """`pdpool up -- --served-model-name foo` ran nodes that served 'foo' behind a router that served 'demo': up
+    said the pool was ready, printed a curl line for 'demo', and every request was a 404 model_not_found, from the
+    nodes for 'demo' and from the router for 'foo'. A setting both commands take (the model, its served name, the
+    block-hash fingerprint's dtype and block size, chat template and tool-call settings, CORS) is the pool's, so it
+    reaches the router as the operator's pool fields do."""
+    from pdpool import config
+
+    router, nodes = dry_run_configs("--port", "8123", "--", *flags)
+    router_flags = {config.flag_name(f): f for _, f in config.all_options(config.RouterCommandConfig)}
+    wiring = {"--host", "--port", "--redis", "--pool", "--namespace", "--config", "--api-key", "--internal-token",
+              "--redis-password"}
+    shared = 0
+    for node in nodes.values():
+        assert node.served_model_name == router.served_model_name
+        for sec, f in config.all_options(config.NodeConfig):
+            name = config.flag_name(f)
+            if name in router_flags and name not in wiring:
+                theirs = getattr(getattr(node, sec), f.name)
+                ours = getattr(router.router, router_flags[name].name)
+                assert ours == theirs or (isinstance(theirs, list) and [ours] == theirs[:1]), (name, ours, theirs)
+                shared += 1
+    assert shared >= 2 * 12
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--port", "9000"], "--port"),
+    (["--role", "decode"], "--role"),
+    (["--node-id", "x"], "--node-id"),
+    (["--redis", "redis://127.0.0.1:1/0"], "--redis"),
+    (["--pool", "other"], "--pool"),
+    (["--host", "0.0.0.0"], "--host"),
+    (["--internal-token", "t"], "--internal-token"),
+    (["--api-key", "k"], "PDPOOL_API_KEY"),
+])
+def test_flags_after_dashes_that_up_sets_itself_are_one_line_of_error(tmp_path, flags, message):
+    """`pdpool up -- --port 9000` put every node on port 9000 (all but one exited, and were restarted forever);
+    `-- --role decode` made the prefill nodes decode nodes; `-- --api-key k` guarded the nodes but not the router.
+    `up` wires these itself, per process, or passes them in the environment: refused before anything starts (and
+    by --dry-run, which the test runs so that the old code, which started the pool, leaves nothing behind)."""
+    out = subprocess.run([sys.executable, "-m", "pdpool.cli", "up", "--dry-run", "--port", "8123", "--", *flags],
+                         capture_output=True, text=True, timeout=60, env=dict(os.environ, PDPOOL_CACHE=str(tmp_path)))
+    assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr
+    assert out.stderr.startswith("pdpool up: error: ") and message in out.stderr, out.stderr
+    assert len(out.stderr.splitlines()) == 1, out.stderr
 
 
 def test_missing_redis_server_says_how_to_install_it(tmp_path):

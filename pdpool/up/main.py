@@ -32,7 +32,8 @@ from pdpool.models.demo import check_model
 from pdpool.node_process import free_port, http_get, parse_metrics
 from pdpool.up import redis as local_redis
 from pdpool.up import state
-from pdpool.up.pool import PoolFileError, connect_host, load_pool, plan, replicas, shared_env
+from pdpool.up.pool import (FlagError, FlagParser, PoolFileError, connect_host, load_pool, local_router_config, plan,
+                            refused_extra_flag, replicas, shared_env)
 from pdpool.up.supervisor import Child, Output
 from pdpool.utils import http_url
 
@@ -56,7 +57,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         argv, extra = argv[:at], argv[at + 1:]
     parser = argparse.ArgumentParser(
         prog="pdpool up", description="Run an InferencePool (nodes, router, Redis) as local processes.",
-        epilog="Flags after -- go to every node's `pdpool serve` (e.g. -- --num-kv-blocks 256).")
+        epilog="Flags after -- go to every node's `pdpool serve` (e.g. -- --num-kv-blocks 256), and those the router "
+               "shares (--model, --served-model-name, --dtype, --block-size, ...) to the router too.")
     parser.add_argument("pool", nargs="?", help="InferencePool YAML, as the operator takes it (default: the "
                         "built-in example: the demo model, 1 prefill + 1 decode node on CPU)")
     parser.add_argument("--port", type=tcp_port, help="the router's port (default: the pool's router.port, 8000)")
@@ -72,6 +74,10 @@ class Up:
         self.args = args
         self.out = out
         self.pool, self.ignored = load_pool(args.pool)
+        refused = refused_extra_flag(args.serve_flags)
+        if refused is not None:
+            raise PoolFileError(refused)
+        self.router_cfg = local_router_config(self.pool, args.serve_flags)  # the pool's, as the nodes' flags make it
         self.port = args.port or self.pool.router.router.port
         self.state_path = state.state_path(self.port)
         self.redis: local_redis.ManagedRedis | None = None
@@ -138,7 +144,7 @@ class Up:
         for pid, stopped in state.reap_stale():
             self.say(f"stopped {len(stopped)} processes left running by a killed pdpool up (pid {pid}): "
                      f"{', '.join(map(str, stopped)) or 'none'}")
-        self.say(f"pool {p.name}: model {p.router.served_model_name}, {replicas(p, 'prefill')} prefill + "
+        self.say(f"pool {p.name}: model {self.router_cfg.served_model_name}, {replicas(p, 'prefill')} prefill + "
                  f"{replicas(p, 'decode')} decode on {p.node.device.device}, router on port {self.port}")
         self.start_redis()
         env = dict(os.environ, **shared_env(p, self.redis_password, secrets.token_urlsafe(32)))
@@ -189,7 +195,7 @@ class Up:
 
     def banner(self, seconds: float) -> None:
         base = f"{self.router_url}/v1"
-        model = self.pool.router.served_model_name
+        model = self.router_cfg.served_model_name
         keyed = bool(os.environ.get("PDPOOL_API_KEY"))
         auth = ' -H "Authorization: Bearer $PDPOOL_API_KEY"' if keyed else ""
         key = "os.environ['PDPOOL_API_KEY']" if keyed else "'unused'"
@@ -262,7 +268,7 @@ class Up:
     def write_state(self) -> None:
         p = self.pool
         state.write(self.state_path, {
-            "pid": os.getpid(), "pool": p.name, "namespace": p.namespace, "model": p.router.served_model_name,
+            "pid": os.getpid(), "pool": p.name, "namespace": p.namespace, "model": self.router_cfg.served_model_name,
             "router_url": self.router_url, "ready": self.ready,
             "redis_url": self.redis_url, "redis_password": self.redis_password,
             "redis_pid": self.redis.proc.pid if self.redis is not None else None, "run_dir": self.run_dir,
@@ -288,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdpool up: error: {flags_error}", file=sys.stderr)
         return 2
     try:   # every node and the router would fail on it and restart, with backoff, forever
-        check_model(up.pool.node.model.model, "model.name")
+        check_model(up.router_cfg.router.model, "model.name")
     except FileNotFoundError as exc:
         print(f"pdpool up: error: {exc}", file=sys.stderr)
         return 2
@@ -328,15 +334,6 @@ def nixl_installed() -> bool:
     return any(importlib.util.find_spec(name) is not None for name in NIXL_PACKAGES)
 
 
-class _FlagError(Exception):
-    pass
-
-
-class _CheckingParser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise _FlagError(message)
-
-
 def check_serve_flags(specs) -> str | None:
     """What ``pdpool serve`` would refuse in a node's flags (the pool's own and those after --), before any
     node starts."""
@@ -346,13 +343,13 @@ def check_serve_flags(specs) -> str | None:
     for spec in specs:
         if spec.argv[:1] != ["serve"]:
             continue
-        parser = _CheckingParser(prog="pdpool serve")
+        parser = FlagParser(prog="pdpool serve")
         config.add_arguments(parser)
         try:
             cfg = config.from_args(parser.parse_args(spec.argv[1:]))
             if cfg.model.chat_template:   # pdpool serve refuses one it cannot read or compile (exit 2)
                 load_chat_template(cfg.model.chat_template)
-        except (_FlagError, config.ConfigError, ValueError, OSError) as exc:
+        except (FlagError, config.ConfigError, ValueError, OSError) as exc:
             return f"{spec.name}'s pdpool serve flags (the pool's, and those after --): {exc}"
     return None
 

@@ -8,11 +8,12 @@ addresses, local ports, the local Redis, a node id per process. So the same file
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import yaml
 
@@ -38,8 +39,74 @@ LOCAL_FIELDS = {"prefill.replicas", "decode.replicas", "prefill.env", "decode.en
 CPU_UCX_TLS = "tcp,self"
 
 
+# Node flags that `up` gives each process itself: after -- they would break its wiring (every node on one port, or
+# of one role; a token the nodes hold and the router does not). {flag: why}
+WIRED_FLAGS = {flag: "pdpool up sets it for each process" for flag in (
+    "--host", "--port", "--role", "--node-id", "--advertise-host", "--redis", "--pool", "--namespace")}
+WIRED_FLAGS.update({"--internal-token": "pdpool up makes one for the router and the nodes",
+                    "--internal-token-file": "pdpool up makes one for the router and the nodes"})
+
+
 class PoolFileError(ValueError):
     """The file is not an InferencePool the operator would accept."""
+
+
+class FlagError(Exception):
+    pass
+
+
+class FlagParser(argparse.ArgumentParser):
+    """Raises ``FlagError`` where argparse would print and exit."""
+
+    def error(self, message: str):
+        raise FlagError(message)
+
+
+def extra_settings(extra_flags: Sequence[str]) -> dict[str, Any]:
+    """{flag: value} of the node settings that flags after -- give (a secret's ``--X-file`` as itself); {} where
+    they do not parse (``check_serve_flags`` says why before anything starts)."""
+    parser = FlagParser(add_help=False)
+    config.add_arguments(parser)
+    try:
+        given, _ = parser.parse_known_args(list(extra_flags))
+    except FlagError:
+        return {}
+    fields = {f"{sec}.{f.name}": f for sec, f in config.all_options(config.NodeConfig)}
+    out = {}
+    for dest, value in vars(given).items():
+        name, _, file = dest.partition("__")
+        out[config.flag_name(fields[name]) + ("-file" if file else "")] = value
+    return out
+
+
+def refused_extra_flag(extra_flags: Sequence[str]) -> str | None:
+    """Why a flag after -- cannot go to the nodes (None: every one can)."""
+    secrets = {config.flag_name(f): f for _, f in config.all_options(config.NodeConfig) if f.metadata.get("secret")}
+    for flag in extra_settings(extra_flags):
+        if flag in WIRED_FLAGS:
+            return f"{flag} after --: {WIRED_FLAGS[flag]}"
+        secret = secrets.get(flag.removesuffix("-file"))
+        if secret is not None:
+            return (f"{flag} after --: set {config.env_name(secret)} in pdpool up's environment instead (the router "
+                    "and the nodes read it there)")
+    return None
+
+
+def router_overrides(extra_flags: Sequence[str]) -> dict[str, Any]:
+    """The router's settings that flags after -- give the nodes: the model, its served name, the block-hash
+    fingerprint's dtype and block size, the chat template and tool-call settings, CORS. The router must share
+    them, as the operator gives it the pool's (one served name: the nodes' first)."""
+    node_fields = {config.flag_name(f): f for _, f in config.all_options(config.NodeConfig)}
+    router_fields = {config.flag_name(f): f for _, f in config.all_options(config.RouterCommandConfig)}
+    out = {}
+    for flag, value in extra_settings(extra_flags).items():
+        f = router_fields.get(flag)
+        if f is None or flag in WIRED_FLAGS or f.metadata.get("secret") or flag == "--config":
+            continue
+        if isinstance(value, list) and config.several(node_fields[flag]) and not config.several(f):
+            value = value[0]
+        out[f.name] = value
+    return out
 
 
 @dataclass
@@ -142,8 +209,15 @@ def node_spec(pool: Pool, role: str, index: int, port: int, redis_url: str, extr
     return ProcessSpec(name, role, port, ["serve", *config.to_argv(cfg), *extra_flags], env)
 
 
-def router_spec(pool: Pool, host: str, port: int, redis_url: str) -> ProcessSpec:
+def local_router_config(pool: Pool, extra_node_flags: Sequence[str] = ()) -> config.RouterCommandConfig:
+    """The operator's router settings for ``pool``, with those the nodes' flags after -- change."""
     cfg = router_config(pool)
+    return dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, **router_overrides(extra_node_flags)))
+
+
+def router_spec(pool: Pool, host: str, port: int, redis_url: str,
+                extra_node_flags: Sequence[str] = ()) -> ProcessSpec:
+    cfg = local_router_config(pool, extra_node_flags)
     # router.discovery is Kubernetes-only (listed as ignored): a local router finds the nodes by their heartbeats.
     cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, redis=redis_url, host=host, port=port,
                                                               kubernetes=False))
@@ -161,4 +235,4 @@ def plan(pool: Pool, *, redis_url: str, router_host: str, router_port: int, node
     """Every child, nodes first; ``node_port()`` gives each node its port."""
     nodes = [node_spec(pool, role, i, node_port(), redis_url, list(extra_node_flags))
              for role in NODE_ROLES for i in range(replicas(pool, role))]
-    return [*nodes, router_spec(pool, router_host, router_port, redis_url)]
+    return [*nodes, router_spec(pool, router_host, router_port, redis_url, extra_node_flags)]
