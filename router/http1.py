@@ -15,9 +15,15 @@ whole unless ``read()`` asks; reading pauses above ``HIGH_WATER`` buffered bytes
 socket, not the router's memory). One timer per request bounds the wait for the answer's head, and then each
 gap between two pieces of its body (``timeout``): a stream that keeps coming is never cut, one that stalls is.
 
-A node may close an idle keep-alive connection just as a request is written on it; then, and only when not
-one byte of the response arrived, the request is sent once more on a new connection (a node that closed the
-connection had not answered, and a server closes an idle connection only between requests).
+A node closes a keep-alive connection idle for its keep-alive timeout. A request written on a connection the
+node closed as it went out gets no answer, and neither does one whose answer a proxy on the way dropped after the
+node ran it: the two look the same, so a request written whole is never sent again (as Go's net/http, which
+resends a POST only when nothing of it was written); the caller decides (the router: the next decode node, or
+the prefill fallback). The race is kept away instead: a connection idle for ``IDLE_SECONDS`` (well under our
+node's keep-alive) is not reused; one idle over ``VALIDATE_AFTER_SECONDS`` is checked first (a poll: a close
+the loop has not read yet shows as readable), as HttpClient's validate-after-inactivity does; a busy connection
+costs no check. A request whose write failed at once (the node's reset already in the kernel: nothing of it
+went out) is sent once more on a new connection.
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ import asyncio
 import time
 from collections import deque
 from functools import lru_cache
+import select
 from urllib.parse import urlsplit
 
+from pdpool.server.json_body import REQUEST_SECONDS as NODE_KEEPALIVE_SECONDS   # our node's idle close
 from pdpool.utils import url_host
 
 try:
@@ -35,7 +43,8 @@ try:
 except ImportError:  # the router then keeps aiohttp's client for every leg (router/upstream.py)
     httptools = None
 
-IDLE_SECONDS = 15.0          # an idle pooled connection older than this is closed, not reused
+IDLE_SECONDS = min(15.0, NODE_KEEPALIVE_SECONDS - 10)  # an idle pooled connection older than this is not reused
+VALIDATE_AFTER_SECONDS = 1.0  # one idle longer is checked before reuse (a close the loop has not read yet)
 MAX_IDLE_PER_HOST = 256
 HIGH_WATER = 256 * 1024      # buffered body bytes above which reading from the node pauses
 LOW_WATER = 64 * 1024
@@ -74,7 +83,7 @@ class Response:
 
     __slots__ = ("status", "headers", "content_type", "keep_alive", "complete", "_conn", "_chunks", "_buffered",
                  "_waiter", "_exc", "_timer", "_paused", "_until_eof", "_got_bytes", "_headers_done", "_released",
-                 "_on_complete", "_idle", "_last")
+                 "_on_complete", "_idle", "_last", "_unsent")
 
     def __init__(self, conn: "_Connection", on_complete=None) -> None:
         self._conn = conn
@@ -96,6 +105,7 @@ class Response:
         self._released = False
         self._idle = 0.0              # the timeout: the longest wait for the head, then between body pieces
         self._last = 0.0              # when the head or the latest body piece arrived (loop time)
+        self._unsent = False          # the request's write failed at once: nothing of it reached the node
 
     # ---- the connection feeds these -----------------------------------------------------------------
 
@@ -290,7 +300,19 @@ class _Connection(asyncio.Protocol):
         r._idle = max(0.0, deadline - self.loop.time())
         r._timer = self.loop.call_at(deadline, r._timed_out)
         self.transport.writelines((head, body))
+        if self.transport.is_closing():   # the write failed (a reset already in the kernel): nothing went out
+            r._unsent = True
         return r
+
+    def stale(self) -> bool:
+        """Whether this idle connection has something to read: the node's close (or reset) that the loop has not
+        read yet, or bytes nobody asked for; either way it cannot take a request."""
+        poll = select.poll()
+        try:
+            poll.register(self.transport.get_extra_info("socket").fileno(), select.POLLIN)
+            return bool(poll.poll(0))
+        except (OSError, ValueError, AttributeError):
+            return True
 
     def done(self, reusable: bool) -> None:
         self.response = None
@@ -357,8 +379,8 @@ class Http1Client:
                 await r._wait_headers()
             except ConnectionClosed:
                 r.close()
-                if reused and not r._got_bytes and attempt == 0:
-                    continue   # the node closed this idle connection as the request went out: a new one
+                if reused and r._unsent and attempt == 0:
+                    continue   # the node had reset this idle connection: the request never went out
                 raise
             except BaseException:
                 r.close()
@@ -380,10 +402,11 @@ class Http1Client:
         idle = self._idle.get(key)
         if not idle:
             return None
-        oldest = time.monotonic() - IDLE_SECONDS
+        now = time.monotonic()
+        oldest, checked = now - IDLE_SECONDS, now - VALIDATE_AFTER_SECONDS
         while idle:
             conn = idle.pop()                 # most recently used: the least likely to be closed by the node
-            if not conn.closed and conn.idle_since >= oldest:
+            if not conn.closed and conn.idle_since >= oldest and (conn.idle_since >= checked or not conn.stale()):
                 return conn
             conn.abort()
         return None

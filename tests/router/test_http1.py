@@ -1,12 +1,14 @@
 """The router's lean HTTP/1.1 client (``router/http1.py``) against a real aiohttp upstream and raw sockets: bodies of
 any size and chunking (Content-Length and chunked), the parser over any split of the bytes, request bodies,
-keep-alive reuse, reconnection after the upstream closed, the one resend on a connection dropped at send,
+keep-alive reuse, reconnection after the upstream closed, the one resend of a request the upstream cannot have
+read (never of one it may have run),
 timeouts, cancellation reaching the upstream, read-side back-pressure, malformed and read-until-close answers."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import struct
 import threading
 import time
 
@@ -14,8 +16,8 @@ import pytest
 from aiohttp import web
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from pdpool.router.http1 import (HIGH_WATER, ConnectError, ConnectionClosed, Http1Client, ProtocolError, Response,
-                                 _Connection)
+from pdpool.router.http1 import (HIGH_WATER, IDLE_SECONDS, NODE_KEEPALIVE_SECONDS, VALIDATE_AFTER_SECONDS,
+                                 ConnectError, ConnectionClosed, Http1Client, ProtocolError, Response, _Connection)
 
 
 def pattern(size: int) -> bytes:
@@ -126,14 +128,18 @@ def upstream():
     server.stop()
 
 
-def run(coro_fn):
-    """Run ``coro_fn(client)`` on a fresh loop with a fresh client."""
+def run(coro_fn, uv: bool = False):
+    """Run ``coro_fn(client)`` on a fresh loop (uvloop's, as the router's, with ``uv``) with a fresh client."""
     async def main():
         client = Http1Client()
         try:
             return await coro_fn(client)
         finally:
             client.close()
+    if uv:
+        import uvloop
+
+        return uvloop.run(main())
     return asyncio.run(main())
 
 
@@ -214,6 +220,9 @@ class FakeTransport(asyncio.Transport):
 
     def abort(self) -> None:
         self.aborted = True
+
+    def is_closing(self) -> bool:
+        return self.aborted
 
     def pause_reading(self) -> None:
         self.paused = True
@@ -352,15 +361,51 @@ def read_request(conn: socket.socket) -> bytes:
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Type: application/json\r\n\r\n{}"
 
 
-def test_a_request_is_sent_again_once_when_a_reused_connection_drops_before_answering():
+@pytest.mark.parametrize("uv", [False, True], ids=["asyncio", "uvloop"])
+def test_a_reused_connection_dropped_after_the_whole_request_went_out_is_an_error_not_a_resend(uv):
+    """The node (or a proxy on the way) read the whole request, then the connection closed without a byte of the
+    answer: the node may have run it (a proxy dropped the answer), so it is not sent again, as Go's net/http does
+    not resend a POST it wrote; the caller decides (the router: the next decode node, or the prefill fallback).
+    It was sent again, and ran twice."""
+    received = []
+
     def handle(conn, index):
-        if index == 0:
-            read_request(conn)
-            conn.sendall(OK)
-            read_request(conn)   # the second request on this connection: dropped without an answer
-            return
         while read_request(conn):
+            received.append(index)
+            if len(received) == 2:
+                return           # run, and its answer lost
             conn.sendall(OK)
+
+    server = RawServer(handle)
+    try:
+        async def go(client):
+            r = await post(client, server.url + "/v1/completions")
+            assert await r.read() == b"{}"
+            r.close()
+            with pytest.raises(ConnectionClosed):
+                await post(client, server.url + "/v1/completions")
+
+        run(go, uv)
+        time.sleep(0.2)          # a resend would have reached the server by now
+        assert received == [0, 0] and server.accepted == 1
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("uv", [False, True], ids=["asyncio", "uvloop"])
+def test_a_request_written_on_a_connection_the_node_had_reset_goes_out_again_on_a_new_one(uv):
+    """The node reset an idle connection (here at once; a node closing idle connections) and the router's loop
+    had not read that yet when a request took the connection: the write fails, nothing reached the node, and the
+    request goes out once more on a new connection."""
+    received = []
+
+    def handle(conn, index):
+        while read_request(conn):
+            received.append(index)
+            conn.sendall(OK)
+            if index == 0:       # a reset (RST) right after the first answer
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                return
 
     server = RawServer(handle)
     try:
@@ -370,12 +415,55 @@ def test_a_request_is_sent_again_once_when_a_reused_connection_drops_before_answ
                 r = await post(client, server.url + "/v1/completions")
                 bodies.append(await r.read())
                 r.close()
+                time.sleep(0.3)  # the loop blocked: the reset is in the kernel, not yet read by the loop
             return bodies
 
-        assert run(go) == [b"{}", b"{}"]
-        assert server.accepted == 2
+        assert run(go, uv) == [b"{}", b"{}"]
+        assert received == [0, 1] and server.accepted == 2
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("uv", [False, True], ids=["asyncio", "uvloop"])
+def test_a_connection_idle_a_while_that_the_node_closed_is_not_written_on(uv):
+    """A connection idle over ``VALIDATE_AFTER_SECONDS`` is checked before reuse: the node's close (FIN) that the
+    loop has not read yet is seen, and the request goes on a new connection, never on the closed one (where a
+    write goes out, so that its failure could not be resent)."""
+    late = []
+
+    def handle(conn, index):
+        while read_request(conn):
+            conn.sendall(OK)
+            if index == 0:       # closes its side of the idle connection, and tells what still arrives
+                conn.shutdown(socket.SHUT_WR)
+                conn.settimeout(3)
+                try:
+                    late.append(conn.recv(65536))
+                except OSError as exc:
+                    late.append(type(exc).__name__)
+                return
+
+    server = RawServer(handle)
+    try:
+        async def go(client):
+            bodies = []
+            for _ in range(2):
+                r = await post(client, server.url + "/v1/completions")
+                bodies.append(await r.read())
+                r.close()
+                time.sleep(VALIDATE_AFTER_SECONDS + 0.3)   # the loop blocked: the FIN is not read yet
+            return bodies
+
+        assert run(go, uv) == [b"{}", b"{}"]
+        assert server.accepted == 2
+        time.sleep(0.2)
+        assert late and late[0] in (b"", "ConnectionResetError"), late
+    finally:
+        server.close()
+
+
+def test_a_connection_is_never_reused_near_the_nodes_keep_alive():
+    assert IDLE_SECONDS <= NODE_KEEPALIVE_SECONDS - 10
 
 
 def test_a_new_connection_closed_before_answering_is_an_error_not_a_resend():
