@@ -9,12 +9,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "TextPrompt", "TokensPrompt", "__version__"]
 
-_LAZY = {"LLM": "pdpool.engine.llm", "SamplingParams": "pdpool.engine.sampling_params"}
+# vLLM's top-level names of the offline API; RequestOutput is the offline result (``GenerationResult``)
+_LAZY = {"LLM": ("pdpool.engine.llm", "LLM"), "SamplingParams": ("pdpool.engine.sampling_params", "SamplingParams"),
+         "RequestOutput": ("pdpool.engine.llm", "GenerationResult"),
+         "CompletionOutput": ("pdpool.engine.llm", "CompletionOutput"),
+         "TextPrompt": ("pdpool.engine.llm", "TextPrompt"), "TokensPrompt": ("pdpool.engine.llm", "TokensPrompt")}
 
 if TYPE_CHECKING:
-    from pdpool.engine.llm import LLM
+    from pdpool.engine.llm import CompletionOutput, LLM, TextPrompt, TokensPrompt
+    from pdpool.engine.llm import GenerationResult as RequestOutput
     from pdpool.engine.sampling_params import SamplingParams
 
 
@@ -22,7 +27,8 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 
-        value = getattr(importlib.import_module(_LAZY[name]), name)
+        module, attribute = _LAZY[name]
+        value = getattr(importlib.import_module(module), attribute)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'pdpool' has no attribute {name!r}")

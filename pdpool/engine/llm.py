@@ -3,6 +3,9 @@
     for out in llm.generate(["Hello, my name is"], SamplingParams(max_tokens=16)):
         print(out.prompt, out.outputs[0].text, out.outputs[0].token_ids, out.prompt_token_ids)
 
+A prompt is a string, a list of token ids, or vLLM's ``TextPrompt`` / ``TokensPrompt`` dicts (``{"prompt": ...}``,
+``{"prompt_token_ids": [...]}``). ``chat`` takes one conversation or a list of them and returns a list, as vLLM's.
+
 The same pieces as a server, in one thread: the front end tokenizes, the engine steps, the output processor
 detokenizes and applies stop strings.
 """
@@ -11,24 +14,38 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, NotRequired, Sequence, TypedDict
 
 from pdpool import config
 from pdpool.engine.llm_engine import LLMEngine, TokenLogprobs
 from pdpool.engine.output_processor import OutputProcessor, RequestOutput
-from pdpool.engine.sampling_params import SamplingParams, generation_defaults
+from pdpool.engine.sampling_params import SamplingParams, generation_defaults, short_repr
 from pdpool.engine.structured import Grammars
 from pdpool.frontend import Frontend, ModelFiles, Tokenizer
 
-Prompt = str | list[int]
+
+class TextPrompt(TypedDict):
+    """vLLM's ``TextPrompt``: a prompt as text."""
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's ``TokensPrompt``: a prompt as token ids (``prompt``, if given, is only what the output shows)."""
+    prompt_token_ids: list[int]
+    prompt: NotRequired[str]
+
+
+Prompt = str | list[int] | TextPrompt | TokensPrompt
 
 
 @dataclass
 class CompletionOutput:
-    """One generated sequence (vLLM's ``CompletionOutput``)."""
+    """One generated sequence (vLLM's ``CompletionOutput``); ``cumulative_logprob`` is the sum of the sampled
+    tokens' logprobs when the params asked for ``logprobs``, else None (as vLLM's)."""
     index: int
     text: str
     token_ids: list[int]
+    cumulative_logprob: float | None
     logprobs: list[TokenLogprobs] | None
     finish_reason: str | None
     stop_reason: str | int | None
@@ -36,8 +53,9 @@ class CompletionOutput:
 
 @dataclass
 class GenerationResult:
-    """What ``generate`` returns per prompt (vLLM's offline ``RequestOutput``); ``text``, ``output_token_ids``,
-    ``finish_reason``, ``stop_reason`` and ``logprobs`` read its first (only) sequence."""
+    """What ``generate`` returns per prompt (vLLM's offline ``RequestOutput``, exported as ``pdpool.RequestOutput``);
+    ``text``, ``output_token_ids``, ``finish_reason``, ``stop_reason`` and ``logprobs`` read its first (only)
+    sequence. ``metrics`` is None, as vLLM's offline ``LLM`` (stats off) gives."""
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -45,11 +63,13 @@ class GenerationResult:
     finished: bool
     num_cached_tokens: int
     prompt_logprobs: list[TokenLogprobs | None] | None = None   # with the params' prompt_logprobs; first None
+    metrics: None = None
 
     @classmethod
-    def from_final(cls, out: RequestOutput) -> "GenerationResult":
-        seq = CompletionOutput(0, out.text or "", out.output_token_ids or [], out.logprobs, out.finish_reason,
-                               out.stop_reason)
+    def from_final(cls, out: RequestOutput, detokenize: bool = True) -> "GenerationResult":
+        cumulative = None if out.logprobs is None else sum(e.logprob for e in out.logprobs)
+        seq = CompletionOutput(0, (out.text or "") if detokenize else "", out.output_token_ids or [], cumulative,
+                               out.logprobs, out.finish_reason, out.stop_reason)
         return cls(out.request_id, out.prompt, out.prompt_token_ids, [seq], out.finished, out.num_cached_tokens,
                    out.prompt_logprobs)
 
@@ -74,6 +94,53 @@ class GenerationResult:
         return self.outputs[0].logprobs
 
 
+def parse_prompt(prompt: Any) -> tuple[str | None, str | list[int]]:
+    """One prompt of ``generate`` as (the text the output shows, what the front end encodes). ``TypeError`` or
+    ``ValueError`` naming the prompt for anything else (vLLM's prompt forms, less those pdpool has not: multimodal
+    data, embeddings, encoder-decoder)."""
+    if isinstance(prompt, str):
+        return prompt, prompt
+    if isinstance(prompt, dict):
+        extra = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+        if extra:
+            raise ValueError(f"prompt {short_repr(prompt)}: pdpool takes only 'prompt' or 'prompt_token_ids' "
+                             f"(no {', '.join(map(repr, extra))})")
+        if "prompt_token_ids" in prompt:
+            shown = prompt.get("prompt")
+            if shown is not None and not isinstance(shown, str):
+                raise TypeError(f"prompt['prompt'] must be a string, got {short_repr(shown)}")
+            return shown, _token_ids(prompt["prompt_token_ids"])
+        if "prompt" not in prompt:
+            raise ValueError(f"a prompt dict needs 'prompt' (text) or 'prompt_token_ids', got {short_repr(prompt)}")
+        if not isinstance(prompt["prompt"], str):
+            raise TypeError(f"prompt['prompt'] must be a string, got {short_repr(prompt['prompt'])}")
+        return prompt["prompt"], prompt["prompt"]
+    return None, _token_ids(prompt)
+
+
+def _token_ids(ids: Any) -> list[int]:
+    if not isinstance(ids, (list, tuple)):
+        raise TypeError(f"a prompt must be a string, a list of token ids or a dict with 'prompt' or "
+                        f"'prompt_token_ids', got {short_repr(ids)}")
+    return list(ids)   # the front end checks each id against the vocabulary (a ValueError naming the prompt)
+
+
+def _is_one_prompt(prompts: Any) -> bool:
+    return isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
+                                                and isinstance(prompts[0], int))
+
+
+def _per_prompt(name: str, value: Any, count: int, kind: type) -> list:
+    """``value`` for each of ``count`` prompts: one for all, or a sequence of exactly ``count``."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * count
+    if len(values) != count:
+        raise ValueError(f"got {len(values)} {name} for {count} prompts: give one, or one per prompt")
+    for v in values:
+        if not isinstance(v, kind) or isinstance(v, bool):
+            raise TypeError(f"{name} must be {kind.__name__} or a list of them, got {short_repr(v)}")
+    return values
+
+
 class LLM:
     """``LLM(model, dtype=..., **settings)``: settings are any names of the config schema (``max_num_seqs``,
     ``block_size``, ``num_threads``, ...)."""
@@ -92,23 +159,51 @@ class LLM:
     def tokenizer(self) -> Tokenizer:
         return self.frontend.tokenizer
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
-                 = None, *, use_tqdm: bool = True) -> list[GenerationResult]:
-        """Run every prompt to completion; one result per prompt, in input order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if params is None:
-            params = self.get_default_sampling_params()
-        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
-        return self._run([(prompt, p, True) for prompt, p in zip(prompts, params_list)], use_tqdm)
+    def get_tokenizer(self) -> Tokenizer:
+        """The tokenizer (``encode``, ``decode``, ``eos_token_id``, ``apply_chat_template``), as vLLM's."""
+        return self.tokenizer
 
-    def chat(self, messages: list[dict], params: SamplingParams | None = None, *,
-             use_tqdm: bool = False) -> GenerationResult:
-        prompt = self.frontend.render_chat(messages, True)
-        return self._run([(prompt, params or self.get_default_sampling_params(), False)], use_tqdm)[0]
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool | Callable[..., Any] = True, lora_request: None = None,
+                 priority: int | Sequence[int] | None = None) -> list[GenerationResult]:
+        """Run every prompt to completion; one result per prompt, in input order. ``use_tqdm``: a bool, or a
+        callable making the progress bar (``functools.partial(tqdm, leave=False)``), as vLLM's."""
+        if _is_one_prompt(prompts):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a prompt or a list of prompts, got {short_repr(prompts)}")
+        parsed = [parse_prompt(p) for p in prompts]
+        params_list = self._params_for(sampling_params, len(parsed), lora_request, priority)
+        return self._run([(shown, prompt, p, True) for (shown, prompt), p in zip(parsed, params_list)], use_tqdm)
+
+    def chat(self, messages: list[dict] | Sequence[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool | Callable[..., Any] = True, lora_request: None = None,
+             priority: int | Sequence[int] | None = None, chat_template: str | None = None, *,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[GenerationResult]:
+        """One conversation (a list of messages) or a list of them, each rendered with the chat template; a list
+        of results, one per conversation, as vLLM's."""
+        if not isinstance(messages, (list, tuple)):
+            raise TypeError(f"messages must be a list of messages or a list of such lists, got "
+                            f"{short_repr(messages)}")
+        conversations = messages if messages and isinstance(messages[0], (list, tuple)) else [messages]
+        params_list = self._params_for(sampling_params, len(conversations), lora_request, priority)
+        rendered = [self.frontend.render_chat(list(conv), add_generation_prompt, continue_final_message, tools,
+                                              chat_template, chat_template_kwargs) for conv in conversations]
+        return self._run([(text, text, p, False) for text, p in zip(rendered, params_list)], use_tqdm)
+
+    def _params_for(self, sampling_params, count: int, lora_request, priority) -> list[SamplingParams]:
+        """The params of each of ``count`` prompts; vLLM's arguments pdpool has not are refused here, at the call."""
+        if lora_request is not None:
+            raise ValueError("lora_request: pdpool does not serve LoRA adapters")
+        if priority is not None and any(_per_prompt("priority", priority, count, int)):
+            raise ValueError(f"priority {short_repr(priority)}: pdpool schedules first come, first served "
+                             "(only priority 0)")
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        return _per_prompt("sampling_params", sampling_params, count, SamplingParams)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` use without params, as vLLM's: the model's generation defaults
@@ -119,34 +214,37 @@ class LLM:
             max_tokens = min(max_tokens, d.max_tokens_cap)
         return SamplingParams(**d.sampling, max_tokens=max_tokens)
 
-    def _run(self, requests: list[tuple[Prompt, SamplingParams, bool]], use_tqdm: bool) -> list[GenerationResult]:
+    def _run(self, requests: list[tuple[str | None, str | list[int], SamplingParams, bool]],
+             use_tqdm: bool | Callable[..., Any]) -> list[GenerationResult]:
+        """``requests``: (the prompt the output shows, what to encode, params, add_special_tokens)."""
         ids: list[str] = []
         try:
-            for prompt, params, add_special_tokens in requests:
+            for shown, prompt, params, add_special_tokens in requests:
                 rid = f"offline-{next(self._ids)}"
                 token_ids = self.frontend.encode_prompt(prompt, add_special_tokens)
                 kept = self.frontend.apply_prompt_options(token_ids, params, self.engine.max_model_len)
                 if len(kept) < len(token_ids):
-                    token_ids, prompt = kept, kept
+                    token_ids, shown = kept, None
                 # only the finished outputs are read here: no per-step outputs or text (see OutputProcessor)
                 self.engine.add_request(rid, token_ids, params, final_only=True)
                 ids.append(rid)
-                self.output_processor.add(rid, prompt if isinstance(prompt, str) else None, token_ids, params,
-                                          final_only=True)
-            return self._drain(ids, use_tqdm)
+                self.output_processor.add(rid, shown, token_ids, params, final_only=True)
+            results = self._drain(ids, use_tqdm)
         except BaseException:
             for rid in ids:
                 self.output_processor.forget(rid)
             self.engine.abort_request(ids)
             raise
+        return [GenerationResult.from_final(out, request[2].detokenize) for out, request in zip(results, requests)]
 
-    def _drain(self, ids: list[str], use_tqdm: bool) -> list[GenerationResult]:
+    def _drain(self, ids: list[str], use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(ids), desc="generate", unit="req", dynamic_ncols=True)
+            bar = (use_tqdm if callable(use_tqdm) else tqdm)(total=len(ids), desc="generate", unit="req",
+                                                             dynamic_ncols=True)
         try:
             while len(final) < len(ids):
                 results, stopped = self.output_processor.process(self.engine.step())
@@ -165,4 +263,4 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return [GenerationResult.from_final(final[i]) for i in ids]
+        return [final[i] for i in ids]

@@ -15,6 +15,7 @@ entries by the vocab size.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import re
@@ -60,6 +61,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     n: int = 1
+    detokenize: bool = True  # vLLM's: False leaves the output's text empty (token ids only); no stop strings then
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100] (see the module docstring)
     # the prompt's own logprobs, each with this many best beside it (vLLM's; completions' echo with logprobs): the
     # model's distribution at every prompt position, so such a request reads nothing from the prefix cache
@@ -129,6 +131,18 @@ class SamplingParams:
         values["max_tokens"], values["logprobs"] = max_tokens, logprobs
         return params
 
+    @classmethod
+    def from_optional(cls, **kwargs) -> "SamplingParams":
+        """vLLM's ``SamplingParams.from_optional``: a ``None`` for a field that has a number by default (``n``,
+        ``temperature``, ``top_p``, the penalties) takes that default; any other ``None`` stays (``max_tokens=None``:
+        up to the context length)."""
+        return cls(**{name: _DEFAULTS[name] if value is None and name in _OPTIONAL_NUMBERS else value
+                      for name, value in kwargs.items()})
+
+    def clone(self) -> "SamplingParams":
+        """A deep copy, as vLLM's ``clone``; a compiled ``grammar`` is shared, not copied."""
+        return copy.deepcopy(self, {id(self.grammar): self.grammar} if self.grammar is not None else None)
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
@@ -190,9 +204,11 @@ class SamplingParams:
         for ids in self.bad_words_token_ids or ():
             for t in ids:
                 _int("bad_words", t, 0, top, "the vocabulary's ids" if top is not None else "")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamsError(name, f"{name} must be a boolean, got {short_repr(getattr(self, name))}")
+        if self.stop and not self.detokenize:
+            raise SamplingParamsError("detokenize", "stop strings need the text: set detokenize=True to use stop")
 
 
 def normalize_logit_bias(bias) -> dict[int, float] | None:
@@ -289,6 +305,7 @@ def _num(name: str, value, low, high, low_open: bool = False) -> None:
 _DEFAULTS = {f.name: f.default for f in fields(SamplingParams)}   # a factory's field: set per object
 _DEFAULT_FACTORIES = tuple((f.name, f.default_factory) for f in fields(SamplingParams)
                            if f.default_factory is not MISSING)
+_OPTIONAL_NUMBERS = ("n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 SamplingParams().validate()   # the defaults that ``SamplingParams.defaults`` does not check again
 
 

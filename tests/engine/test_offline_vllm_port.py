@@ -1,0 +1,128 @@
+"""vLLM offline scripts ported to ``pdpool.LLM``: the call shapes, prompt forms and output fields of vLLM 0.32's
+``LLM`` and ``SamplingParams`` behave as there, and a bad argument is a ValueError/TypeError at the call."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import pdpool
+from pdpool import LLM, SamplingParams
+
+QUIET = dict(use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def llm(demo_model_dir):
+    return LLM("demo", dtype="float32", num_threads=1, max_num_seqs=4, max_model_len=48, num_kv_blocks=64)
+
+
+def test_dict_prompts_are_vllms_text_and_tokens_prompts(llm):
+    ids = llm.get_tokenizer().encode("The capital of France is")
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    (by_ids,) = llm.generate({"prompt_token_ids": ids}, greedy, **QUIET)
+    assert by_ids.prompt_token_ids == ids and by_ids.prompt is None
+    (by_text,) = llm.generate(pdpool.TextPrompt(prompt="The capital of France is"), greedy, **QUIET)
+    assert by_text.prompt == "The capital of France is" and by_text.prompt_token_ids == ids
+    both = llm.generate([pdpool.TokensPrompt(prompt_token_ids=ids), {"prompt": "The capital of France is"}, ids],
+                        greedy, **QUIET)
+    assert [o.outputs[0].token_ids for o in both] == [by_ids.outputs[0].token_ids] * 3
+    for bad in ({"prompt_token_ids": ids, "multi_modal_data": {"image": None}}, {"text": "hi"}, {}):
+        with pytest.raises(ValueError, match="prompt"):
+            llm.generate(bad, greedy, **QUIET)
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("prompts, params, error", [
+    ([3.5], None, TypeError), ([None], None, TypeError), (3, None, TypeError), (["a", b"b"], None, TypeError),
+    ([[1, "x"]], None, ValueError), ({"prompt": 5}, None, TypeError),
+    (["a"], {"max_tokens": 2}, TypeError), (["a", "b"], [SamplingParams(max_tokens=1)], ValueError),
+])
+def test_bad_prompts_or_params_are_refused_at_the_call(llm, prompts, params, error):
+    with pytest.raises(error, match="prompt|SamplingParams|sampling_params"):
+        llm.generate(prompts, params, **QUIET)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_vllm_argument_names_and_chat_batches(llm):
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    (out,) = llm.generate(["Hello"], sampling_params=sp, use_tqdm=False, lora_request=None, priority=[0])
+    assert len(out.outputs[0].token_ids) == 2
+    with pytest.raises(ValueError, match="lora"):
+        llm.generate(["Hello"], sp, lora_request=object(), **QUIET)
+    conv = [{"role": "system", "content": "You are a helpful assistant"}, {"role": "user", "content": "Hello"}]
+    one = llm.chat(conv, sampling_params=sp, use_tqdm=False)
+    assert isinstance(one, list) and len(one) == 1 and isinstance(one[0], pdpool.RequestOutput)
+    two = llm.chat([conv, conv[1:]], [sp, SamplingParams(temperature=0, max_tokens=1)], False)
+    assert [len(o.outputs[0].token_ids) for o in two] == [2, 1]
+    assert two[0].outputs[0].token_ids == one[0].outputs[0].token_ids
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_output_fields_as_vllm(llm):
+    (plain,) = llm.generate("Hello", SamplingParams(max_tokens=3, seed=1), **QUIET)
+    assert isinstance(plain, pdpool.RequestOutput) and isinstance(plain.outputs[0], pdpool.CompletionOutput)
+    assert plain.outputs[0].cumulative_logprob is None and plain.outputs[0].logprobs is None
+    assert plain.metrics is None and plain.num_cached_tokens >= 0 and plain.finished
+    (scored,) = llm.generate("Hello", SamplingParams(max_tokens=3, seed=1, logprobs=0), **QUIET)
+    assert scored.outputs[0].token_ids == plain.outputs[0].token_ids
+    total = sum(e.logprob for e in scored.outputs[0].logprobs)
+    assert math.isclose(scored.outputs[0].cumulative_logprob, total) and total < 0
+
+
+def test_detokenize_false_gives_ids_without_text(llm):
+    (out,) = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3, detokenize=False), **QUIET)
+    (ref,) = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3), **QUIET)
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids and out.outputs[0].text == ""
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)
+
+
+def test_from_optional_and_clone():
+    sp = SamplingParams.from_optional(temperature=None, top_p=None, n=None, presence_penalty=None,
+                                      frequency_penalty=None, repetition_penalty=None, max_tokens=None, seed=None,
+                                      logit_bias={"7": 300})
+    assert (sp.temperature, sp.top_p, sp.n, sp.max_tokens, sp.seed, sp.logit_bias) == (1.0, 1.0, 1, None, None,
+                                                                                      {7: 100.0})
+    assert SamplingParams.from_optional(max_tokens=5) == SamplingParams(max_tokens=5)
+    original = SamplingParams(stop=["a"], max_tokens=4)
+    copy = original.clone()
+    assert copy == original and copy is not original
+    copy.stop.append("b")
+    assert original.stop == ["a"]
+
+
+def test_get_tokenizer_encodes_and_decodes(llm):
+    tok = llm.get_tokenizer()
+    ids = tok.encode("Hello world")
+    assert tok.decode(ids) == "Hello world" and tok.eos_token_id is not None
+
+
+_ANY = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=True), st.text(max_size=3),
+                 st.lists(st.integers(-1, 3), max_size=2), st.dictionaries(st.integers(-1, 3), st.floats(-200, 200),
+                                                                           max_size=2))
+_FIELDS = ("min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
+           "frequency_penalty", "stop", "stop_token_ids", "ignore_eos", "logprobs", "include_stop_str_in_output",
+           "skip_special_tokens", "n", "logit_bias", "prompt_logprobs", "truncate_prompt_tokens", "allowed_token_ids",
+           "bad_words", "detokenize")
+
+
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(kwargs=st.dictionaries(st.sampled_from(_FIELDS), _ANY, max_size=4),
+       max_tokens=st.sampled_from([None, 1, 2, 0, -1, 2.0, "2"]))
+def test_sampling_params_construct_or_refuse_and_then_run(llm, kwargs, max_tokens):
+    """Every combination constructs or raises ValueError/TypeError naming an argument; one that constructs runs."""
+    try:
+        params = SamplingParams(max_tokens=max_tokens, **kwargs)
+    except (ValueError, TypeError) as exc:
+        assert any(name in str(exc) for name in (*kwargs, "max_tokens")), exc
+        return
+    try:
+        (out,) = llm.generate([[1, 2, 3]], params, **QUIET)
+    except ValueError as exc:   # refused at the call against the vocabulary/context (a clear error), never deeper
+        assert any(name in str(exc) for name in (*kwargs, "max_tokens", "prompt")), exc
+    else:
+        assert out.finished and out.outputs[0].finish_reason in ("stop", "length")
+    assert not llm.engine.has_unfinished_requests()
