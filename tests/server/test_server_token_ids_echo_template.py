@@ -1,6 +1,7 @@
 """vLLM's ``return_tokens_as_token_ids`` (and its server flag), chat's ``echo``, and a request's own
 ``chat_template`` (with ``--trust-request-chat-template``), through the official ``openai`` client where it can
-send them (``extra_body``), whole and streamed; the shapes of vllm serve 0.32 (docs/openai_compat.md)."""
+send them (``extra_body``), whole and streamed; the shapes of vllm serve 0.32 (docs/openai_compat.md). The server
+flags' tests run on the package's ``permissive_server``, which has both flags."""
 
 from __future__ import annotations
 
@@ -16,15 +17,6 @@ from test_server_errors import assert_error
 CHAT = [{"role": "user", "content": "Name three colors."}]
 PROMPT = "The capital of France is"
 TOKEN_NAME = re.compile(r"token_id:(\d+)")
-
-
-@pytest.fixture(scope="module")
-def flagged(launch_server):
-    """A node with vLLM's two server flags these fields read."""
-    srv = launch_server("--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "64", "--max-num-seqs",
-                        "4", "--return-tokens-as-token-ids", "--trust-request-chat-template")
-    yield srv
-    srv.stop()
 
 
 def token_id(name: str) -> int:
@@ -93,11 +85,11 @@ def test_streamed_names_match_the_whole_answer(server, path, body):
                                                   else [e["token"] for e in whole["content"]]))
 
 
-def test_the_server_flag_is_the_default_a_request_overrides(flagged):
+def test_the_server_flag_is_the_default_a_request_overrides(permissive_server):
     body = {"model": "demo", "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "logprobs": 1}
-    by_flag = post(flagged, "completions", body).json()["choices"][0]["logprobs"]["tokens"]
+    by_flag = post(permissive_server, "completions", body).json()["choices"][0]["logprobs"]["tokens"]
     assert all(TOKEN_NAME.fullmatch(t) for t in by_flag)
-    as_text = post(flagged, "completions", {**body, "return_tokens_as_token_ids": False}).json()
+    as_text = post(permissive_server, "completions", {**body, "return_tokens_as_token_ids": False}).json()
     assert not any(TOKEN_NAME.fullmatch(t) for t in as_text["choices"][0]["logprobs"]["tokens"])
 
 
@@ -225,8 +217,8 @@ def test_a_request_template_is_refused_unless_trusted(server):
     assert r.status_code == 200, r.text
 
 
-def test_a_trusted_template_renders_the_prompt(flagged, frontend):
-    client = flagged.client()
+def test_a_trusted_template_renders_the_prompt(permissive_server, frontend):
+    client = permissive_server.client()
     chat = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=4, temperature=0,
                                           extra_body={"chat_template": TEMPLATE, "return_token_ids": True})
     rendered = "<user>Name three colors.</user>\n<assistant>"
@@ -242,11 +234,11 @@ def test_a_trusted_template_renders_the_prompt(flagged, frontend):
         frontend.render_chat(CHAT), add_special_tokens=False)   # "": the model's own, as in vLLM
 
 
-def test_a_trusted_template_goes_on_with_the_final_message(flagged):
+def test_a_trusted_template_goes_on_with_the_final_message(permissive_server):
     messages = [*CHAT, {"role": "assistant", "content": "Red,"}]
     body = {"model": "demo", "messages": messages, "max_tokens": 1, "add_generation_prompt": False,
             "continue_final_message": True, "chat_template": TEMPLATE, "return_token_ids": True, "echo": True}
-    r = post(flagged, "chat/completions", body)
+    r = post(permissive_server, "chat/completions", body)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"].startswith("Red,")
 
@@ -258,8 +250,8 @@ def test_a_trusted_template_goes_on_with_the_final_message(flagged):
     ("{{ messages[0].content.__class__.__mro__ }}", "unsafe"),  # the sandbox's refusal
     ("{{ messages.__class__ }}", ""),                           # the sandbox: undefined, so an empty prompt
 ])
-def test_a_template_error_is_a_400_naming_chat_template(flagged, template, words):
-    r = post(flagged, "chat/completions", {"model": "demo", "messages": CHAT, "chat_template": template})
+def test_a_template_error_is_a_400_naming_chat_template(permissive_server, template, words):
+    r = post(permissive_server, "chat/completions", {"model": "demo", "messages": CHAT, "chat_template": template})
     assert_error(r, 400, param="chat_template" if words else "prompt")
     assert words in r.json()["error"]["message"]
 
@@ -272,8 +264,8 @@ JINJA = st.lists(st.sampled_from(list("{}%#-+*/() []|.,'\"\n~x10") + [
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(template=JINJA | st.text(max_size=30), stream=st.booleans())
-def test_any_template_is_answered_or_a_400(flagged, template, stream):
-    r = post(flagged, "chat/completions", {"model": "demo", "messages": CHAT, "max_tokens": 1, "stream": stream,
-                                           "chat_template": template})
+def test_any_template_is_answered_or_a_400(permissive_server, template, stream):
+    r = post(permissive_server, "chat/completions", {"model": "demo", "messages": CHAT, "max_tokens": 1,
+                                                     "stream": stream, "chat_template": template})
     if r.status_code != 200:
         assert_error(r, 400, param="chat_template" if r.json()["error"]["param"] == "chat_template" else "prompt")
