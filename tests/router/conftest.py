@@ -1,5 +1,6 @@
 """Router fixtures: one redis-server and one 1 prefill + 2 decode cluster per module (tests/disagg/cluster.py),
-and router processes started by the tests (``start_router``), stopped after the module."""
+router processes started by the tests (``start_router``), stopped after the module, and one colocated node for the
+package (``colocated_node``)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,20 @@ CLUSTER = {
     "d0": ("decode", ["--num-kv-blocks", "40"]),
     "d1": ("decode", ["--num-kv-blocks", "40"]),
 }
+
+
+COLOCATED_MAX_MODEL_LEN = 384
+
+
+@pytest.fixture(scope="package")
+def colocated_node(launch_server):
+    """One colocated node without an API key, for the modules whose routers front a single node (CORS, the model
+    card): started once for the package; they send it requests and change nothing on it."""
+    srv = launch_server("--dtype", "float32", "--max-model-len", str(COLOCATED_MAX_MODEL_LEN), "--num-kv-blocks",
+                        "64", "--block-size", "16", "--max-num-seqs", "4")
+    srv.max_model_len = COLOCATED_MAX_MODEL_LEN
+    yield srv
+    srv.stop()
 
 
 @pytest.fixture(scope="module")

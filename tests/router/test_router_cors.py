@@ -16,11 +16,8 @@ KEY = "cors-key"
 
 
 @pytest.fixture(scope="module")
-def node(launch_server):
-    srv = launch_server("--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "32", "--block-size",
-                        "16", "--max-num-seqs", "4")
-    yield srv
-    srv.stop()
+def node(colocated_node):
+    return colocated_node
 
 
 @pytest.fixture(scope="module")

@@ -23,11 +23,8 @@ KEYS = PoolKeys("ns", "p")
 
 
 @pytest.fixture(scope="module")
-def node(launch_server):
-    srv = launch_server("--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "64",
-                        "--block-size", "16", "--max-num-seqs", "4")
-    yield srv
-    srv.stop()
+def node(colocated_node):
+    return colocated_node
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +39,10 @@ def card(base_url: str) -> dict:
 
 
 def test_router_card_has_the_nodes_max_model_len(node, router):
-    assert card(node.base_url)["max_model_len"] == MAX_MODEL_LEN
-    assert card(router.base_url)["max_model_len"] == MAX_MODEL_LEN
+    assert card(node.base_url)["max_model_len"] == node.max_model_len   # the --max-model-len it started with
+    assert card(router.base_url)["max_model_len"] == node.max_model_len
     r = httpx.get(f"{router.base_url}/models/demo", timeout=30)
-    assert r.json()["max_model_len"] == MAX_MODEL_LEN
+    assert r.json()["max_model_len"] == node.max_model_len
 
 
 def test_a_heartbeat_carries_max_model_len_to_redis_discovery(redis_server):
