@@ -39,14 +39,48 @@ Prompt = str | list[int] | TextPrompt | TokensPrompt
 
 
 @dataclass
+class Logprob:
+    """vLLM's ``Logprob``: one token's logprob at a position, its rank in the vocabulary (1: the model's first
+    choice; None where pdpool does not know it: a sampled token outside the top ones asked for) and its text."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+class PositionLogprobs(dict):
+    """One position's logprobs as vLLM gives them, ``{token id: Logprob}``: the position's token first, then the
+    ``top`` best (ranks 1..). It keeps the engine's ``TokenLogprobs`` fields too (``token_id``, ``logprob``,
+    ``top``, ``rank``), which pdpool's offline results gave before."""
+    __slots__ = ("token_id", "logprob", "top", "rank")
+
+    @classmethod
+    def of(cls, entry: TokenLogprobs, tokenizer: Tokenizer | None) -> "PositionLogprobs":
+        """``tokenizer``: each token's ``decoded_token`` (None without: ``detokenize=False``)."""
+        def text(token_id: int) -> str | None:
+            return None if tokenizer is None else tokenizer.decode([token_id])
+
+        top = entry.top or []
+        rank = entry.rank
+        if rank is None:   # a sampled token: its place among the top ones, when it is there
+            rank = next((i for i, (t, _) in enumerate(top, start=1) if t == entry.token_id), None)
+        out = cls({entry.token_id: Logprob(entry.logprob, rank, text(entry.token_id))})
+        for i, (t, lp) in enumerate(top, start=1):
+            if t not in out:
+                out[t] = Logprob(lp, i, text(t))
+        out.token_id, out.logprob, out.top, out.rank = entry.token_id, entry.logprob, entry.top, entry.rank
+        return out
+
+
+@dataclass
 class CompletionOutput:
-    """One generated sequence (vLLM's ``CompletionOutput``); ``cumulative_logprob`` is the sum of the sampled
-    tokens' logprobs when the params asked for ``logprobs``, else None (as vLLM's)."""
+    """One generated sequence (vLLM's ``CompletionOutput``); ``logprobs``, with the params' ``logprobs``, is one
+    ``{token id: Logprob}`` per token (``PositionLogprobs``), and ``cumulative_logprob`` their sampled tokens' sum
+    (else both None, as vLLM's)."""
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list[TokenLogprobs] | None
+    logprobs: list[PositionLogprobs] | None
     finish_reason: str | None
     stop_reason: str | int | None
 
@@ -62,16 +96,23 @@ class GenerationResult:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int
-    prompt_logprobs: list[TokenLogprobs | None] | None = None   # with the params' prompt_logprobs; first None
+    # with the params' prompt_logprobs, as vLLM's: None for the first token, then one {token id: Logprob} each
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: None = None
 
     @classmethod
-    def from_final(cls, out: RequestOutput, detokenize: bool = True) -> "GenerationResult":
-        cumulative = None if out.logprobs is None else sum(e.logprob for e in out.logprobs)
-        seq = CompletionOutput(0, (out.text or "") if detokenize else "", out.output_token_ids or [], cumulative,
-                               out.logprobs, out.finish_reason, out.stop_reason)
+    def from_final(cls, out: RequestOutput, tokenizer: Tokenizer | None) -> "GenerationResult":
+        """``tokenizer``: the logprobs' ``decoded_token``; None (``detokenize=False``): no text at all."""
+        logprobs = cumulative = prompt_logprobs = None
+        if out.logprobs is not None:
+            logprobs = [PositionLogprobs.of(e, tokenizer) for e in out.logprobs]
+            cumulative = sum(e.logprob for e in out.logprobs)
+        if out.prompt_logprobs is not None:
+            prompt_logprobs = [None if e is None else PositionLogprobs.of(e, tokenizer) for e in out.prompt_logprobs]
+        seq = CompletionOutput(0, (out.text or "") if tokenizer is not None else "", out.output_token_ids or [],
+                               cumulative, logprobs, out.finish_reason, out.stop_reason)
         return cls(out.request_id, out.prompt, out.prompt_token_ids, [seq], out.finished, out.num_cached_tokens,
-                   out.prompt_logprobs)
+                   prompt_logprobs)
 
     @property
     def text(self) -> str:
@@ -90,7 +131,7 @@ class GenerationResult:
         return self.outputs[0].stop_reason
 
     @property
-    def logprobs(self) -> list[TokenLogprobs] | None:
+    def logprobs(self) -> list[PositionLogprobs] | None:
         return self.outputs[0].logprobs
 
 
@@ -194,6 +235,11 @@ class LLM:
                                               chat_template, chat_template_kwargs) for conv in conversations]
         return self._run([(text, text, p, False) for text, p in zip(rendered, params_list)], use_tqdm)
 
+    def beam_search(self, *args: Any, **kwargs: Any) -> list:
+        """vLLM's ``beam_search``: pdpool has no beam search (nor ``n > 1``)."""
+        raise NotImplementedError("pdpool has no beam search: use generate with SamplingParams (temperature=0 for "
+                                  "greedy)")
+
     def _params_for(self, sampling_params, count: int, lora_request, priority) -> list[SamplingParams]:
         """The params of each of ``count`` prompts; vLLM's arguments pdpool has not are refused here, at the call."""
         if lora_request is not None:
@@ -235,7 +281,8 @@ class LLM:
                 self.output_processor.forget(rid)
             self.engine.abort_request(ids)
             raise
-        return [GenerationResult.from_final(out, request[2].detokenize) for out, request in zip(results, requests)]
+        return [GenerationResult.from_final(out, self.tokenizer if request[2].detokenize else None)
+                for out, request in zip(results, requests)]
 
     def _drain(self, ids: list[str], use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}

@@ -58,6 +58,8 @@ def test_vllm_argument_names_and_chat_batches(llm):
     two = llm.chat([conv, conv[1:]], [sp, SamplingParams(temperature=0, max_tokens=1)], False)
     assert [len(o.outputs[0].token_ids) for o in two] == [2, 1]
     assert two[0].outputs[0].token_ids == one[0].outputs[0].token_ids
+    with pytest.raises(NotImplementedError, match="beam search"):
+        llm.beam_search([{"prompt": "Hello"}], object())
     assert not llm.engine.has_unfinished_requests()
 
 
@@ -67,9 +69,33 @@ def test_output_fields_as_vllm(llm):
     assert plain.outputs[0].cumulative_logprob is None and plain.outputs[0].logprobs is None
     assert plain.metrics is None and plain.num_cached_tokens >= 0 and plain.finished
     (scored,) = llm.generate("Hello", SamplingParams(max_tokens=3, seed=1, logprobs=0), **QUIET)
-    assert scored.outputs[0].token_ids == plain.outputs[0].token_ids
-    total = sum(e.logprob for e in scored.outputs[0].logprobs)
-    assert math.isclose(scored.outputs[0].cumulative_logprob, total) and total < 0
+    seq = scored.outputs[0]
+    assert seq.token_ids == plain.outputs[0].token_ids
+    # vLLM's shape: one {token id: Logprob(logprob, rank, decoded_token)} per generated token
+    assert [list(d) for d in seq.logprobs] == [[t] for t in seq.token_ids]
+    total = sum(d[t].logprob for d, t in zip(seq.logprobs, seq.token_ids))
+    assert math.isclose(seq.cumulative_logprob, total) and total < 0
+    tok = llm.get_tokenizer()
+    assert [d[t].decoded_token for d, t in zip(seq.logprobs, seq.token_ids)] == [tok.decode([t]) for t in seq.token_ids]
+
+
+def test_logprobs_and_prompt_logprobs_are_vllm_dicts(llm):
+    ids = llm.get_tokenizer().encode("The capital of France is")
+    (out,) = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=3, logprobs=2,
+                                                                    prompt_logprobs=1), **QUIET)
+    for d, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids):
+        assert next(iter(d)) == t and len(d) in (2, 3)
+        assert d[t].rank == 1   # greedy: the sampled token is the model's first choice
+        best = sorted((lp for tok, lp in d.items() if tok != t or lp.rank == 1), key=lambda lp: lp.rank)
+        assert [lp.rank for lp in best] == [1, 2] and best[0].logprob >= best[1].logprob
+    prompt = out.prompt_logprobs
+    assert len(prompt) == len(ids) and prompt[0] is None
+    for d, t in zip(prompt[1:], ids[1:]):
+        assert next(iter(d)) == t and d[t].rank >= 1 and d[t].logprob <= 0
+        assert any(lp.rank == 1 for lp in d.values())
+    (bare,) = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=3, logprobs=2,
+                                                                     detokenize=False), **QUIET)
+    assert all(lp.decoded_token is None for d in bare.outputs[0].logprobs for lp in d.values())
 
 
 def test_detokenize_false_gives_ids_without_text(llm):
