@@ -11,7 +11,6 @@ the response counter. A client that disconnects cancels its request's task, whic
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import os
@@ -31,7 +30,7 @@ from pdpool.router.http1 import Http1Client, httptools
 from pdpool.router.inflight import InflightTracker
 from pdpool.router.metrics import CONTENT_TYPE, RouterMetrics
 from pdpool.router.prefix_index import ApproxIndex, PrefixIndex
-from pdpool.router.request import parse
+from pdpool.router.request import new_request_id, parse
 from pdpool.router.scheduler import Scheduler
 from pdpool.router.server import Exchange, Request
 from pdpool.router.settings import SchedulerProfile
@@ -59,23 +58,6 @@ ROUTES = {("POST", "/v1/completions"): "generate", ("POST", "/v1/chat/completion
 _ALLOWED: dict[str, list[str]] = {}
 for _method, _path in ROUTES:
     _ALLOWED.setdefault(_path, []).extend([_method, "HEAD"] if _method == "GET" else [_method])
-
-
-_ids = [os.urandom(8).hex(), itertools.count()]   # this process's random prefix and counter
-
-
-def new_request_id() -> str:
-    """A fresh request id: 32 hex digits, as ``pdpool.logs.request_id_from``'s uuid4, from a random per-process
-    prefix (drawn again in a forked worker) and a counter: no system call and no ``UUID`` object per request."""
-    prefix, count = _ids
-    return f"{prefix}{next(count):016x}"
-
-
-def _new_id_prefix() -> None:
-    _ids[:] = [os.urandom(8).hex(), itertools.count()]
-
-
-os.register_at_fork(after_in_child=_new_id_prefix)
 
 
 def _json(value, status: int = 200) -> tuple[int, bytes, str]:
@@ -191,7 +173,7 @@ class Router:
                     raise APIError("Not Found", status=404)
                 raise _MethodNotAllowed(allowed)
             if name == "generate":
-                await self.generate(request, exchange, rid)
+                await self.generate(request, exchange, rid, rid == header)
             else:
                 status, body, content_type = await getattr(self, name)(request)
                 exchange.respond(status, body, content_type, {REQUEST_ID_HEADER: rid})
@@ -235,7 +217,8 @@ class Router:
         exchange.respond(err.status, json.dumps(err.body_for(path)).encode(), "application/json",
                          {REQUEST_ID_HEADER: rid, **(headers or {})})
 
-    async def generate(self, request: Request, exchange: Exchange, rid: str) -> None:
+    async def generate(self, request: Request, exchange: Exchange, rid: str, client_id: bool) -> None:
+        """``client_id``: ``rid`` is the client's X-Request-Id (``RoutedRequest.client_request_id``)."""
         limit = self.cfg.router.max_inflight
         if limit and self.num_inflight >= limit:
             raise APIError(f"too many requests in flight (--max-inflight {limit}); retry later", status=429,
@@ -245,6 +228,7 @@ class Router:
             body = self._body(request)
             rr = parse(request.path, body, self.frontend, self.served_names, rid, request.body, self.tool_parser,
                        trust_chat_template=self.cfg.router.trust_request_chat_template)
+            rr.client_request_id = client_id
             await self.path.serve(exchange, rr)
         finally:
             self.num_inflight -= 1

@@ -134,7 +134,8 @@ class RequestPath:
         ticket = self.inflight.add(p.node_id, rr.num_prompt_tokens - plan.matched_blocks.get(p.node_id, 0)
                                    * self.scheduler.block_size)
         self.index.record(plan.block_hashes, p)
-        leg = asyncio.ensure_future(self.upstream.post_json(p.url + rr.prefill_path, body, rr.request_id,
+        leg_id = rr.prefill_id()   # unique: its leases may be freed by it
+        leg = asyncio.ensure_future(self.upstream.post_json(p.url + rr.prefill_path, body, leg_id,
                                                             timeout=self.prefill_timeout))
         try:
             payload = await asyncio.shield(leg)
@@ -142,12 +143,12 @@ class RequestPath:
             # The client left mid-prefill: close the leg, so the node aborts a prefill nobody waits for (queued
             # behind others, it would hold blocks and compute for nothing; one that finished meanwhile has its
             # lease freed by the node on that abort). A leg that had answered already: free its lease here.
-            leg.add_done_callback(lambda t: self._release_after(t, p, rr.request_id))
+            leg.add_done_callback(lambda t: self._release_after(t, p, leg_id))
             if not leg.done():
                 # Its answer may be written already and not read yet (then the node takes it as delivered and
                 # its abort frees nothing): the node frees this response's leases, if it has any by now.
                 leg.cancel()
-                self._spawn(self.upstream.release_response(p.url, rr.request_id))
+                self._spawn(self.upstream.release_response(p.url, leg_id))
             raise
         except UpstreamError as err:
             self._failed(p, err)
@@ -155,7 +156,7 @@ class RequestPath:
                 # No error status from the node: its answer (the KV handle, a lease held for it) may have been
                 # written and lost on the way (cut, reset or garbled by the network, or late past the prefill
                 # timeout). The node took it as delivered and would hold the lease until it expires: free it now.
-                self._spawn(self.upstream.release_response(p.url, rr.request_id))
+                self._spawn(self.upstream.release_response(p.url, leg_id))
             return None
         except ClientErrorReply:
             # The node refused the one-token request the router made of the client's (its message may name that

@@ -7,7 +7,9 @@ its own tokenization, so router and engine hash exactly the same tokens. A plain
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 from dataclasses import dataclass, field
 
 from pdpool import frontend as _frontend
@@ -18,6 +20,23 @@ from pdpool.server.errors import APIError
 TOKEN_IDS_FIELD = "pdpool_prompt_token_ids"
 # The front end's refusal (named PromptError before the node-core rework, InvalidRequestError after it).
 _REFUSED = getattr(_frontend, "InvalidRequestError", None) or getattr(_frontend, "PromptError")
+
+
+_ids = [os.urandom(8).hex(), itertools.count()]   # this process's random prefix and counter
+
+
+def new_request_id() -> str:
+    """A fresh request id: 32 hex digits, as ``pdpool.logs.request_id_from``'s uuid4, from a random per-process
+    prefix (drawn again in a forked worker) and a counter: no system call and no ``UUID`` object per request."""
+    prefix, count = _ids
+    return f"{prefix}{next(count):016x}"
+
+
+def _new_id_prefix() -> None:
+    _ids[:] = [os.urandom(8).hex(), itertools.count()]
+
+
+os.register_at_fork(after_in_child=_new_id_prefix)
 
 
 @dataclass
@@ -37,7 +56,18 @@ class RoutedRequest:
     # a /v1/responses or /v1/messages request's chat body (``pdpool.server.responses``, ``anthropic_messages``): its
     # prefill leg is that chat request
     chat_body: dict | None = None
+    client_request_id: bool = False   # ``request_id`` is the client's X-Request-Id (not unique: see prefill_id)
     _hashes: dict = field(default_factory=dict)
+
+    def prefill_id(self) -> str:
+        """The X-Request-Id of the prefill leg, by which the router may free that response's leases
+        (``upstream.release_response``): a client's id may be shared by requests in flight together (retries, a
+        fan-out under one trace id), and one's leaving must not free another's lease, so a client's id gets a
+        fresh suffix here (128 characters at most, as ``pdpool.logs.request_id_from`` takes). The router's own
+        lines and answers keep the client's id; so does the decode leg, whose node makes the answer's id of it."""
+        if not self.client_request_id:
+            return self.request_id
+        return f"{self.request_id[:95]}.{new_request_id()}"
 
     @property
     def stream(self) -> bool:
