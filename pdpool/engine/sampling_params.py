@@ -80,6 +80,8 @@ class SamplingParams:
     grammar: object | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if type(self.seed) is int and self.seed == -1:   # vLLM's: -1 is no seed (random), not a generator's seed
+            self.seed = None
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):

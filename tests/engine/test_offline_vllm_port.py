@@ -120,6 +120,13 @@ def test_from_optional_and_clone():
     assert original.stop == ["a"]
 
 
+def test_seed_minus_one_is_no_seed_as_in_vllm():
+    """vLLM's ``seed=-1`` means unseeded (random per run); pdpool seeded a generator with it, so every run sampled
+    the same tokens."""
+    assert SamplingParams(seed=-1).seed is None and SamplingParams.from_optional(seed=-1).seed is None
+    assert SamplingParams(seed=-2).seed == -2 and SamplingParams(seed=0).seed == 0
+
+
 def test_get_tokenizer_encodes_and_decodes(llm):
     tok = llm.get_tokenizer()
     ids = tok.encode("Hello world")

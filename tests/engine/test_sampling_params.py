@@ -91,11 +91,11 @@ def test_temperature_must_be_finite_in_float32_and_a_tiny_one_is_greedy():
 
 
 @pytest.mark.parametrize("seed, ok", [
-    (0, True), (-1, True), (-(2 ** 63), True), (2 ** 63 - 1, True),  # vLLM's range: torch.long, negatives included
+    (0, True), (-2, True), (-(2 ** 63), True), (2 ** 63 - 1, True),  # vLLM's range: torch.long, negatives included
     (2 ** 63, False), (-(2 ** 63) - 1, False), (10 ** 29, False), (1.0, False), (True, False),
 ])
 def test_seed_fits_a_torch_generator(seed, ok):
-    if ok:
+    if ok:   # (-1 is vLLM's "no seed": tests/engine/test_offline_vllm_port.py)
         assert SamplingParams(seed=seed).seed == seed
         return
     with pytest.raises(SamplingParamsError) as err:
