@@ -392,6 +392,21 @@ def test_a_reused_connection_dropped_after_the_whole_request_went_out_is_an_erro
         server.close()
 
 
+def two_posts_with_the_loop_blocked_after_each(server: "RawServer", uv: bool, seconds: float) -> list[bytes]:
+    """Two requests, the loop blocked ``seconds`` after each: what the server did meanwhile (a close, a reset) is
+    in the kernel, not yet read by the loop, when the second request takes the pooled connection."""
+    async def go(client):
+        bodies = []
+        for _ in range(2):
+            r = await post(client, server.url + "/v1/completions")
+            bodies.append(await r.read())
+            r.close()
+            time.sleep(seconds)
+        return bodies
+
+    return run(go, uv)
+
+
 @pytest.mark.parametrize("uv", [False, True], ids=["asyncio", "uvloop"])
 def test_a_request_written_on_a_connection_the_node_had_reset_goes_out_again_on_a_new_one(uv):
     """The node reset an idle connection (here at once; a node closing idle connections) and the router's loop
@@ -409,16 +424,7 @@ def test_a_request_written_on_a_connection_the_node_had_reset_goes_out_again_on_
 
     server = RawServer(handle)
     try:
-        async def go(client):
-            bodies = []
-            for _ in range(2):
-                r = await post(client, server.url + "/v1/completions")
-                bodies.append(await r.read())
-                r.close()
-                time.sleep(0.3)  # the loop blocked: the reset is in the kernel, not yet read by the loop
-            return bodies
-
-        assert run(go, uv) == [b"{}", b"{}"]
+        assert two_posts_with_the_loop_blocked_after_each(server, uv, 0.3) == [b"{}", b"{}"]
         assert received == [0, 1] and server.accepted == 2
     finally:
         server.close()
@@ -445,16 +451,7 @@ def test_a_connection_idle_a_while_that_the_node_closed_is_not_written_on(uv):
 
     server = RawServer(handle)
     try:
-        async def go(client):
-            bodies = []
-            for _ in range(2):
-                r = await post(client, server.url + "/v1/completions")
-                bodies.append(await r.read())
-                r.close()
-                time.sleep(VALIDATE_AFTER_SECONDS + 0.3)   # the loop blocked: the FIN is not read yet
-            return bodies
-
-        assert run(go, uv) == [b"{}", b"{}"]
+        assert two_posts_with_the_loop_blocked_after_each(server, uv, VALIDATE_AFTER_SECONDS + 0.3) == [b"{}", b"{}"]
         assert server.accepted == 2
         time.sleep(0.2)
         assert late and late[0] in (b"", "ConnectionResetError"), late
