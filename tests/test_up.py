@@ -194,6 +194,27 @@ def test_bad_flags_and_addresses_are_one_line_of_error(tmp_path, args, message):
     assert "Traceback" not in out.stderr and "in use" not in out.stderr
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine can run a CUDA node")
+@pytest.mark.parametrize("where", ["file", "flags"])
+def test_a_cuda_pool_without_a_gpu_is_refused_before_anything_starts(tmp_path, where):
+    """A pool with engine.device: cuda (examples/gpu-1p1d.yaml with the demo model, say) on a machine without CUDA:
+    every node failed to load ('Torch not compiled with CUDA enabled'), exited 1 and was restarted, with backoff,
+    forever (seen by hand; not run here on the old code, where it would not end)."""
+    body = copy.deepcopy(DEFAULT_POOL)
+    if where == "file":
+        body["spec"]["engine"]["device"] = "cuda"
+        for role in ("prefill", "decode"):
+            body["spec"][role]["resources"] = {"limits": {"nvidia.com/gpu": 1}}
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(body))
+    flags = ["--", "--device", "cuda"] if where == "flags" else []
+    out = subprocess.run([sys.executable, "-m", "pdpool.cli", "up", str(tmp_path / "p.yaml"), "--port",
+                          str(free_port()), *flags], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PDPOOL_CACHE=str(tmp_path)))
+    assert out.returncode == 2 and "redis-server" not in out.stdout, out.stdout + out.stderr
+    assert out.stderr.startswith("pdpool up: error: prefill-0 runs on cuda") and "engine.device: cpu" in out.stderr
+    assert len(out.stderr.splitlines()) == 1, out.stderr
+
+
 def test_a_model_that_is_not_here_is_refused_before_anything_starts(tmp_path):
     """Every node and the router failed on it with a traceback and restarted, with backoff, forever."""
     body = copy.deepcopy(DEFAULT_POOL)

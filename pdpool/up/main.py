@@ -349,9 +349,25 @@ def check_serve_flags(specs) -> str | None:
             cfg = config.from_args(parser.parse_args(spec.argv[1:]))
             if cfg.model.chat_template:   # pdpool serve refuses one it cannot read or compile (exit 2)
                 load_chat_template(cfg.model.chat_template)
+            if cfg.device.device == "cuda":   # the engine fails to load and exits 1, on every restart
+                no_gpu = missing_cuda()
+                if no_gpu is not None:
+                    return (f"{spec.name} runs on cuda (engine.device, or --device after --), but {no_gpu}; "
+                            "run the pool with engine.device: cpu")
         except (FlagError, config.ConfigError, ValueError, OSError) as exc:
             return f"{spec.name}'s pdpool serve flags (the pool's, and those after --): {exc}"
     return None
+
+
+def missing_cuda() -> str | None:
+    """Why this machine cannot run a CUDA node (None: it can)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    if torch.version.cuda is None:
+        return f"this torch ({torch.__version__}) is built without CUDA"
+    return "torch finds no CUDA device here"
 
 
 def port_taken(host: str, port: int) -> str | None:
