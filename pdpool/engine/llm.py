@@ -186,7 +186,21 @@ class LLM:
     """``LLM(model, dtype=..., **settings)``: settings are any names of the config schema (``max_num_seqs``,
     ``block_size``, ``num_threads``, ...)."""
 
-    def __init__(self, model: str = "demo", *, dtype: str = "auto", **settings: Any) -> None:
+    def __init__(self, model: str = "demo", *, dtype: str = "auto", tokenizer: str | None = None,
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, trust_remote_code: bool = False,
+                 disable_log_stats: bool = True, **settings: Any) -> None:
+        """vLLM's ``tokenizer``, ``tensor_parallel_size``, ``pipeline_parallel_size``, ``trust_remote_code`` and
+        ``disable_log_stats`` are taken where they ask for what pdpool does anyway (the model's own tokenizer, one
+        device, no stats logged here); another value is a ValueError naming it."""
+        if tokenizer is not None and tokenizer != model:
+            raise ValueError(f"tokenizer={tokenizer!r}: pdpool reads the model's own tokenizer (leave it unset)")
+        for name, size in (("tensor_parallel_size", tensor_parallel_size),
+                           ("pipeline_parallel_size", pipeline_parallel_size)):
+            if size != 1:
+                raise ValueError(f"{name}={size!r}: a pdpool engine runs on one device (scale out with more nodes)")
+        for name, flag in (("trust_remote_code", trust_remote_code), ("disable_log_stats", disable_log_stats)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a boolean, got {short_repr(flag)}")
         self.config = config.build(model=model, dtype=dtype, **settings)
         self.engine = LLMEngine(self.config)
         path = self.engine.model_path

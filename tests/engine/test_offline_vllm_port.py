@@ -127,6 +127,24 @@ def test_seed_minus_one_is_no_seed_as_in_vllm():
     assert SamplingParams(seed=-2).seed == -2 and SamplingParams(seed=0).seed == 0
 
 
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(tensor_parallel_size=2), ValueError), (dict(pipeline_parallel_size=2), ValueError),
+    (dict(tokenizer="other/model"), ValueError), (dict(trust_remote_code="yes"), TypeError),
+    (dict(swap_space=4), ValueError),
+])
+def test_vllm_constructor_arguments_pdpool_cannot_honour_are_refused(kwargs, error):
+    with pytest.raises(error, match=next(iter(kwargs))):
+        LLM("demo", **kwargs)
+
+
+def test_vllm_constructor_arguments_that_ask_for_the_default_are_taken(demo_model_dir):
+    llm = LLM(model="demo", tokenizer="demo", tensor_parallel_size=1, pipeline_parallel_size=1,
+              trust_remote_code=True, disable_log_stats=True, seed=0, max_model_len=32, dtype="float32",
+              num_threads=1, num_kv_blocks=16)
+    (out,) = llm.generate("Hi", SamplingParams(max_tokens=1), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 1
+
+
 def test_get_tokenizer_encodes_and_decodes(llm):
     tok = llm.get_tokenizer()
     ids = tok.encode("Hello world")
