@@ -655,7 +655,7 @@ def test_a_router_without_namespace_watches_its_kubeconfig_contexts(k8s, stubs, 
     ("mine", None, None, "ctx", "mine"),
 ])
 def test_the_namespace_watched_by_default(tmp_path, given, pod_env, ns_file, context, want):
-    from pdpool.config import RouterConfig
+    from pdpool.router import settings
 
     if context is None:                               # in a pod
         (tmp_path / "token").write_text("t")
@@ -665,7 +665,8 @@ def test_the_namespace_watched_by_default(tmp_path, given, pod_env, ns_file, con
     else:
         env = {"KUBECONFIG": str(write_kubeconfig(tmp_path / "config", "http://127.0.0.1:1", context))}
     conn = connect(None, environ=env, service_account=tmp_path)
-    r = RouterConfig(kubernetes=True, pool=POOL, **({"namespace": given} if given else {}))
+    cfg, _ = settings.load(["--kubernetes", "--pool", POOL, *(["--namespace", given] if given else [])], environ={})
+    r = cfg.router
 
     async def build():
         async with aiohttp.ClientSession() as session:
