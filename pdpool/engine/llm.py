@@ -19,9 +19,10 @@ from typing import Any, Callable, NotRequired, Sequence, TypedDict
 from pdpool import config
 from pdpool.engine.llm_engine import LLMEngine, TokenLogprobs
 from pdpool.engine.output_processor import OutputProcessor, RequestOutput
+from pdpool.engine.sampler import RequestFault
 from pdpool.engine.sampling_params import SamplingParams, generation_defaults, short_repr
 from pdpool.engine.structured import Grammars
-from pdpool.frontend import Frontend, ModelFiles, Tokenizer
+from pdpool.frontend import Frontend, InvalidRequestError, ModelFiles, Tokenizer
 
 
 class TextPrompt(TypedDict):
@@ -313,7 +314,10 @@ class LLM:
                     self.engine.abort_request(stopped)
                 for out in results:
                     if out.finish_reason == "error":
-                        raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+                        message = f"request {out.request_id} failed: {out.error}"
+                        if isinstance(out.error, RequestFault):   # its own parameters (the server's 400)
+                            raise InvalidRequestError(message, param=out.error.param)
+                        raise RuntimeError(message)
                     if out.finished:
                         final[out.request_id] = out
                         if bar is not None:

@@ -151,6 +151,20 @@ def test_get_tokenizer_encodes_and_decodes(llm):
     assert tok.decode(ids) == "Hello world" and tok.eos_token_id is not None
 
 
+def test_masks_that_leave_nothing_to_sample_are_a_value_error(llm):
+    """allowed_token_ids and a grammar that share no token: the request's own parameters, known only once it runs
+    (the server answers 400); generate raised RuntimeError, as for an engine failure."""
+    tok = llm.get_tokenizer()
+    allowed = [t for t in range(100, 400) if not tok.decode([t]).lstrip().startswith(("a", "b"))][:3]
+    params = SamplingParams(max_tokens=3, allowed_token_ids=allowed, structured_outputs={"choice": ["a", "bb"]})
+    with pytest.raises(ValueError, match="no token is left to sample") as info:
+        llm.generate(["Hello", "World"], [SamplingParams(max_tokens=2), params], **QUIET)
+    assert info.value.param in ("allowed_token_ids", "structured_outputs", None)
+    assert not llm.engine.has_unfinished_requests()
+    (after,) = llm.generate("Hello", SamplingParams(max_tokens=2), **QUIET)   # the engine goes on
+    assert len(after.outputs[0].token_ids) == 2
+
+
 _ANY = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=True), st.text(max_size=3),
                  st.lists(st.integers(-1, 3), max_size=2), st.dictionaries(st.integers(-1, 3), st.floats(-200, 200),
                                                                            max_size=2))
