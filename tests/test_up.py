@@ -140,6 +140,39 @@ def test_the_operators_schema_checks_the_file(tmp_path, engine, message):
         load_pool(tmp_path / "p.yaml")
 
 
+SECRET_DOC = "apiVersion: v1\nkind: Secret\nmetadata: {name: api-key}\nstringData: {key: sk-123}\n"
+
+
+@pytest.mark.parametrize("layout", ["---\n{pool}", "{pool}---\n", "{secret}---\n{pool}", "{pool}---\n{secret}---\n"])
+def test_a_kubectl_file_of_several_documents_runs_its_one_pool(tmp_path, layout):
+    """A file that `kubectl apply -f` takes: a leading or trailing '---', or the pool beside its Secret. Each was
+    refused as 'not valid YAML ... but found another document'; the pool runs, and the other objects are named on
+    the line of ignored fields."""
+    pool = yaml.safe_dump(DEFAULT_POOL)
+    (tmp_path / "p.yaml").write_text(layout.format(pool=pool, secret=SECRET_DOC))
+    out = subprocess.run([sys.executable, "-m", "pdpool.cli", "up", str(tmp_path / "p.yaml"), "--dry-run",
+                          "--port", "8123"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert [line.split("| ", 1)[1].split(":", 1)[0] for line in out.stdout.splitlines() if " pdpool " in line] == [
+        "prefill-0", "decode-0", "router-0"]
+    ignored = [line for line in out.stdout.splitlines() if "ignoring" in line]
+    assert ignored == (["up        | ignoring Kubernetes-only fields: Secret/api-key"] if "{secret}" in layout else [])
+
+
+@pytest.mark.parametrize("docs, message", [
+    (["{pool}", "{pool}"], "2 InferencePools (demo, demo); give a file with one"),
+    (["{secret}", "{secret}"], "no InferencePool (Secret/api-key, Secret/api-key)"),
+    (["", ""], "no InferencePool"),
+])
+def test_a_file_without_exactly_one_pool_is_one_line_of_error(tmp_path, docs, message):
+    pool = yaml.safe_dump(DEFAULT_POOL)
+    (tmp_path / "p.yaml").write_text("---\n".join(d.format(pool=pool, secret=SECRET_DOC) for d in docs))
+    out = subprocess.run([sys.executable, "-m", "pdpool.cli", "up", str(tmp_path / "p.yaml"), "--dry-run"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr
+    assert out.stderr == f"pdpool up: error: {tmp_path / 'p.yaml'}: {message}\n"
+
+
 @pytest.mark.parametrize("text, message", [
     ("apiVersion: pdpool.io/v1alpha1\nkind: [InferencePool\n", "not valid YAML (line 3, column 1)"),
     ("apiVersion: pdpool.io/v1alpha1\nkind: InferencePool\nmetadata: demo\n", "metadata: expected object"),

@@ -145,11 +145,12 @@ def load_pool(path: str | Path | None) -> tuple[Pool, list[str]]:
     """(the parsed pool, the Kubernetes-only fields it sets); ``None`` is the built-in example."""
     where = "the built-in example" if path is None else str(path)
     try:
-        body = DEFAULT_POOL if path is None else yaml.safe_load(Path(path).read_text())
+        docs = [DEFAULT_POOL] if path is None else list(yaml.safe_load_all(Path(path).read_text()))
     except yaml.YAMLError as exc:  # its message spans lines (the offending line, a caret): keep the first
         mark = getattr(exc, "problem_mark", None)
         at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
         raise PoolFileError(f"{where}: not valid YAML{at}: {getattr(exc, 'problem', None) or exc}") from None
+    body, others = _the_pool(docs, where)
     if not isinstance(body, dict):
         raise PoolFileError(f"{where}: not a YAML mapping")
     if (body.get("apiVersion"), body.get("kind")) != (crd.API_VERSION, crd.KIND):
@@ -175,7 +176,30 @@ def load_pool(path: str | Path | None) -> tuple[Pool, list[str]]:
         pool = parse_pool(body)
     except SpecError as exc:
         raise PoolFileError(f"{where}: {exc}") from None
-    return pool, ignored_fields(body.get("spec") or {})
+    return pool, ignored_fields(body.get("spec") or {}) + others
+
+
+def _the_pool(docs: list, where: str) -> tuple[object, list[str]]:
+    """(the file's one InferencePool, the other objects as Kind/name): a file `kubectl apply -f` takes may hold
+    empty documents (a leading or trailing ---) and other objects (the pool's Secret). One document is the pool
+    whatever it is (its own checks follow)."""
+    docs = [d for d in docs if d is not None]
+    if len(docs) == 1:
+        return docs[0], []
+    def is_pool(d) -> bool:
+        return isinstance(d, dict) and d.get("kind") == crd.KIND
+
+    def named(d) -> str:
+        meta = d.get("metadata") if isinstance(d, dict) else None
+        kind = d.get("kind") if isinstance(d, dict) else None
+        return f"{kind or '?'}/{meta.get('name') if isinstance(meta, dict) else '?'}"
+
+    pools, others = [d for d in docs if is_pool(d)], [named(d) for d in docs if not is_pool(d)]
+    if len(pools) != 1:
+        found = f"{len(pools)} InferencePools ({', '.join(named(d).split('/', 1)[1] for d in pools)}); give a " \
+                "file with one" if pools else "no InferencePool" + (f" ({', '.join(others)})" if others else "")
+        raise PoolFileError(f"{where}: {found}")
+    return pools[0], others
 
 
 def replicas(pool: Pool, role: str) -> int:
