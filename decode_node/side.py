@@ -120,9 +120,7 @@ class DecodeSide:
         try:
             handle = KVHandle.from_dict(kv_transfer_params)
         except KVHandleError as exc:
-            lease = LeaseRef.of(kv_transfer_params)
-            if lease is not None:  # the prefill node need not hold blocks nobody will read
-                self._on_loop(self._release, lease)
+            self.on_refused(kv_transfer_params)
             raise InvalidRequestError(f"invalid kv_transfer_params: {exc}", param="kv_transfer_params") from None
         if any(j.handle.lease_id == handle.lease_id for j in self.jobs.values()):
             raise InvalidRequestError("a KV handle serves one request (one prompt, n = 1)", param="kv_transfer_params")
@@ -148,6 +146,14 @@ class DecodeSide:
         self.jobs[request.request_id] = job
         self._on_loop(self._keep_alive, job)
         return None  # the handle is not echoed back to the client
+
+    def on_refused(self, kv_transfer_params: dict) -> None:
+        """The request is refused (a bad handle here, or the engine's checks before ``on_add``): release the lease it
+        names, if it names one, since the prefill node need not hold blocks nobody will read; not one a request in
+        flight uses (a resent request refused as a duplicate carries its handle). Any thread."""
+        lease = LeaseRef.of(kv_transfer_params)
+        if lease is not None and all(j.handle.lease_id != lease.lease_id for j in list(self.jobs.values())):
+            self._on_loop(self._release, lease)
 
     def _check(self, request: Request, handle: KVHandle) -> None:
         try:

@@ -62,6 +62,9 @@ class PrefillSide:
     def wants(self, kv_transfer_params: dict) -> bool:
         return bool(kv_transfer_params.get("do_remote_decode"))
 
+    def on_refused(self, kv_transfer_params: dict) -> None:
+        """Nothing to end: a prefill request holds nothing before ``on_add``."""
+
     def on_add(self, request: Request, kv_transfer_params: dict) -> dict:
         num_blocks = cdiv(request.num_prompt_tokens + (request.max_tokens or 1) - 1, self.block_size)
         if not self.table.reserve(request.request_id, num_blocks):

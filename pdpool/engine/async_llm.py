@@ -163,16 +163,11 @@ class AsyncLLM:
                           prompt_token_ids: Sequence[int] | None = None) -> RequestStream:
         """Tokenize (unless ``prompt_token_ids`` are given: a router computed them), validate and add one
         request; raises ``InvalidRequestError``, ``SamplingParamsError``, ``QueueFullError``. Returns its stream."""
-        self._check_admissible(request_id)
-        source = prompt if prompt_token_ids is None else prompt_token_ids
-        if isinstance(source, str) and len(source) >= LONG_TEXT_CHARS:   # off the loop, which serves every stream
-            ids = await asyncio.to_thread(self.frontend.encode_prompt, source, add_special_tokens)
-        else:
-            ids = self.frontend.encode_prompt(source, add_special_tokens)
-        while (aborting := self._aborting.get(request_id)) is not None:   # an earlier request of this id
-            await asyncio.shield(asyncio.wrap_future(aborting))   # a cancelled add leaves the abort queued
-        self._check_admissible(request_id)   # the engine closed, or the same id came in, meanwhile
-        kept = self.frontend.apply_prompt_options(ids, params, self.max_model_len)
+        try:
+            ids, kept = await self._encode(request_id, prompt, params, add_special_tokens, prompt_token_ids)
+        except Exception:
+            self.engine.refuse_kv_transfer(kv_transfer_params)   # the engine never saw it: end its handle's lease
+            raise
         cut = len(kept) < len(ids)
         if cut:
             ids, prompt = kept, kept      # the text (echo's) is then the kept ids'
@@ -199,6 +194,22 @@ class AsyncLLM:
         assert self._work is not None
         self._work.set()
         return stream
+
+    async def _encode(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+                      add_special_tokens: bool, prompt_token_ids: Sequence[int] | None
+                      ) -> tuple[list[int], list[int]]:
+        """``add_request``'s front-end part: the prompt's ids, and those its options keep (``apply_prompt_options``;
+        the same list when nothing is cut)."""
+        self._check_admissible(request_id)
+        source = prompt if prompt_token_ids is None else prompt_token_ids
+        if isinstance(source, str) and len(source) >= LONG_TEXT_CHARS:   # off the loop, which serves every stream
+            ids = await asyncio.to_thread(self.frontend.encode_prompt, source, add_special_tokens)
+        else:
+            ids = self.frontend.encode_prompt(source, add_special_tokens)
+        while (aborting := self._aborting.get(request_id)) is not None:   # an earlier request of this id
+            await asyncio.shield(asyncio.wrap_future(aborting))   # a cancelled add leaves the abort queued
+        self._check_admissible(request_id)   # the engine closed, or the same id came in, meanwhile
+        return ids, self.frontend.apply_prompt_options(ids, params, self.max_model_len)
 
     def _check_admissible(self, request_id: str) -> None:
         if self._closed:

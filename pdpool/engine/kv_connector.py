@@ -76,6 +76,7 @@ class RoleSide(Protocol):
     def before_step(self) -> None: ...
     def after_step(self, outputs: list[EngineOutput]) -> None: ...
     def on_abort(self, request_ids: list[str]) -> set[str]: ...
+    def on_refused(self, kv_transfer_params: dict) -> None: ...  # any thread: the engine refused the request
 
 
 class KVConnector:
@@ -119,6 +120,12 @@ class KVConnector:
         stored, removed = self.kv_cache_manager.take_events()
         if self.index is not None and (stored or removed):
             self.index.publish(stored, removed)
+
+    def on_refused(self, kv_transfer_params: dict) -> None:
+        for side in self.sides:
+            if side.wants(kv_transfer_params):
+                side.on_refused(kv_transfer_params)
+                return
 
     def on_abort(self, request_ids: list[str]) -> set[str]:
         """Ids whose abort must wait: a transfer still writes into their blocks."""

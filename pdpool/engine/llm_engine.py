@@ -90,6 +90,7 @@ class KVConnectorHooks(Protocol):
     def before_step(self) -> None: ...
     def after_step(self, outputs: list[EngineOutput]) -> None: ...  # may append outputs it finished
     def on_abort(self, request_ids: list[str]) -> set[str]: ...
+    def on_refused(self, kv_transfer_params: dict) -> None: ...  # from any thread (see ``refuse_kv_transfer``)
 
 
 @dataclass
@@ -159,6 +160,31 @@ class LLMEngine:
         its steps (no stop strings, which the output processor finds in the growing text; no logprobs; no KV
         connector), the request then gets one ``EngineOutput``, when it finishes, holding all its ids, instead of
         one per step; ``generation_tokens`` in ``stats()`` counts its ids then."""
+        try:
+            prompt_ids, max_tokens = self._admit(request_id, prompt_token_ids, params)
+        except Exception:
+            self.refuse_kv_transfer(kv_transfer_params)
+            raise
+        if max_tokens != params.max_tokens:
+            params = dataclasses.replace(params, max_tokens=max_tokens)
+        request = Request(request_id, prompt_ids, params, eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
+                          priority=priority, cache_salt=cache_salt)
+        self.scheduler.add_request(request)
+        final_only = final_only and not params.stop and params.logprobs is None and self.connector is None
+        state = _State(request, kv_transfer_params, final_only=final_only)
+        self._states[request_id] = state
+        self.num_prompt_tokens += len(prompt_ids)
+        if self.connector is not None:
+            try:
+                state.kv_transfer_params = self.connector.on_add(request, kv_transfer_params)
+            except BaseException:
+                self.abort_request(request_id)
+                raise
+        return request
+
+    def _admit(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+               ) -> tuple[list[int], int]:
+        """``add_request``'s checks: the prompt's ids and the output budget, or the error that refuses it."""
         params.validate(self.vocab_size)
         if params.allowed_token_ids:   # the client's own masks must leave a token to sample (else a 400, not a 500)
             blocked = {ids[0] for ids in params.bad_words_token_ids or () if len(ids) == 1}
@@ -178,22 +204,14 @@ class LLMEngine:
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty")
         max_tokens = resolve_max_tokens(len(prompt_ids), params.max_tokens, self.max_model_len)
-        if max_tokens != params.max_tokens:
-            params = dataclasses.replace(params, max_tokens=max_tokens)
-        request = Request(request_id, prompt_ids, params, eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
-                          priority=priority, cache_salt=cache_salt)
-        self.scheduler.add_request(request)
-        final_only = final_only and not params.stop and params.logprobs is None and self.connector is None
-        state = _State(request, kv_transfer_params, final_only=final_only)
-        self._states[request_id] = state
-        self.num_prompt_tokens += len(prompt_ids)
-        if self.connector is not None:
-            try:
-                state.kv_transfer_params = self.connector.on_add(request, kv_transfer_params)
-            except BaseException:
-                self.abort_request(request_id)
-                raise
-        return request
+        return prompt_ids, max_tokens
+
+    def refuse_kv_transfer(self, kv_transfer_params: dict | None) -> None:
+        """A request carrying ``kv_transfer_params`` was refused before the connector took it: the connector ends
+        what they hold elsewhere (a decode node's KV handle: the prefill node's lease, freed now rather than at its
+        expiry). Safe from any thread: the connector only schedules a release on the server's loop."""
+        if self.connector is not None and kv_transfer_params:
+            self.connector.on_refused(kv_transfer_params)
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Abort requests in any state; unknown ids are ignored. A request whose blocks a KV transfer still
