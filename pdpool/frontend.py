@@ -297,6 +297,24 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> No
                           param=param)
 
 
+def message_text(content, i: int) -> str:
+    """``messages[i]``'s content as chat templates take it: a string, None (""), or OpenAI's content parts, of which
+    only text ones, joined one a line as vLLM joins them; anything else an ``InvalidRequestError`` (``messages``)."""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequestError(f"messages[{i}].content: only text parts are supported", param="messages")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    if content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise InvalidRequestError(f"messages[{i}].content must be a string or a list of text parts",
+                                  param="messages")
+    return content
+
+
 def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int | None) -> list[int]:
     """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` ids (-1: the last ``max_model_len``; None: all).
     A ``keep`` above the context length is an ``InvalidRequestError``, as in vLLM."""

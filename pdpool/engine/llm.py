@@ -22,7 +22,7 @@ from pdpool.engine.output_processor import OutputProcessor, RequestOutput
 from pdpool.engine.sampler import RequestFault
 from pdpool.engine.sampling_params import SamplingParams, generation_defaults, short_repr
 from pdpool.engine.structured import Grammars
-from pdpool.frontend import Frontend, InvalidRequestError, ModelFiles, Tokenizer
+from pdpool.frontend import Frontend, InvalidRequestError, ModelFiles, Tokenizer, message_text
 
 
 class TextPrompt(TypedDict):
@@ -167,6 +167,18 @@ def _token_ids(ids: Any) -> list[int]:
     return list(ids)   # the front end checks each id against the vocabulary (a ValueError naming the prompt)
 
 
+def chat_messages(conversation: Sequence[dict]) -> list[dict]:
+    """One conversation's messages with their content as the server's chat takes it (``message_text``: OpenAI's
+    text parts joined, as vLLM's); a ValueError naming ``messages`` for a message that is no dict with a role."""
+    out = []
+    for i, message in enumerate(conversation):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidRequestError(f"messages[{i}] must be a dict with a 'role', got {short_repr(message)}",
+                                      param="messages")
+        out.append({**message, "content": message_text(message.get("content"), i)})
+    return out
+
+
 def _is_one_prompt(prompts: Any) -> bool:
     return isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
                                                 and isinstance(prompts[0], int))
@@ -246,8 +258,8 @@ class LLM:
                             f"{short_repr(messages)}")
         conversations = messages if messages and isinstance(messages[0], (list, tuple)) else [messages]
         params_list = self._params_for(sampling_params, len(conversations), lora_request, priority)
-        rendered = [self.frontend.render_chat(list(conv), add_generation_prompt, continue_final_message, tools,
-                                              chat_template, chat_template_kwargs) for conv in conversations]
+        rendered = [self.frontend.render_chat(chat_messages(conv), add_generation_prompt, continue_final_message,
+                                              tools, chat_template, chat_template_kwargs) for conv in conversations]
         return self._run([(text, text, p, False) for text, p in zip(rendered, params_list)], use_tqdm)
 
     def beam_search(self, *args: Any, **kwargs: Any) -> list:

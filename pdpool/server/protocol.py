@@ -18,7 +18,7 @@ from typing import Any
 
 from pdpool.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, SamplingParamsError, short_repr
 from pdpool.engine.structured import StructuredOutputs
-from pdpool.frontend import DEFAULTABLE, InvalidRequestError
+from pdpool.frontend import DEFAULTABLE, InvalidRequestError, message_text
 from pdpool.server.errors import APIError
 from pdpool.server.tools import ToolChoice, parse_tools
 
@@ -461,18 +461,10 @@ def _messages(body: dict) -> list[dict]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(f"messages[{i}] must be an object with a 'role'", param="messages")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: keep the text ones, one a line, as vLLM joins them
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise APIError(f"messages[{i}].content: only text parts are supported", param="messages")
-                texts.append(part["text"])
-            content = "\n".join(texts)
-        if content is None:
-            content = ""
-        if not isinstance(content, str):
-            raise APIError(f"messages[{i}].content must be a string or a list of text parts", param="messages")
+        try:
+            content = message_text(m.get("content"), i)
+        except InvalidRequestError as exc:
+            raise APIError(str(exc), param=exc.param) from None
         message = {"role": _text(m["role"], "messages"), "content": _text(content, "messages")}
         if m.get("tool_calls") is not None:
             message["tool_calls"] = _history_tool_calls(m["tool_calls"], i)

@@ -63,6 +63,23 @@ def test_vllm_argument_names_and_chat_batches(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_chat_takes_openai_content_parts_as_the_server_does(llm):
+    """vLLM's chat takes a message's content as OpenAI's list of parts (text parts joined by newlines); the offline
+    chat handed the list to the template, which failed ("can only concatenate str (not "list") to str")."""
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]
+    (by_parts,) = llm.chat(parts, sp, use_tqdm=False)
+    (by_text,) = llm.chat([{"role": "user", "content": "Hello\nthere"}], sp, use_tqdm=False)
+    assert by_parts.prompt == by_text.prompt and by_parts.outputs[0].token_ids == by_text.outputs[0].token_ids
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+    with pytest.raises(ValueError, match="text parts") as info:
+        llm.chat(image, sp, use_tqdm=False)
+    assert info.value.param == "messages"
+    with pytest.raises(ValueError, match="messages"):
+        llm.chat(["hello"], sp, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_output_fields_as_vllm(llm):
     (plain,) = llm.generate("Hello", SamplingParams(max_tokens=3, seed=1), **QUIET)
     assert isinstance(plain, pdpool.RequestOutput) and isinstance(plain.outputs[0], pdpool.CompletionOutput)
