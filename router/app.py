@@ -36,7 +36,7 @@ from pdpool.router.server import Exchange, Request
 from pdpool.router.settings import SchedulerProfile
 from pdpool.router.upstream import Upstream
 from pdpool.server import anthropic_messages, json_body, protocol, tokenize
-from pdpool.server.auth import check_api_key
+from pdpool.server.auth import bearer, check_api_key
 from pdpool.server.cors import PLAIN_TEXT, CorsPolicy
 from pdpool.server.errors import APIError
 
@@ -102,15 +102,16 @@ class Router:
 
     async def start(self) -> None:
         r = self.cfg.router
+        # the nodes' session (requests, probes): it presents the router's key, which a pool's nodes share
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=60),
-                                             auto_decompress=False)
+                                             auto_decompress=False, headers=bearer(r.api_key))
         if self.reader is not None:
             from pdpool.router.index_reader import AsyncIndexReader
 
             self.index.async_reader = AsyncIndexReader(r.redis, r.redis_password, self.reader.keys)
         self.http1 = Http1Client() if httptools is not None else None
         upstream = Upstream(self.session, connect_timeout=r.connect_timeout, request_timeout=r.request_timeout,
-                            internal_token=r.internal_token, http1=self.http1)
+                            internal_token=r.internal_token, api_key=r.api_key, http1=self.http1)
         self.path = RequestPath(self.scheduler, upstream, self.pool, self.index, self.inflight, self.metrics,
                                 max_retries=r.max_retries, prefill_timeout=r.prefill_timeout)
         static = {"prefill": r.prefill, "decode": r.decode, "both": r.both}

@@ -18,6 +18,7 @@ import aiohttp
 from pdpool import internal_api
 from pdpool.logs import HEADER as REQUEST_ID_HEADER
 from pdpool.router.http1 import HTTPClientError, Http1Client
+from pdpool.server.auth import bearer
 
 TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, HTTPClientError)
 
@@ -74,13 +75,14 @@ class _AiohttpResponse:
 
 class Upstream:
     def __init__(self, session: aiohttp.ClientSession, *, connect_timeout: float, request_timeout: float,
-                 internal_token: str | None, http1: Http1Client | None = None) -> None:
+                 internal_token: str | None, api_key: str | None = None, http1: Http1Client | None = None) -> None:
         self.session = session
         self.http1 = http1
         self.connect_timeout = connect_timeout
         self.request_timeout = request_timeout
         self.internal_token = internal_token
-        self._headers = {"Content-Type": "application/json", **internal_api.headers(internal_token)}
+        # the router's own key: a pool's nodes hold the same one and ask every /v1 request for it
+        self._headers = {"Content-Type": "application/json", **internal_api.headers(internal_token), **bearer(api_key)}
 
     def headers(self, request_id: str) -> dict[str, str]:
         return {REQUEST_ID_HEADER: request_id, **internal_api.headers(self.internal_token)}

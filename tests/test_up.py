@@ -541,14 +541,11 @@ def test_what_a_killed_up_left_running_is_stopped_by_the_next_up(demo_model_dir,
                 up.proc.wait(60)
 
 
-@pytest.mark.xfail(strict=True, reason="the router presents only the internal token to the nodes (router/upstream.py), "
-                   "and a node given PDPOOL_API_KEY asks every /v1 request for the client's key "
-                   "(pdpool/server/app.py): outside this audit's files; see its report")
 def test_a_pool_with_an_api_key_serves_requests_that_present_it(demo_model_dir, pdpool_cache, tmp_path):
     """PDPOOL_API_KEY in up's environment reaches the router and the nodes, as the operator's
     router.apiKeySecretRef does (docs/deploy.md). The router checked the client's key and forwarded the request
     with the internal token alone; each node, holding the key too, answered it 401 invalid_api_key, so a pool with a
-    key refused every request, the right key included."""
+    key refused every request, the right key included. The router now presents its key to its nodes."""
     port = free_port()
     env = dict(os.environ, PDPOOL_CACHE=str(pdpool_cache), PDPOOL_API_KEY="sk-pool")
     up = UpProcess(["--port", str(port)], env)

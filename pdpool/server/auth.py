@@ -7,6 +7,12 @@ import hmac
 from pdpool.server.errors import APIError
 
 
+def bearer(api_key: str | None) -> dict[str, str]:
+    """The header that presents ``api_key`` (none without a key): the router presents its own key to its nodes,
+    which a pool gives the same key (``PDPOOL_API_KEY``)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def check_api_key(headers, api_key: str | None) -> None:
     """Raise a 401 (OpenAI error) unless ``headers`` present ``api_key`` (``Authorization: Bearer`` or
     ``x-api-key``); no key configured: nothing to check."""
