@@ -6,6 +6,7 @@ Every ``serve`` flag comes from the config schema (``pdpool/config.py``); nothin
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 
@@ -106,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C is how a user stops a bench or a command still starting: no traceback
         print(f"pdpool {argv[0]}: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
+    except BrokenPipeError:  # `pdpool status | head -3`: the reader left; no traceback, as a shell tool ends there
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's final flush goes nowhere
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Every code folder is a subpackage of the one import package `pdpool`."""
 
 import importlib
+import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import tomllib
@@ -119,3 +121,16 @@ def test_the_wheel_carries_every_file_the_package_reads(wheel_names):
         assert source.resolve() in {p.resolve() for p in wanted.values()}, f"{source} is not tracked"
     missing = sorted(name for name in wanted if name not in wheel_names)
     assert not missing, f"not in the wheel (list them in [tool.setuptools.package-data]): {missing}"
+
+
+def test_output_to_a_reader_that_left_ends_without_a_traceback():
+    """`pdpool status | head -3` (here `pdpool operator crd`, 30 KB): once the reader has gone, a write to stdout is EPIPE (Python ignores SIGPIPE).
+    It was a BrokenPipeError traceback on stderr; it ends quietly with 128 + SIGPIPE, as a shell tool does."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)   # the reader has already left
+    try:
+        out = subprocess.run([sys.executable, "-m", "pdpool.cli", "operator", "crd"], stdout=write_end,
+                             stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert out.returncode == 128 + signal.SIGPIPE and out.stderr == "", (out.returncode, out.stderr)
