@@ -419,12 +419,16 @@ def test_flags_after_dashes_that_the_router_shares_reach_it_too(flags):
     (["--host", "0.0.0.0"], "--host"),
     (["--internal-token", "t"], "--internal-token"),
     (["--api-key", "k"], "PDPOOL_API_KEY"),
+    (["--config", "node.yaml"], "--config"),
 ])
 def test_flags_after_dashes_that_up_sets_itself_are_one_line_of_error(tmp_path, flags, message):
     """`pdpool up -- --port 9000` put every node on port 9000 (all but one exited, and were restarted forever);
-    `-- --role decode` made the prefill nodes decode nodes; `-- --api-key k` guarded the nodes but not the router.
+    `-- --role decode` made the prefill nodes decode nodes; `-- --api-key k` guarded the nodes but not the router;
+    `-- --config node.yaml` gave the nodes settings (a served name) the router did not get.
     `up` wires these itself, per process, or passes them in the environment: refused before anything starts (and
     by --dry-run, which the test runs so that the old code, which started the pool, leaves nothing behind)."""
+    (tmp_path / "node.yaml").write_text("served-model-name: foo\n")
+    flags = [str(tmp_path / f) if f == "node.yaml" else f for f in flags]
     out = subprocess.run([sys.executable, "-m", "pdpool.cli", "up", "--dry-run", "--port", "8123", "--", *flags],
                          capture_output=True, text=True, timeout=60, env=dict(os.environ, PDPOOL_CACHE=str(tmp_path)))
     assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr

@@ -43,7 +43,9 @@ CPU_UCX_TLS = "tcp,self"
 # of one role; a token the nodes hold and the router does not). {flag: why}
 WIRED_FLAGS = {flag: "pdpool up sets it for each process" for flag in (
     "--host", "--port", "--role", "--node-id", "--advertise-host", "--redis", "--pool", "--namespace")}
-WIRED_FLAGS.update({"--internal-token": "pdpool up makes one for the router and the nodes",
+WIRED_FLAGS.update({"--config": "its settings would reach the nodes and not the router (a served name, a block size); "
+                                "give them as flags after -- instead",
+                    "--internal-token": "pdpool up makes one for the router and the nodes",
                     "--internal-token-file": "pdpool up makes one for the router and the nodes"})
 
 
@@ -101,7 +103,7 @@ def router_overrides(extra_flags: Sequence[str]) -> dict[str, Any]:
     out = {}
     for flag, value in extra_settings(extra_flags).items():
         f = router_fields.get(flag)
-        if f is None or flag in WIRED_FLAGS or f.metadata.get("secret") or flag == "--config":
+        if f is None or flag in WIRED_FLAGS or f.metadata.get("secret"):
             continue
         if isinstance(value, list) and config.several(node_fields[flag]) and not config.several(f):
             value = value[0]
