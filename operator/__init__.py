@@ -11,5 +11,5 @@ Import only as ``pdpool.operator``. Modules, one role each:
 - ``kube``     a small async Kubernetes REST client over kopf's credentials
 - ``handlers`` thin kopf handlers; ``leader`` a Lease elector; ``main`` the ``pdpool operator`` command;
   ``health`` its /healthz, /readyz and /metrics
-- ``redis_keys`` the finalizer's SCAN-by-prefix deletion; ``drain`` the nodes' preStop hook (stdlib only)
+- ``redis_keys`` the finalizer's SCAN-by-prefix deletion; ``drain`` the nodes' preStop hook (no kopf: the base install's dependencies only)
 """
