@@ -136,6 +136,35 @@ class GenerationResult:
         return self.outputs[0].logprobs
 
 
+class HFTokenizerView:
+    """``LLM.get_tokenizer()``: pdpool's ``Tokenizer`` called as vLLM scripts call the transformers tokenizer vLLM
+    returns: ``apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)`` (``tokenize``
+    defaults to True: the ids, ``add_generation_prompt`` to False, extra keywords are template variables) and
+    ``decode`` keeping special tokens unless told (transformers' default). Everything else is the ``Tokenizer``'s."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tokenizer, name)
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.tokenizer.special_tokens.get("eos_token")
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, conversation: list[dict], tools: list[dict] | None = None,
+                            chat_template: str | None = None, add_generation_prompt: bool = False,
+                            continue_final_message: bool = False, tokenize: bool = True,
+                            **template_kwargs: Any) -> str | list[int]:
+        text = self.tokenizer.apply_chat_template(chat_messages(conversation), add_generation_prompt,
+                                                  continue_final_message, tools, chat_template,
+                                                  template_kwargs or None)
+        return self.tokenizer.encode(text, add_special_tokens=False) if tokenize else text
+
+
 def parse_prompt(prompt: Any) -> tuple[str | None, str | list[int]]:
     """One prompt of ``generate`` as (the text the output shows, what the front end encodes). ``TypeError`` or
     ``ValueError`` naming the prompt for anything else (vLLM's prompt forms, less those pdpool has not: multimodal
@@ -227,9 +256,10 @@ class LLM:
     def tokenizer(self) -> Tokenizer:
         return self.frontend.tokenizer
 
-    def get_tokenizer(self) -> Tokenizer:
-        """The tokenizer (``encode``, ``decode``, ``eos_token_id``, ``apply_chat_template``), as vLLM's."""
-        return self.tokenizer
+    def get_tokenizer(self) -> HFTokenizerView:
+        """The tokenizer, called as vLLM's (``HFTokenizerView``: ``encode``, ``decode``, ``eos_token_id``,
+        ``apply_chat_template(..., tokenize=False)``)."""
+        return HFTokenizerView(self.tokenizer)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,

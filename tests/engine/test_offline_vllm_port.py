@@ -166,6 +166,20 @@ def test_get_tokenizer_encodes_and_decodes(llm):
     tok = llm.get_tokenizer()
     ids = tok.encode("Hello world")
     assert tok.decode(ids) == "Hello world" and tok.eos_token_id is not None
+    assert tok.decode([tok.eos_token_id]) == tok.eos_token   # transformers' default keeps special tokens
+    assert tok.decode([tok.eos_token_id], skip_special_tokens=True) == ""
+
+
+def test_get_tokenizer_applies_the_chat_template_as_transformers(llm):
+    """vLLM scripts build prompts with ``tokenizer.apply_chat_template(conv, tokenize=False,
+    add_generation_prompt=True)``: pdpool's tokenizer took no ``tokenize`` (TypeError)."""
+    conv = [{"role": "user", "content": "Hello"}]
+    tok = llm.get_tokenizer()
+    text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    (chat,) = llm.chat(conv, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert text == chat.prompt
+    assert tok.apply_chat_template(conv, add_generation_prompt=True) == chat.prompt_token_ids
+    assert tok.apply_chat_template(conv, tokenize=False) != text   # transformers' default: no generation prompt
 
 
 def test_masks_that_leave_nothing_to_sample_are_a_value_error(llm):
