@@ -146,6 +146,8 @@ class HFTokenizerView:
         self.tokenizer = tokenizer
 
     def __getattr__(self, name: str) -> Any:
+        if name == "tokenizer":   # not set yet (a copy or an unpickled view): no recursion
+            raise AttributeError(name)
         return getattr(self.tokenizer, name)
 
     @property

@@ -168,6 +168,8 @@ def test_get_tokenizer_encodes_and_decodes(llm):
     assert tok.decode(ids) == "Hello world" and tok.eos_token_id is not None
     assert tok.decode([tok.eos_token_id]) == tok.eos_token   # transformers' default keeps special tokens
     assert tok.decode([tok.eos_token_id], skip_special_tokens=True) == ""
+    import copy
+    assert copy.copy(tok).encode("Hello world") == ids   # a copy (no __init__ run) must not recurse
 
 
 def test_get_tokenizer_applies_the_chat_template_as_transformers(llm):
