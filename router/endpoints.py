@@ -82,9 +82,13 @@ class Pool:
     def decode_candidates(self) -> list[Endpoint]:
         now = time.monotonic()
         eps = [e for e in self.endpoints.values() if e.can_decode and self.usable(e, now)]
-        if not eps:  # a prefill node serves whole requests too: better than a 503
-            eps = [e for e in self.endpoints.values() if e.role == "prefill" and self.usable(e, now)]
-        return eps
+        return eps or self.whole_request_prefill_nodes(now)
+
+    def whole_request_prefill_nodes(self, now: float | None = None) -> list[Endpoint]:
+        """Usable prefill nodes, for a request no decode node can take: a prefill node serves whole requests
+        too, better than a 503."""
+        now = now or time.monotonic()
+        return [e for e in self.endpoints.values() if e.role == "prefill" and self.usable(e, now)]
 
     def prefill_candidates(self) -> list[Endpoint]:
         now = time.monotonic()

@@ -3,7 +3,9 @@
     plan -> [prefill: do_remote_decode, max_tokens 1, stream false] -> decode (+ kv_transfer_params) -> client
             prefill fails (connect, 5xx, 429, timeout)  -> decode-only on the same decode node ("fallback")
             prefill refuses the request (other 4xx)      -> the same: the decode node answers the client's request
-            decode fails before its first byte          -> next decode node, at most --max-retries times
+            decode fails before its first byte          -> next decode node, at most --max-retries times; when
+                                                           every one failed to connect or answer (dead, still
+                                                           listed), a prefill node, decode-only, in those retries
             decode refuses the handle (4xx naming it)   -> the same decode node, decode-only
             decode fails after streaming started        -> a final SSE error event, then close
             client disconnects                          -> upstream connections closed (the nodes abort, the
@@ -184,10 +186,11 @@ class RequestPath:
         hits (``prefill_realized``), unless the decode node refuses the handle: then it is a "fallback"."""
         tries = plan.decode[:1 + self.max_retries]
         last: UpstreamError | None = None
+        all_unreachable = True   # every decode node tried failed at the connection: no status, no byte
         for attempt, d in enumerate(tries):
             if attempt:
                 self.metrics.decisions["retry"].inc()
-                logger.info("retrying on decode node %s (attempt %d)", d.node_id, attempt + 1)
+                logger.info("retrying on %s node %s (attempt %d)", d.role, d.node_id, attempt + 1)
             changes = {"kv_transfer_params": handle} if handle is not None else {}
             hide_usage = False
             if rr.stream and d.pdpool and not rr.parsed.include_usage:
@@ -213,6 +216,13 @@ class RequestPath:
                 if handle is not None:  # the next node prefills locally; free the lease now
                     self._release(plan.prefill, handle, rr.request_id)
                     handle = None
+                all_unreachable = all_unreachable and err.status is None
+                if all_unreachable and d.can_decode and attempt == len(tries) - 1 < self.max_retries:
+                    # Dead decode nodes the discovery still lists (a heartbeat not expired yet): a prefill node
+                    # serves the request whole, as once they have dropped out (``Pool.decode_candidates``).
+                    spare = self._prefill_fallback(plan)
+                    if spare is not None:
+                        tries.append(spare)
             except _PassThrough as exc:   # the node refused the request (4xx)
                 refused = handle is not None and b"kv_transfer_params" in exc.reply.body
                 if refused and note:   # the KV served nothing: a fallback, without the prefill leg's hits
@@ -237,6 +247,12 @@ class RequestPath:
             finally:
                 ticket.done()
         raise APIError(f"every decode node tried failed; last: {last}", status=503, code="upstream_unavailable")
+
+    def _prefill_fallback(self, plan: RoutePlan):
+        """A usable prefill node to serve a request whole: the plan's own (it holds the prompt's prefix) first."""
+        fp = self.scheduler.fingerprint()
+        spare = [e for e in self.pool.whole_request_prefill_nodes() if self.scheduler.compatible(e, fp)]
+        return plan.prefill if plan.prefill in spare else (spare[0] if spare else None)
 
     def _announce(self, note: list | None) -> None:
         """A decision's metrics, once, and a decode-only one's log line (``note``: [plan, decision, decode node,
