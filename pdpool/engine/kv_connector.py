@@ -96,7 +96,7 @@ class KVConnector:
     def on_add(self, request: Request, kv_transfer_params: dict | None) -> dict | None:
         """May set the request's ``kv_load``/``hold_blocks_on_finish``; returns the params to keep on it."""
         if not kv_transfer_params:
-            return kv_transfer_params
+            return None
         for side in self.sides:
             if side.wants(kv_transfer_params):
                 return side.on_add(request, kv_transfer_params)
@@ -104,7 +104,7 @@ class KVConnector:
             raise InvalidRequestError("this node's role does not take these kv_transfer_params "
                                       "(do_remote_decode goes to a prefill node, do_remote_prefill to a decode node)",
                                       param="kv_transfer_params")
-        return kv_transfer_params
+        return None   # fields no side takes are ignored, not echoed back (as vLLM's connectors do)
 
     def on_schedule(self, scheduler_output: SchedulerOutput) -> None:
         for side in self.sides:

@@ -171,7 +171,7 @@ class LLMEngine:
                           priority=priority, cache_salt=cache_salt)
         self.scheduler.add_request(request)
         final_only = final_only and not params.stop and params.logprobs is None and self.connector is None
-        state = _State(request, kv_transfer_params, final_only=final_only)
+        state = _State(request, None, final_only=final_only)   # only a connector answers kv_transfer_params
         self._states[request_id] = state
         self.num_prompt_tokens += len(prompt_ids)
         if self.connector is not None:
