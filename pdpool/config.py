@@ -64,15 +64,26 @@ class ConfigError(ValueError):
     """A setting is missing, out of range, or inconsistent with another."""
 
 
+def served_model_name_opt(help: str = "Name the API serves the model as (default: --model).") -> Any:
+    """``--served-model-name``, as ``pdpool serve`` and ``pdpool router`` take it: several names, as vLLM's flag
+    takes them (--served-model-name a b): a request may name any, /v1/models lists them all, answers carry the
+    first. A pool's spec (the CRD's help is the node's) names one."""
+    return opt(None, help, crd="model.servedModelName")
+
+
+def served_model_names(served: str | list[str] | None, model: str) -> list[str]:
+    """The names a ``served_model_name_opt`` setting serves (``model`` without one); the first is the one answers,
+    metrics and block-hash fingerprints carry."""
+    names = served or model
+    return [names] if isinstance(names, str) else list(names)
+
+
 @dataclass
 class ModelConfig:
     model: str = opt("demo", "Model: 'demo' (bundled SmolLM2-135M-Instruct), a local HF folder, or a hub id "
                      "already in the Hugging Face cache (never downloaded).",
                      crd="model.name")
-    # Several, as vLLM's flag takes them (--served-model-name a b): a request may name any, /v1/models lists them
-    # all, answers carry the first. A pool's spec (the CRD's help is this one's) names one.
-    served_model_name: str | list[str] | None = opt(None, "Name the API serves the model as (default: --model).",
-                                                    crd="model.servedModelName")
+    served_model_name: str | list[str] | None = served_model_name_opt()
     dtype: str = opt("auto", "Weight and activation dtype; auto is bfloat16 on CUDA and on CPUs with native bf16 "
                               "(AVX512_BF16, AMX), float32 on other CPUs.",
                      choices=DTYPES, crd="engine.dtype")
@@ -192,8 +203,7 @@ class NodeConfig:
 
     @property
     def served_model_names(self) -> list[str]:
-        names = self.model.served_model_name or self.model.model
-        return [names] if isinstance(names, str) else list(names)
+        return served_model_names(self.model.served_model_name, self.model.model)
 
     @property
     def served_model_name(self) -> str:
@@ -211,8 +221,9 @@ class RouterConfig:
     model: str = opt("demo", "Model whose tokenizer the router uses: 'demo', a local HF folder or a cached hub id "
                      "(no weights read).",
                      crd="model.name")
-    served_model_name: str | None = opt(None, "Name the API serves the model as (default: --model); also the "
-                                        "model id of the block-hash fingerprint.", crd="model.servedModelName")
+    served_model_name: str | list[str] | None = served_model_name_opt(
+        "Name the API serves the model as (default: --model), or several; the first is the model id of the "
+        "block-hash fingerprint, and the one the nodes are asked for.")
     dtype: str = opt("auto", "The nodes' dtype, part of the block-hash fingerprint; auto adopts the first node's.",
                      choices=DTYPES, crd="engine.dtype")
     block_size: int = opt(16, "The nodes' tokens per KV block (block hashes).", choices=(8, 16, 32, 64, 128),
@@ -291,8 +302,13 @@ class RouterCommandConfig:
         _check_auto_tool_choice(self.router)
 
     @property
+    def served_model_names(self) -> list[str]:
+        return served_model_names(self.router.served_model_name, self.router.model)
+
+    @property
     def served_model_name(self) -> str:
-        return self.router.served_model_name or self.router.model
+        """The first served name: the nodes' (what requests sent on name) and the block-hash fingerprint's."""
+        return self.served_model_names[0]
 
 
 def _check_auto_tool_choice(section) -> None:

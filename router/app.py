@@ -69,7 +69,7 @@ class Router:
         self.cfg = cfg
         r = cfg.router
         self.frontend = frontend
-        self.served_names = [cfg.served_model_name]
+        self.served_names = cfg.served_model_names   # the first: what the nodes serve (they may serve it alone)
         self.tool_parser = auto_tool_parser(r)   # tool_choice "auto": accepted and refused as the nodes do
         self.cors = CorsPolicy.from_config(r)
         self.created = int(time.time())
@@ -230,12 +230,14 @@ class Router:
             rr = parse(request.path, body, self.frontend, self.served_names, rid, request.body, self.tool_parser,
                        trust_chat_template=self.cfg.router.trust_request_chat_template)
             rr.client_request_id = client_id
+            if len(self.served_names) > 1:
+                rr.name_model(self.served_names[0])
             await self.path.serve(exchange, rr)
         finally:
             self.num_inflight -= 1
 
-    def _model_card(self) -> dict:
-        card = {"id": self.served_names[0], "object": "model", "created": self.created, "owned_by": "pdpool",
+    def _model_card(self, name: str) -> dict:
+        card = {"id": name, "object": "model", "created": self.created, "owned_by": "pdpool",
                 "root": self.cfg.router.model, "parent": None}
         max_model_len = self.max_model_len()
         if max_model_len is not None:
@@ -249,13 +251,13 @@ class Router:
         return min(advertised) if advertised else self.frontend.files.max_position_embeddings
 
     async def models(self, request: Request):
-        return _json({"object": "list", "data": [self._model_card()]})
+        return _json({"object": "list", "data": [self._model_card(n) for n in self.served_names]})
 
     async def model(self, request: Request):
         name = request.path[len("/v1/models/"):]
         if name not in self.served_names:
             raise protocol.model_not_found(name, self.served_names)
-        return _json(self._model_card())
+        return _json(self._model_card(name))
 
     def _body(self, request: Request) -> dict:
         if "content-encoding" in request.headers:   # decoded in place: the request path forwards the raw body too

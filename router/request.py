@@ -89,6 +89,16 @@ class RoutedRequest:
     def sent_token_ids(self) -> list[list[int]]:
         return self.prompt_token_ids if self.forwarded_token_ids is None else self.forwarded_token_ids
 
+    def name_model(self, name: str) -> None:
+        """Ask the nodes for ``name`` (the router's first served name, the one they serve) where the client named
+        another of the router's names (``--served-model-name a b``): its answer carries ``name``, as vLLM's does."""
+        if self.body.get("model") in (None, name):
+            return
+        self.body = {**self.body, "model": name}
+        self.raw = b""   # re-encoded from ``body`` (``upstream_bytes``)
+        if self.chat_body is not None and "model" in self.chat_body:
+            self.chat_body = {**self.chat_body, "model": name}
+
     def block_hashes(self, fingerprint) -> list:
         hashes = self._hashes.get(fingerprint)
         if hashes is None:
