@@ -12,6 +12,7 @@ detokenizes and applies stop strings.
 
 from __future__ import annotations
 
+import copy
 import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, NotRequired, Sequence, TypedDict
@@ -308,7 +309,14 @@ class LLM:
                              "(only priority 0)")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        return _per_prompt("sampling_params", sampling_params, count, SamplingParams)
+        # a copy of each: the front end fills bad_words_token_ids and grammar on it, not on the caller's (vLLM clones)
+        copies: dict[int, SamplingParams] = {}
+        out = []
+        for params in _per_prompt("sampling_params", sampling_params, count, SamplingParams):
+            if id(params) not in copies:
+                copies[id(params)] = copy.copy(params)
+            out.append(copies[id(params)])
+        return out
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` use without params, as vLLM's: the model's generation defaults

@@ -162,6 +162,17 @@ def test_vllm_constructor_arguments_that_ask_for_the_default_are_taken(demo_mode
     assert len(out.outputs[0].token_ids) == 1
 
 
+def test_generate_leaves_the_callers_params_as_they_were(llm):
+    """vLLM clones a request's SamplingParams: generate filled the caller's own bad_words_token_ids and grammar,
+    so the object no longer equalled what was written, and a grammar compiled for one LLM's tokenizer went on to
+    another LLM with it."""
+    sp = SamplingParams(max_tokens=2, bad_words=["Paris"], structured_outputs={"choice": ["yes", "no"]})
+    before = SamplingParams(max_tokens=2, bad_words=["Paris"], structured_outputs={"choice": ["yes", "no"]})
+    outs = llm.generate(["a", "b"], sp, **QUIET)
+    assert [o.outputs[0].text for o in outs] and all(o.outputs[0].text in ("yes", "no") for o in outs)
+    assert sp == before and sp.grammar is None and sp.bad_words_token_ids is None
+
+
 def test_get_tokenizer_encodes_and_decodes(llm):
     tok = llm.get_tokenizer()
     ids = tok.encode("Hello world")
