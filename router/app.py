@@ -47,6 +47,7 @@ GENERATE = ("/v1/completions", "/v1/chat/completions", "/v1/responses", anthropi
 # (method, path) -> handler name; GET routes answer HEAD too. /openapi.json lists what is here. MODEL_PATH stands
 # for every path under /v1/models/ (OpenAI's retrieve: the rest of the path is the model's name, slashes and all).
 MODEL_PATH = "/v1/models/{model}"
+PRIORITY_KEY = protocol.PRIORITY_HEADER.lower()   # request.headers' keys are lower case
 ROUTES = {("POST", "/v1/completions"): "generate", ("POST", "/v1/chat/completions"): "generate",
           ("POST", "/v1/responses"): "generate", ("POST", anthropic_messages.PATH): "generate",
           ("POST", anthropic_messages.COUNT_TOKENS_PATH): "count_tokens_page",
@@ -230,6 +231,8 @@ class Router:
             rr = parse(request.path, body, self.frontend, self.served_names, rid, request.body, self.tool_parser,
                        trust_chat_template=self.cfg.router.trust_request_chat_template)
             rr.client_request_id = client_id
+            if PRIORITY_KEY in request.headers:   # vLLM's X-Vllm-Priority: the nodes honour it
+                rr.headers = {protocol.PRIORITY_HEADER: request.headers[PRIORITY_KEY]}
             if len(self.served_names) > 1:
                 rr.name_model(self.served_names[0])
             await self.path.serve(exchange, rr)

@@ -138,7 +138,7 @@ class RequestPath:
         self.index.record(plan.block_hashes, p)
         leg_id = rr.prefill_id()   # unique: its leases may be freed by it
         leg = asyncio.ensure_future(self.upstream.post_json(p.url + rr.prefill_path, body, leg_id,
-                                                            timeout=self.prefill_timeout))
+                                                            timeout=self.prefill_timeout, client_headers=rr.headers))
         try:
             payload = await asyncio.shield(leg)
         except asyncio.CancelledError:
@@ -199,7 +199,7 @@ class RequestPath:
             body = rr.upstream_body(d.pdpool, **changes) if changes else rr.upstream_bytes(d.pdpool)
             relay = None if rr.stream else _Relay(exchange, rr.request_id)
             opened = self.upstream.send(d.url + rr.path, body, rr.request_id,   # on the wire when it can be
-                                        on_complete=relay)
+                                        on_complete=relay, client_headers=rr.headers)
             uncached = 0 if handle is not None else rr.num_prompt_tokens - plan.matched_blocks.get(
                 d.node_id, 0) * self.scheduler.block_size
             ticket = self.inflight.add(d.node_id, uncached)

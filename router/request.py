@@ -57,6 +57,7 @@ class RoutedRequest:
     # prefill leg is that chat request
     chat_body: dict | None = None
     client_request_id: bool = False   # ``request_id`` is the client's X-Request-Id (not unique: see prefill_id)
+    headers: dict | None = None       # the client's headers the nodes get too, on both legs (X-Vllm-Priority)
     _hashes: dict = field(default_factory=dict)
 
     def prefill_id(self) -> str:

@@ -91,17 +91,22 @@ class Upstream:
         """The wait for each read, as the lean client's (``router/http1.py``): a stream that keeps coming is not cut."""
         return aiohttp.ClientTimeout(sock_read=total or self.request_timeout, sock_connect=self.connect_timeout)
 
-    async def open(self, url: str, body: dict | bytes, request_id: str, timeout: float | None = None):
+    async def open(self, url: str, body: dict | bytes, request_id: str, timeout: float | None = None,
+                   client_headers: dict | None = None):
         """POST (a dict, or JSON already serialized) and wait for the status line and headers; the caller reads
         (``readany()``, ``read()``) and closes the response."""
-        return await self.send(url, body, request_id, timeout)
+        return await self.send(url, body, request_id, timeout, client_headers=client_headers)
 
-    def send(self, url: str, body: dict | bytes, request_id: str, timeout: float | None = None, on_complete=None):
+    def send(self, url: str, body: dict | bytes, request_id: str, timeout: float | None = None, on_complete=None,
+             client_headers: dict | None = None):
         """``open``, with the request written now when a pooled connection to the node is idle (the lean
         client), so that the caller's bookkeeping overlaps the node's work; await the result for the response.
-        ``on_complete(response)``: see ``Http1Client.request_now`` (the lean client only)."""
+        ``on_complete(response)``: see ``Http1Client.request_now`` (the lean client only). ``client_headers``: the
+        client's own that the node gets too (``RoutedRequest.headers``)."""
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         headers = {**self._headers, REQUEST_ID_HEADER: request_id}
+        if client_headers:
+            headers.update(client_headers)
         if self.http1 is not None and url.startswith("http://"):
             pending = self.http1.request_now(url, data, headers, timeout=timeout or self.request_timeout,
                                              connect_timeout=self.connect_timeout, on_complete=on_complete)
@@ -118,9 +123,10 @@ class Upstream:
             raise UpstreamError("connect", f"{url}: {type(exc).__name__}: {exc}") from exc
         return resp if self.http1 is not None and url.startswith("http://") else _AiohttpResponse(resp)
 
-    async def post_json(self, url: str, body: dict, request_id: str, timeout: float | None = None) -> dict:
+    async def post_json(self, url: str, body: dict, request_id: str, timeout: float | None = None,
+                        client_headers: dict | None = None) -> dict:
         """A whole JSON answer; 4xx -> ``ClientErrorReply``, 5xx/429/transport -> ``UpstreamError``."""
-        resp = await self.open(url, body, request_id, timeout)
+        resp = await self.open(url, body, request_id, timeout, client_headers)
         try:
             data = await resp.read()
         except asyncio.TimeoutError as exc:
