@@ -50,7 +50,7 @@ def parser() -> argparse.ArgumentParser:
 
 def load(argv: list[str], environ: dict | None = None) -> tuple[config.RouterCommandConfig, dict]:
     """(validated config, the YAML's ``scheduler`` section or {}); raises SystemExit on a bad flag."""
-    ns = parser().parse_args(argv)
+    ns = parser().parse_args(config.dashed_flags(argv))   # --max_inflight too, as pdpool serve and vLLM take it
     given = vars(ns)
     scheduler: dict = {}
     path = given.get(f"{_SECTION}.config")

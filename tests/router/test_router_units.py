@@ -236,6 +236,11 @@ def test_repeatable_flags_round_trip_through_to_argv():
     assert again == cfg
 
 
+def test_flags_in_underscores_parse_as_pdpool_serve_and_vllm_take_them():
+    cfg, _ = settings.load(["--max_inflight", "8", "--node_cooldown=0.5", "--both", "http://n0:8000"], environ={})
+    assert (cfg.router.max_inflight, cfg.router.node_cooldown) == (8, 0.5)
+
+
 def test_operator_rendered_args_parse_with_the_real_cli():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
     from operator_examples import NAMES, example_body  # the operator tests' example pools
