@@ -103,18 +103,23 @@ class GenerationResult:
     metrics: None = None
 
     @classmethod
-    def from_final(cls, out: RequestOutput, tokenizer: Tokenizer | None) -> "GenerationResult":
-        """``tokenizer``: the logprobs' ``decoded_token``; None (``detokenize=False``): no text at all."""
-        logprobs = cumulative = prompt_logprobs = None
-        if out.logprobs is not None:
-            logprobs = [PositionLogprobs.of(e, tokenizer) for e in out.logprobs]
-            cumulative = sum(e.logprob for e in out.logprobs)
-        if out.prompt_logprobs is not None:
-            prompt_logprobs = [None if e is None else PositionLogprobs.of(e, tokenizer) for e in out.prompt_logprobs]
-        seq = CompletionOutput(0, (out.text or "") if tokenizer is not None else "", out.output_token_ids or [],
-                               cumulative, logprobs, out.finish_reason, out.stop_reason)
-        return cls(out.request_id, out.prompt, out.prompt_token_ids, [seq], out.finished, out.num_cached_tokens,
-                   prompt_logprobs)
+    def from_final(cls, outs: Sequence[RequestOutput], tokenizer: Tokenizer | None) -> "GenerationResult":
+        """One prompt's result from its ``n`` choices' final outputs (one engine request each, in choice order).
+        ``tokenizer``: the logprobs' ``decoded_token``; None (``detokenize=False``): no text at all."""
+        seqs = []
+        for j, out in enumerate(outs):
+            logprobs = cumulative = None
+            if out.logprobs is not None:
+                logprobs = [PositionLogprobs.of(e, tokenizer) for e in out.logprobs]
+                cumulative = sum(e.logprob for e in out.logprobs)
+            seqs.append(CompletionOutput(j, (out.text or "") if tokenizer is not None else "",
+                                         out.output_token_ids or [], cumulative, logprobs, out.finish_reason,
+                                         out.stop_reason))
+        first, prompt_logprobs = outs[0], None
+        if first.prompt_logprobs is not None:
+            prompt_logprobs = [None if e is None else PositionLogprobs.of(e, tokenizer) for e in first.prompt_logprobs]
+        return cls(first.request_id, first.prompt, first.prompt_token_ids, seqs, all(o.finished for o in outs),
+                   first.num_cached_tokens, prompt_logprobs)
 
     @property
     def text(self) -> str:
@@ -296,9 +301,10 @@ class LLM:
         return self._run([(text, text, p, False) for text, p in zip(rendered, params_list)], use_tqdm)
 
     def beam_search(self, *args: Any, **kwargs: Any) -> list:
-        """vLLM's ``beam_search``: pdpool has no beam search (nor ``n > 1``)."""
-        raise NotImplementedError("pdpool has no beam search: use generate with SamplingParams (temperature=0 for "
-                                  "greedy)")
+        """vLLM's ``beam_search``: the offline ``LLM`` has none (the server's ``use_beam_search`` has)."""
+        raise NotImplementedError("pdpool's offline LLM has no beam search: use generate with SamplingParams "
+                                  "(temperature=0 for greedy, n > 1 for several samples), or a server's "
+                                  "use_beam_search")
 
     def _params_for(self, sampling_params, count: int, lora_request, priority) -> list[SamplingParams]:
         """The params of each of ``count`` prompts; vLLM's arguments pdpool has not are refused here, at the call."""
@@ -331,25 +337,31 @@ class LLM:
              use_tqdm: bool | Callable[..., Any]) -> list[GenerationResult]:
         """``requests``: (the prompt the output shows, what to encode, params, add_special_tokens)."""
         ids: list[str] = []
+        groups: list[list[str]] = []   # each prompt's n choices (n engine requests), in choice order
         try:
             for shown, prompt, params, add_special_tokens in requests:
-                rid = f"offline-{next(self._ids)}"
                 token_ids = self.frontend.encode_prompt(prompt, add_special_tokens)
                 kept = self.frontend.apply_prompt_options(token_ids, params, self.engine.max_model_len)
                 if len(kept) < len(token_ids):
                     token_ids, shown = kept, None
-                # only the finished outputs are read here: no per-step outputs or text (see OutputProcessor)
-                self.engine.add_request(rid, token_ids, params, final_only=True)
-                ids.append(rid)
-                self.output_processor.add(rid, shown, token_ids, params, final_only=True)
-            results = self._drain(ids, use_tqdm)
+                groups.append([])
+                for j in range(params.n):
+                    rid = f"offline-{next(self._ids)}"
+                    choice = params if params.n == 1 else params.for_choice(j)
+                    # only the finished outputs are read here: no per-step outputs or text (see OutputProcessor)
+                    self.engine.add_request(rid, token_ids, choice, final_only=True)
+                    ids.append(rid)
+                    groups[-1].append(rid)
+                    self.output_processor.add(rid, shown, token_ids, choice, final_only=True)
+            results = dict(zip(ids, self._drain(ids, use_tqdm)))
         except BaseException:
             for rid in ids:
                 self.output_processor.forget(rid)
             self.engine.abort_request(ids)
             raise
-        return [GenerationResult.from_final(out, self.tokenizer if request[2].detokenize else None)
-                for out, request in zip(results, requests)]
+        return [GenerationResult.from_final([results[rid] for rid in group],
+                                            self.tokenizer if request[2].detokenize else None)
+                for group, request in zip(groups, requests)]
 
     def _drain(self, ids: list[str], use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}

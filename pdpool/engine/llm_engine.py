@@ -43,7 +43,7 @@ from pdpool.engine.kv_cache_manager import KVCacheManager
 from pdpool.engine.model_runner import LaunchedStep, ModelRunner
 from pdpool.engine.request import Request, RequestStatus
 from pdpool.engine.sampler import RequestFault
-from pdpool.engine.sampling_params import SamplingParams
+from pdpool.engine.sampling_params import SamplingParams, SamplingParamsError
 from pdpool.engine.scheduler import Scheduler, SchedulerOutput
 from pdpool.frontend import InvalidRequestError, check_token_ids, resolve_max_tokens
 
@@ -186,6 +186,9 @@ class LLMEngine:
                ) -> tuple[list[int], int]:
         """``add_request``'s checks: the prompt's ids and the output budget, or the error that refuses it."""
         params.validate(self.vocab_size)
+        if params.n != 1:   # one sequence a request: LLM.generate and the server make n requests (for_choice)
+            raise SamplingParamsError("n", f"an engine request samples one sequence, got n={params.n} (n choices "
+                                      "are n requests: SamplingParams.for_choice)")
         if params.allowed_token_ids:   # the client's own masks must leave a token to sample (else a 400, not a 500)
             blocked = {ids[0] for ids in params.bad_words_token_ids or () if len(ids) == 1}
             if params.min_tokens > 0:   # stop tokens are masked until min_tokens is met

@@ -19,7 +19,7 @@ import copy
 import logging
 import math
 import re
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 
 MAX_LOGPROBS = 20
 # vLLM's bounds for `seed` (torch.long). torch.Generator.manual_seed takes [-2**63, 2**64 - 1] and maps a negative
@@ -145,6 +145,12 @@ class SamplingParams:
         """A deep copy, as vLLM's ``clone``; a compiled ``grammar`` is shared, not copied."""
         return copy.deepcopy(self, {id(self.grammar): self.grammar} if self.grammar is not None else None)
 
+    def for_choice(self, j: int) -> "SamplingParams":
+        """Choice ``j`` of ``n``: an engine request samples one sequence, so ``n`` choices are ``n`` requests (the
+        server's and the offline ``LLM``'s alike); with a seed, choice ``j`` takes ``seed + j``, so that choices
+        differ, reproducibly."""
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + j)
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
@@ -171,7 +177,7 @@ class SamplingParams:
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``SamplingParamsError`` naming the first bad field. With ``vocab_size`` (the engine's front end
         knows it), ``stop_token_ids`` and ``logit_bias``' ids must also be below it."""
-        _int("n", self.n, 1, 1, "only n=1 is supported")
+        _int("n", self.n, 1, None)
         if self.max_tokens is not None:
             _int("max_tokens", self.max_tokens, 1, None)
         _int("min_tokens", self.min_tokens, 0, self.max_tokens, "at most max_tokens" if self.max_tokens else "")

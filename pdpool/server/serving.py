@@ -83,7 +83,7 @@ class Generation:
                     continue
                 for j in range(req.n):
                     index = p_index * req.n + j
-                    params = req.params if req.n == 1 else _copy_params(req.params, j)
+                    params = req.params if req.n == 1 else req.params.for_choice(j)
                     stream = await self.llm.add_request(
                         f"{self._engine_prefix}-{index}", prompt, params, priority=req.priority,
                         cache_salt=req.cache_salt, kv_transfer_params=req.kv_transfer_params,
@@ -133,12 +133,6 @@ def system_fingerprint(model_fingerprint: bytes) -> str:
     """OpenAI's ``system_fingerprint``, in vLLM's form (``<server>-<version>-<hash>``): the pdpool version and the
     model's block-hash fingerprint (model id, dtype, block size), the same on every node of a pool."""
     return f"pdpool-{__version__}-{hashlib.sha256(model_fingerprint).hexdigest()[:8]}"
-
-
-def _copy_params(params, j: int):
-    # n > 1 with a seed: each choice gets its own seed so that choices differ, reproducibly.
-    seed = None if params.seed is None else params.seed + j
-    return dataclasses.replace(params, seed=seed)
 
 
 # ---- logprobs formats ----------------------------------------------------------------------------

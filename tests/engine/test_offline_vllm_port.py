@@ -173,6 +173,30 @@ def test_generate_leaves_the_callers_params_as_they_were(llm):
     assert sp == before and sp.grammar is None and sp.bad_words_token_ids is None
 
 
+def test_n_samples_are_one_result_with_n_outputs_as_vllm(llm):
+    """`SamplingParams(n=3)` in a vLLM script: one RequestOutput per prompt with three CompletionOutputs, indices
+    0..2. It was a ValueError ("only n=1"). With a seed, choice j is seeded seed + j, as the server's n is."""
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6, logprobs=1)
+    out_a, out_b = llm.generate(["Once upon a time", "The sky"], params, **QUIET)
+    for out in (out_a, out_b):
+        assert [c.index for c in out.outputs] == [0, 1, 2] and out.finished
+        assert all(len(c.token_ids) == 6 and len(c.logprobs) == 6 for c in out.outputs)
+        assert all(math.isclose(c.cumulative_logprob, sum(p[t].logprob for p, t in zip(c.logprobs, c.token_ids)))
+                   for c in out.outputs)
+    alone = [llm.generate("Once upon a time", SamplingParams(temperature=1.0, seed=5 + j, max_tokens=6),
+                          **QUIET)[0].outputs[0].token_ids for j in range(3)]
+    assert [c.token_ids for c in out_a.outputs] == alone
+    assert len({tuple(t) for t in alone}) > 1           # the choices differ
+    (greedy,) = llm.generate("Hello", SamplingParams(n=2, temperature=0, max_tokens=4), **QUIET)
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids and greedy.outputs[1].index == 1
+    assert params.n == 3 and params.seed == 5            # the caller's params are left as they were
+    with pytest.raises(ValueError, match="n"):
+        SamplingParams(n=0)
+    with pytest.raises(ValueError, match="one sequence"):  # the engine itself samples one sequence a request
+        llm.engine.add_request("direct", [1, 2, 3], SamplingParams(n=2, max_tokens=2))
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_get_tokenizer_encodes_and_decodes(llm):
     tok = llm.get_tokenizer()
     ids = tok.encode("Hello world")
@@ -233,5 +257,6 @@ def test_sampling_params_construct_or_refuse_and_then_run(llm, kwargs, max_token
     except ValueError as exc:   # refused at the call against the vocabulary/context (a clear error), never deeper
         assert any(name in str(exc) for name in (*kwargs, "max_tokens", "prompt")), exc
     else:
-        assert out.finished and out.outputs[0].finish_reason in ("stop", "length")
+        assert out.finished and len(out.outputs) == params.n
+        assert all(c.finish_reason in ("stop", "length") for c in out.outputs)
     assert not llm.engine.has_unfinished_requests()

@@ -26,7 +26,7 @@ def test_is_greedy(kwargs, greedy):
 
 
 @pytest.mark.parametrize("param, value, allowed", [
-    ("n", 2, "only n=1"),
+    ("n", 0, "[1, inf)"),
     ("max_tokens", 0, "[1, inf)"),
     ("min_tokens", -1, "[0, 16]"),
     ("min_tokens", 17, "at most max_tokens"),
