@@ -280,8 +280,9 @@ class LLM:
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts must be a prompt or a list of prompts, got {short_repr(prompts)}")
         parsed = [parse_prompt(p) for p in prompts]
-        params_list = self._params_for(sampling_params, len(parsed), lora_request, priority)
-        return self._run([(shown, prompt, p, True) for (shown, prompt), p in zip(parsed, params_list)], use_tqdm)
+        params_list = self._params_for(sampling_params, len(parsed), lora_request)
+        return self._run([(shown, prompt, p, True) for (shown, prompt), p in zip(parsed, params_list)], use_tqdm,
+                         self._priorities(priority, len(parsed)))
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -295,10 +296,11 @@ class LLM:
             raise TypeError(f"messages must be a list of messages or a list of such lists, got "
                             f"{short_repr(messages)}")
         conversations = messages if messages and isinstance(messages[0], (list, tuple)) else [messages]
-        params_list = self._params_for(sampling_params, len(conversations), lora_request, priority)
+        params_list = self._params_for(sampling_params, len(conversations), lora_request)
         rendered = [self.frontend.render_chat(chat_messages(conv), add_generation_prompt, continue_final_message,
                                               tools, chat_template, chat_template_kwargs) for conv in conversations]
-        return self._run([(text, text, p, False) for text, p in zip(rendered, params_list)], use_tqdm)
+        return self._run([(text, text, p, False) for text, p in zip(rendered, params_list)], use_tqdm,
+                         self._priorities(priority, len(conversations)))
 
     def beam_search(self, *args: Any, **kwargs: Any) -> list:
         """vLLM's ``beam_search``: the offline ``LLM`` has none (the server's ``use_beam_search`` has)."""
@@ -306,13 +308,19 @@ class LLM:
                                   "(temperature=0 for greedy, n > 1 for several samples), or a server's "
                                   "use_beam_search")
 
-    def _params_for(self, sampling_params, count: int, lora_request, priority) -> list[SamplingParams]:
+    def _priorities(self, priority, count: int) -> list[int]:
+        """Each prompt's priority (lower runs first, as vLLM's): taken with ``LLM(scheduling_policy="priority")``;
+        under the default first come, first served, a nonzero one is refused rather than ignored."""
+        priorities = [0] * count if priority is None else _per_prompt("priority", priority, count, int)
+        if any(priorities) and self.config.scheduler.scheduling_policy != "priority":
+            raise ValueError(f"priority {short_repr(priority)}: this LLM schedules first come, first served; "
+                             "LLM(..., scheduling_policy='priority') takes priorities")
+        return priorities
+
+    def _params_for(self, sampling_params, count: int, lora_request) -> list[SamplingParams]:
         """The params of each of ``count`` prompts; vLLM's arguments pdpool has not are refused here, at the call."""
         if lora_request is not None:
             raise ValueError("lora_request: pdpool does not serve LoRA adapters")
-        if priority is not None and any(_per_prompt("priority", priority, count, int)):
-            raise ValueError(f"priority {short_repr(priority)}: pdpool schedules first come, first served "
-                             "(only priority 0)")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         # a copy of each: the front end fills bad_words_token_ids and grammar on it, not on the caller's (vLLM clones)
@@ -334,12 +342,13 @@ class LLM:
         return SamplingParams(**d.sampling, max_tokens=max_tokens)
 
     def _run(self, requests: list[tuple[str | None, str | list[int], SamplingParams, bool]],
-             use_tqdm: bool | Callable[..., Any]) -> list[GenerationResult]:
-        """``requests``: (the prompt the output shows, what to encode, params, add_special_tokens)."""
+             use_tqdm: bool | Callable[..., Any], priorities: list[int]) -> list[GenerationResult]:
+        """``requests``: (the prompt the output shows, what to encode, params, add_special_tokens); ``priorities``:
+        one per request."""
         ids: list[str] = []
         groups: list[list[str]] = []   # each prompt's n choices (n engine requests), in choice order
         try:
-            for shown, prompt, params, add_special_tokens in requests:
+            for (shown, prompt, params, add_special_tokens), priority in zip(requests, priorities):
                 token_ids = self.frontend.encode_prompt(prompt, add_special_tokens)
                 kept = self.frontend.apply_prompt_options(token_ids, params, self.engine.max_model_len)
                 if len(kept) < len(token_ids):
@@ -349,7 +358,7 @@ class LLM:
                     rid = f"offline-{next(self._ids)}"
                     choice = params if params.n == 1 else params.for_choice(j)
                     # only the finished outputs are read here: no per-step outputs or text (see OutputProcessor)
-                    self.engine.add_request(rid, token_ids, choice, final_only=True)
+                    self.engine.add_request(rid, token_ids, choice, priority=priority, final_only=True)
                     ids.append(rid)
                     groups[-1].append(rid)
                     self.output_processor.add(rid, shown, token_ids, choice, final_only=True)

@@ -197,6 +197,22 @@ def test_n_samples_are_one_result_with_n_outputs_as_vllm(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_priorities_are_taken_with_the_priority_policy_and_refused_without(demo_model_dir, llm):
+    """vLLM's generate(..., priority=[...]): lower runs first. With LLM(scheduling_policy="priority") and one
+    sequence at a time, the prompts run in priority order (each later one finds the earlier ones' blocks cached);
+    under first come, first served a nonzero priority is a clear ValueError at the call, not ignored."""
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        llm.generate(["a", "b"], SamplingParams(max_tokens=1), priority=[1, 0], **QUIET)
+    one = LLM("demo", dtype="float32", num_threads=1, max_num_seqs=1, max_model_len=48, num_kv_blocks=64,
+              scheduling_policy="priority")
+    shared = "The quick brown fox jumps over the lazy dog and then " * 2
+    prompts = [shared + "runs.", shared + "sleeps.", shared + "eats."]
+    outs = one.generate(prompts, SamplingParams(temperature=0, max_tokens=2), priority=[2, 0, 1], **QUIET)
+    # the first to run (priority 0) found nothing cached; the two after it found the shared prefix
+    assert [o.prompt for o in outs] == prompts
+    assert outs[1].num_cached_tokens == 0 and outs[2].num_cached_tokens > 0 and outs[0].num_cached_tokens > 0
+
+
 def test_get_tokenizer_encodes_and_decodes(llm):
     tok = llm.get_tokenizer()
     ids = tok.encode("Hello world")
