@@ -137,11 +137,7 @@ def forwarded_token_ids(body: dict, num_prompts: int) -> list[list[int]] | None:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    body = await json_body.read_json(request)
-    llm = request.app[NODE_KEY].require_llm()
-    req = protocol.parse_completion(body, _served_names(request))
-    req.prompt_token_ids = forwarded_token_ids(body, len(req.prompts))
-    return await _generate(request, llm, req)
+    return await _generation(request, lambda llm, body: (None, protocol.parse_completion(body, _served_names(request))))
 
 
 def _parse_chat(request: web.Request, llm, body: dict) -> protocol.GenerationRequest:
@@ -151,11 +147,7 @@ def _parse_chat(request: web.Request, llm, body: dict) -> protocol.GenerationReq
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    body = await json_body.read_json(request)
-    llm = request.app[NODE_KEY].require_llm()
-    req = _parse_chat(request, llm, body)
-    req.prompt_token_ids = forwarded_token_ids(body, len(req.prompts))
-    return await _generate(request, llm, req)
+    return await _generation(request, lambda llm, body: (None, _parse_chat(request, llm, body)))
 
 
 async def responses_route(request: web.Request) -> web.StreamResponse:
@@ -171,10 +163,26 @@ async def messages_route(request: web.Request) -> web.StreamResponse:
 async def _translated_chat(request: web.Request, api) -> web.StreamResponse:
     """Another API's request (``api.parse``: its chat body, parsed) run as that chat request; ``turn`` turns the
     answer back into the API's shape."""
+    return await _generation(request, lambda llm, body: api.parse(body, lambda chat: _parse_chat(request, llm, chat)))
+
+
+async def _generation(request: web.Request, parse) -> web.StreamResponse:
+    """The generation routes' one path: the body, ``parse(llm, body)`` (the turn of another API's request, or None,
+    and the parsed request), run. A body refused here, before the engine sees it (its fields, an unknown model),
+    that hands a prefill node's KV handle over ends the handle's lease now, as the engine does for its own
+    refusals (``refuse_kv_transfer``), rather than at its expiry, counted against the prefill node's
+    ``--max-leased-blocks`` meanwhile."""
     body = await json_body.read_json(request)
     llm = request.app[NODE_KEY].require_llm()
-    turn, req = api.parse(body, lambda chat: _parse_chat(request, llm, chat))
-    req.prompt_token_ids = forwarded_token_ids(body, len(req.prompts))
+    try:
+        turn, req = parse(llm, body)
+        req.prompt_token_ids = forwarded_token_ids(body, len(req.prompts))
+        _apply_server_options(request, llm, req)
+    except Exception:
+        kv_transfer_params = body.get("kv_transfer_params")
+        if isinstance(kv_transfer_params, dict):   # else the parse refused them: they hold no handle
+            llm.engine.refuse_kv_transfer(kv_transfer_params)
+        raise
     return await _generate(request, llm, req, turn)
 
 
@@ -189,21 +197,26 @@ async def count_tokens_route(request: web.Request) -> web.Response:
         llm.max_model_len, trust_chat_template=trusted)))
 
 
-async def _generate(request: web.Request, llm, req: protocol.GenerationRequest,
-                    turn: responses.ResponsesTurn | anthropic_messages.MessagesTurn | None = None
-                    ) -> web.StreamResponse:
-    """``turn``: a Responses request's, whose answer is a Response (its events, streamed) made of the chat's; or
-    a Messages request's, whose answer is a Message (its events)."""
-    rid = request["request_id"]
+def _apply_server_options(request: web.Request, llm, req: protocol.GenerationRequest) -> None:
+    """What the server's flags and the request's headers add to a parsed request (the model's generation
+    defaults among them, which may refuse it)."""
     server_config = request.app[CONFIG_KEY].server
     if req.return_tokens_as_token_ids is None:   # the request's choice wins, either way, as in vLLM
         req.return_tokens_as_token_ids = server_config.return_tokens_as_token_ids
     req.priority = protocol.header_priority(request.headers.get(protocol.PRIORITY_HEADER), req.priority)
     max_log_len = server_config.max_log_len
     if max_log_len:
-        logger.info("request %s: %s prompt %r", rid, req.kind, str(req.prompts[0])[:max_log_len])
+        logger.info("request %s: %s prompt %r", request["request_id"], req.kind, str(req.prompts[0])[:max_log_len])
     if llm.generation_defaults:
         protocol.apply_generation_defaults(req, llm.generation_defaults, llm.max_model_len)
+
+
+async def _generate(request: web.Request, llm, req: protocol.GenerationRequest,
+                    turn: responses.ResponsesTurn | anthropic_messages.MessagesTurn | None = None
+                    ) -> web.StreamResponse:
+    """``turn``: a Responses request's, whose answer is a Response (its events, streamed) made of the chat's; or
+    a Messages request's, whose answer is a Message (its events)."""
+    rid = request["request_id"]
     gen = Generation(llm, req, rid)
     await gen.start()
     if req.stream:

@@ -8,11 +8,17 @@ request. Before the fix the lease stayed held after each refusal until its 30 s 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
+import httpx
 import pytest
 from cluster import assert_no_leaks, completion_body, wait_for
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from proxy import DisaggProxy
+
+from pdpool.kv_transfer.handle import KVHandle
 
 FLAGS = ["--kv-lease-seconds", "30"]
 DECODE_FLAGS = FLAGS + ["--max-model-len", "256", "--max-waiting-requests", "1"]
@@ -68,3 +74,57 @@ def test_a_handoff_refused_for_a_full_queue_ends_its_lease(nodes):
     refused(nodes, completion_body(PROMPT, 4), 429, held_leases=pr_leases)
     waiter.join()
     assert answers[0].status_code == 200, answers[0].text
+
+
+# ---- refusals at the decode node's HTTP edge (pdpool.server.app), before the engine sees the request -----------
+
+HANDOFF = completion_body(PROMPT, 4)   # what the handles below come from
+LEASE_FIELDS = ("do_remote_prefill", "node_id", "remote_host", "remote_port", "lease_id")   # what a release reads
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4}
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=6),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+                    max_leaves=6)
+
+
+def edge_refused(nodes, path: str, body: dict, status: int, params=lambda handle: handle) -> None:
+    """A handle from the prefill node, sent (as ``params(handle)``) with ``body``, which the decode node's HTTP
+    edge refuses with ``status``: the lease ends well before its expiry."""
+    pr, dr = nodes["pr"], nodes["dr"]
+    handle = DisaggProxy(pr.url, dr.url).handle(HANDOFF)
+    assert pr.kv()["leases"] == 1
+    r = httpx.post(dr.url + path, json={**body, "kv_transfer_params": params(handle)}, timeout=60)
+    assert r.status_code == status, r.text
+    wait_for(lambda: pr.kv()["leases"] == 0, 3, "the decode node to release the lease its edge refused")
+    assert pr.kv()["expiries"] == 0
+
+
+@pytest.mark.parametrize("path, body, status", [
+    ("/v1/completions", completion_body(PROMPT, 4, temperature=-1), 400),
+    ("/v1/completions", completion_body(PROMPT, 4, model="nope"), 404),
+    ("/v1/completions", completion_body(PROMPT, 4, pdpool_prompt_token_ids="x"), 400),
+    ("/v1/chat/completions", {**CHAT, "top_p": 7}, 400),
+    ("/v1/chat/completions", {**CHAT, "messages": "hi"}, 400),
+    ("/v1/responses", {"model": "nope", "input": PROMPT}, 404),
+    ("/v1/messages", {**CHAT, "temperature": -1}, 400),
+], ids=["temperature", "model", "token-ids", "chat-top-p", "chat-messages", "responses-model", "messages-temperature"])
+def test_a_handoff_refused_at_the_http_edge_ends_its_lease(nodes, path, body, status):
+    edge_refused(nodes, path, body, status)
+
+
+@settings(max_examples=12, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(extra=st.dictionaries(st.sampled_from([f.name for f in dataclasses.fields(KVHandle)
+                                              if f.name not in LEASE_FIELDS]) | st.text(max_size=6),
+                             JSON, max_size=4))
+def test_a_real_handle_refused_at_the_edge_is_released_whatever_else_it_carries(nodes, extra):
+    edge_refused(nodes, "/v1/completions", completion_body(PROMPT, 4, model="nope"), 404,
+                 lambda handle: {**handle, **{k: v for k, v in extra.items() if k not in LEASE_FIELDS}})
+
+
+@settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(params=JSON | st.dictionaries(st.sampled_from(LEASE_FIELDS) | st.text(max_size=6), JSON, max_size=6))
+def test_any_kv_transfer_params_refused_at_the_edge_get_a_4xx(nodes, params):
+    """Whatever ``kv_transfer_params`` hold (no handle, or a malformed one), a body refused at the edge is a 4xx,
+    never a 500 from ending a lease they do not name."""
+    body = {**completion_body(PROMPT, 4, temperature=-1), "kv_transfer_params": params}
+    r = httpx.post(nodes["dr"].url + "/v1/completions", json=body, timeout=60)
+    assert 400 <= r.status_code < 500, r.text
