@@ -248,6 +248,20 @@ def test_a_cuda_pool_without_a_gpu_is_refused_before_anything_starts(tmp_path, w
     assert len(out.stderr.splitlines()) == 1, out.stderr
 
 
+def test_an_attention_backend_the_device_cannot_run_is_refused_before_anything_starts(tmp_path):
+    """`pdpool up -- --attention-backend triton` on the CPU (the pool's engine.device) without TRITON_INTERPRET:
+    each node exits 1 at load on it (pdpool.attention.backend), and was restarted, with backoff, forever."""
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(DEFAULT_POOL))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "pdpool.cli", "up", str(tmp_path / "p.yaml"), "--port",
+                          str(free_port()), "--", "--attention-backend", "triton"], capture_output=True, text=True,
+                         timeout=60, env=dict(env, PDPOOL_CACHE=str(tmp_path)))
+    assert out.returncode == 2 and "redis-server" not in out.stdout, out.stdout + out.stderr
+    assert out.stderr.startswith("pdpool up: error: prefill-0") and (
+        "--attention-backend triton needs --device cuda (this node runs on cpu)") in out.stderr, out.stderr
+    assert len(out.stderr.splitlines()) == 1, out.stderr
+
+
 def test_a_model_that_is_not_here_is_refused_before_anything_starts(tmp_path):
     """Every node and the router failed on it with a traceback and restarted, with backoff, forever."""
     body = copy.deepcopy(DEFAULT_POOL)

@@ -46,7 +46,7 @@ def pick_backend(name: str, device: torch.device) -> AttentionBackend:
     """'auto' is triton on CUDA (torch if the kernels cannot be imported), cpu on the CPU (torch if its native
     decode kernel cannot be built or loaded)."""
     if name != "auto":
-        _check_device(name, device)
+        check_device(name, device)
         return get_backend(name)
     if device.type == "cuda":
         try:
@@ -62,7 +62,7 @@ def pick_backend(name: str, device: torch.device) -> AttentionBackend:
     return get_backend("torch")
 
 
-def _check_device(name: str, device: torch.device) -> None:
+def check_device(name: str, device: torch.device) -> None:
     """Refuse at load a backend that cannot run on ``device``: triton launches on CUDA only (or under Triton's
     interpreter, TRITON_INTERPRET=1, as the kernel tests run it), and cpu's native kernels read host memory; either
     would otherwise fail every request's first step."""

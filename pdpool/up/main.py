@@ -354,7 +354,12 @@ def check_serve_flags(specs) -> str | None:
                 if no_gpu is not None:
                     return (f"{spec.name} runs on cuda (engine.device, or --device after --), but {no_gpu}; "
                             "run the pool with engine.device: cpu")
-        except (FlagError, config.ConfigError, ValueError, OSError) as exc:
+            if cfg.device.attention_backend != "auto":   # one the device cannot run: the node exits 1 at load
+                import torch
+
+                from pdpool.attention.backend import check_device
+                check_device(cfg.device.attention_backend, torch.device(cfg.device.device))
+        except (FlagError, config.ConfigError, ValueError, OSError, ImportError) as exc:
             return f"{spec.name}'s pdpool serve flags (the pool's, and those after --): {exc}"
     return None
 
