@@ -67,7 +67,7 @@ def test_clients_leaving_during_prefill_stop_the_prefill_work(pair, redis_module
 class HalfAnsweringPrefill:
     """Two stub pdpool nodes on one thread's loop: a prefill node whose answer (a KV handle) stops halfway for
     ``pause`` seconds, as when the client leaves just as a real node's answer is on its way, and a decode node.
-    Records the release calls it gets."""
+    Records the release calls it gets, and the request id each prefill request carried."""
 
     def __init__(self, pause: float = 3.0) -> None:
         import threading
@@ -77,6 +77,7 @@ class HalfAnsweringPrefill:
         self.pause = pause
         self.released: list[str] = []
         self.notified: list[str] = []
+        self.prefill_ids: list[str] = []
         self.loop = asyncio.new_event_loop()
         ready = threading.Event()
         self.urls: list[str] = []
@@ -92,6 +93,7 @@ class HalfAnsweringPrefill:
             return web.Response(text="")
 
         async def completions(request):
+            self.prefill_ids.append(request.headers.get("X-Request-Id", ""))
             await request.read()
             body = (b'{"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "demo", "choices": '
                     b'[{"index": 0, "text": "x", "finish_reason": "length", "logprobs": null}], "usage": '
@@ -154,7 +156,10 @@ def test_a_client_leaving_while_the_prefill_answer_arrives_has_its_lease_release
         with pytest.raises(httpx.TimeoutException):
             httpx.post(router.url + "/v1/completions", json=completion_body("a prompt of some words", 5),
                        headers={"X-Request-Id": "abandon-1"}, timeout=httpx.Timeout(1.0))
-        wait_for(lambda: nodes.released == ["abandon-1"], 5, "the router to release the response's leases")
+        wait_for(lambda: nodes.released, 5, "the router to release the response's leases")
+        # by the id the prefill leg carried: the client's made unique (28bdd29), so that requests sharing a client's
+        # X-Request-Id never free each other's leases
+        assert nodes.released == nodes.prefill_ids and nodes.released[0].startswith("abandon-1."), nodes.released
         assert nodes.notified == []   # the lease id itself was never read
     finally:
         nodes.stop()
