@@ -165,7 +165,7 @@ class AsyncLLM:
         request; raises ``InvalidRequestError``, ``SamplingParamsError``, ``QueueFullError``. Returns its stream."""
         try:
             ids, kept = await self._encode(request_id, prompt, params, add_special_tokens, prompt_token_ids)
-        except Exception:
+        except BaseException:   # a refusal, or the client left (cancelled) while the prompt was tokenized
             self.engine.refuse_kv_transfer(kv_transfer_params)   # the engine never saw it: end its handle's lease
             raise
         cut = len(kept) < len(ids)

@@ -128,3 +128,17 @@ def test_any_kv_transfer_params_refused_at_the_edge_get_a_4xx(nodes, params):
     body = {**completion_body(PROMPT, 4, temperature=-1), "kv_transfer_params": params}
     r = httpx.post(nodes["dr"].url + "/v1/completions", json=body, timeout=60)
     assert 400 <= r.status_code < 500, r.text
+
+
+def test_a_handoff_whose_client_leaves_while_its_prompt_is_tokenized_ends_its_lease(nodes):
+    """A long prompt is tokenized off the loop; a client that leaves meanwhile cancels the handler there, before the
+    engine sees the request. The cancellation passed the refusal by (it caught ``Exception`` only), so the prefill
+    node's lease was held until its 30 s expiry."""
+    pr, dr = nodes["pr"], nodes["dr"]
+    handle = DisaggProxy(pr.url, dr.url).handle(HANDOFF)
+    long_prompt = PROMPT + " " + "The capital of France is a city that has many famous museums. " * 60000   # ~2 s
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(dr.url + "/v1/completions", json={**completion_body(long_prompt, 4), "kv_transfer_params": handle},
+                   timeout=httpx.Timeout(60, read=0.5))
+    wait_for(lambda: pr.kv()["leases"] == 0, 3, "the decode node to release the lease of the request that left")
+    assert pr.kv()["expiries"] == 0
