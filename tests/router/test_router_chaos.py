@@ -297,6 +297,10 @@ def test_a_handle_the_decode_node_refuses_falls_back_to_decode_only(cluster, pro
     counted = ['pdpool_router_requests_total{decision="%s"}' % d for d in ("disaggregated", "fallback")] + [
         'pdpool_router_%s_total{role="prefill"}' % m
         for m in ("prompt_tokens", "prefix_predicted_hit_tokens", "prefix_realized_hit_tokens")]
+    # an earlier case's fault may have left a node in its cooldown (0.5 s): the router would then plan this one
+    # decode-only, and no handle would be refused
+    wait_for(lambda: router.value('pdpool_router_nodes{role="decode",usable="true"}') == 2
+             and router.value('pdpool_router_nodes{role="prefill",usable="true"}') == 1, 30, "every node usable")
     before = {name: router.value(name) for name in counted}
     faults["prefill"].arm_rewrite(b'"pdpool_version": 2', b'"pdpool_version": 9')
     r = httpx.post(router.url + "/v1/completions", json=body, timeout=60)
