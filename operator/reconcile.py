@@ -56,6 +56,13 @@ def is_owned_by(actual: dict, uid: str) -> bool:
     return any(ref.get("uid") == uid for ref in actual["metadata"].get("ownerReferences") or [])
 
 
+def conflict(obj: dict, actual: dict) -> str:
+    """What a child name held by an object this pool does not own says: whose it is."""
+    owners = [f"{ref.get('kind')} {ref.get('name')}" for ref in actual["metadata"].get("ownerReferences") or []]
+    return (f"{key(obj)} exists and is not owned by this InferencePool (it belongs to "
+            f"{', '.join(owners) if owners else 'no owner: created outside any pool'})")
+
+
 def merge_patch(desired: dict, actual: dict) -> dict:
     """The merge patch that makes ``actual`` carry ``desired``; removed owned fields become ``null``."""
     patch = {k: copy.deepcopy(v) for k, v in desired.items() if k not in ("apiVersion", "kind")}
@@ -132,10 +139,15 @@ async def apply(kube, desired: list[dict], uid: str, prunable: list[tuple[str, s
     are not repaired again until their rendering changes, or every status tick would write them."""
     overridden = set() if overridden is None else overridden
     result = Result()
+    # Every child is read before any is written: a pool whose names another object holds (pool a-decode's router
+    # Service is pool a's decode Service) starts nothing, not the half up to the first conflict.
+    actuals = [await kube.get(obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"]) for obj in desired]
+    taken = [conflict(obj, actual) for obj, actual in zip(desired, actuals) if actual and not is_owned_by(actual, uid)]
+    if taken:
+        raise ChildConflict("; ".join(taken))
     recreated: set[str] = set()  # Secrets created in this pass (the builders render them before their readers)
-    for obj in desired:
+    for obj, actual in zip(desired, actuals):
         meta = obj["metadata"]
-        actual = await kube.get(obj["kind"], meta["namespace"], meta["name"])
         if actual is None:
             try:
                 await kube.create(obj)
@@ -148,10 +160,6 @@ async def apply(kube, desired: list[dict], uid: str, prunable: list[tuple[str, s
             if obj["kind"] == "Secret":
                 recreated.add(meta["name"])
             continue
-        if not is_owned_by(actual, uid):
-            owners = [f"{ref.get('kind')} {ref.get('name')}" for ref in actual["metadata"].get("ownerReferences") or []]
-            raise ChildConflict(f"{key(obj)} exists and is not owned by this InferencePool (it belongs to "
-                                f"{', '.join(owners) if owners else 'no owner: created outside any pool'})")
         want = meta["annotations"][SPEC_HASH]
         repair = (actual["metadata"].get("annotations") or {}).get(SPEC_HASH) == want  # else: a new rendering
         restart = sorted(secrets_read(obj) & recreated) if obj["kind"] == "Deployment" else []

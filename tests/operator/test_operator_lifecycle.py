@@ -56,7 +56,8 @@ def test_deleting_a_pool_whose_redis_password_secret_is_gone_does_not_hang(clust
 
 def test_two_pools_whose_child_names_meet_are_told_whose_object_it_is(cluster, plain_operator):
     """Pool ``twin`` has the Service twin-decode (its decode nodes); pool ``twin-decode`` wants it as its router's
-    Service. The second pool is Degraded naming the owner; the first is untouched."""
+    Service. The second pool is Degraded naming the owner and starts nothing (before, its Deployments up to the
+    conflict ran: nodes holding GPUs for a pool with no router); the first is untouched."""
     apply(cluster, "twin", {})
     wait_until(lambda: cluster.kubectl.json("get", "service", "twin-decode"), what="twin's decode Service")
     apply(cluster, "twin-decode", {})
@@ -67,6 +68,8 @@ def test_two_pools_whose_child_names_meet_are_told_whose_object_it_is(cluster, p
     assert "Service/twin-decode" in degraded["message"] and "InferencePool twin" in degraded["message"], degraded
     service = cluster.kubectl.json("get", "service", "twin-decode")
     assert [r["name"] for r in service["metadata"]["ownerReferences"]] == ["twin"]
+    started = cluster.kubectl.json("get", "deployments,secrets", "-l", "app.kubernetes.io/instance=twin-decode")
+    assert started["items"] == [], [o["metadata"]["name"] for o in started["items"]]
     assert conditions(cluster, "twin").get("Degraded", {}).get("status") == "False"
     for name in ("twin-decode", "twin"):
         cluster.kubectl("delete", POOL, name, "--timeout=20s")

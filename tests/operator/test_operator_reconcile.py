@@ -48,3 +48,33 @@ def test_a_child_name_taken_by_a_foreign_object_is_a_conflict(cluster):
         await kube.close()
 
     asyncio.run(scenario())
+
+
+def test_a_pool_whose_names_are_taken_writes_nothing_and_names_every_taken_child(cluster):
+    """Pool ``mix`` needs the Services mix-decode and mix-redis that pools ``mix-decode`` and ``mix-redis`` (their
+    routers' Services) already hold. Before, it created children up to the first conflict (Secrets, a managed
+    Redis, the prefill Deployment holding its GPUs) for a pool that cannot serve, and named only that one."""
+    async def scenario():
+        kube = Kube(kopf.ConnectionInfo(server=cluster.emulator.url))
+        others = []
+        for name in ("mix-decode", "mix-redis"):
+            body = example_body("cpu-demo")
+            body["metadata"].update(name=name, uid=f"uid-{name}")
+            other = parse_pool(body)
+            await reconcile.apply(kube, builders.render(other), other.uid)
+            others.append(other)
+        body = example_body("cpu-demo")
+        body["metadata"].update(name="mix", uid="uid-mix")
+        pool = parse_pool(body)
+        cluster.clear_writes()
+        with pytest.raises(reconcile.ChildConflict) as caught:
+            await reconcile.apply(kube, builders.render(pool), pool.uid)
+        assert "Service/mix-decode" in str(caught.value) and "InferencePool mix-decode" in str(caught.value)
+        assert "Service/mix-redis" in str(caught.value) and "InferencePool mix-redis" in str(caught.value)
+        assert cluster.writes() == []
+        assert await kube.get("Deployment", "default", "mix-prefill") is None
+        for other in others:
+            assert (await reconcile.apply(kube, builders.render(other), other.uid)).writes == 0
+        await kube.close()
+
+    asyncio.run(scenario())
