@@ -187,8 +187,9 @@ class RequestPath:
         tries = plan.decode[:1 + self.max_retries]
         last: UpstreamError | None = None
         all_unreachable = True   # every decode node tried failed at the connection: no status, no byte
+        decode_only_again = -1   # the attempt that sends a refused handle's request decode-only: the fallback's own
         for attempt, d in enumerate(tries):
-            if attempt:
+            if attempt and attempt != decode_only_again:
                 self.metrics.decisions["retry"].inc()
                 logger.info("retrying on %s node %s (attempt %d)", d.role, d.node_id, attempt + 1)
             changes = {"kv_transfer_params": handle} if handle is not None else {}
@@ -239,6 +240,7 @@ class RequestPath:
                                plan.prefill.node_id, exc.reply.body[:300])
                 handle = None
                 tries.insert(attempt + 1, d)
+                decode_only_again = attempt + 1
             except BaseException:  # the client left
                 self._announce(note)
                 if handle is not None:

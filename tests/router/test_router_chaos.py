@@ -294,7 +294,7 @@ def test_a_handle_the_decode_node_refuses_falls_back_to_decode_only(cluster, pro
     router, faults = proxied
     expired = expiries(cluster)
     body = completion_body(prompt(30), 8, stream=stream)
-    counted = ['pdpool_router_requests_total{decision="%s"}' % d for d in ("disaggregated", "fallback")] + [
+    counted = ['pdpool_router_requests_total{decision="%s"}' % d for d in ("disaggregated", "fallback", "retry")] + [
         'pdpool_router_%s_total{role="prefill"}' % m
         for m in ("prompt_tokens", "prefix_predicted_hit_tokens", "prefix_realized_hit_tokens")]
     # an earlier case's fault may have left a node in its cooldown (0.5 s): the router would then plan this one
@@ -308,7 +308,7 @@ def test_a_handle_the_decode_node_refuses_falls_back_to_decode_only(cluster, pro
     want = cluster["d0"].complete({**body, "stream": False})
     assert check_outcome(r, want, stream) == "answered"
     settled(cluster, router, expired)
-    # Counted as the fallback it is: no disaggregated decision, and no prefill leg's (predicted, realized) hits
-    # for KV that served nothing.
+    # Counted as the fallback it is, once: no disaggregated decision, no retry (the same node's decode-only leg is
+    # the fallback itself), and no prefill leg's (predicted, realized) hits for KV that served nothing.
     grew = {name: router.value(name) - before[name] for name in counted}
     assert grew == {name: 1 if "fallback" in name else 0 for name in counted}, grew
