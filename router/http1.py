@@ -20,10 +20,11 @@ node closed as it went out gets no answer, and neither does one whose answer a p
 node ran it: the two look the same, so a request written whole is never sent again (as Go's net/http, which
 resends a POST only when nothing of it was written); the caller decides (the router: the next decode node, or
 the prefill fallback). The race is kept away instead: a connection idle for ``IDLE_SECONDS`` (well under our
-node's keep-alive) is not reused; one idle over ``VALIDATE_AFTER_SECONDS`` is checked first (a poll: a close
-the loop has not read yet shows as readable), as HttpClient's validate-after-inactivity does; a busy connection
-costs no check. A request whose write failed at once (the node's reset already in the kernel: nothing of it
-went out) is sent once more on a new connection.
+node's keep-alive), or near the timeout a server advertises (``Keep-Alive: timeout=N``: ``reuse_limit``), is not
+reused; one idle over ``VALIDATE_AFTER_SECONDS`` is checked first (a poll: a close the loop has not read yet shows
+as readable), as HttpClient's validate-after-inactivity does; a busy connection costs no check. A request whose
+write failed at once (the node's reset already in the kernel: nothing of it went out) is sent once more on a new
+connection.
 """
 
 from __future__ import annotations
@@ -48,6 +49,23 @@ VALIDATE_AFTER_SECONDS = 1.0  # one idle longer is checked before reuse (a close
 MAX_IDLE_PER_HOST = 256
 HIGH_WATER = 256 * 1024      # buffered body bytes above which reading from the node pauses
 LOW_WATER = 64 * 1024
+
+
+def reuse_limit(keep_alive: str) -> float:
+    """How long a connection may idle before reuse, given the server's ``Keep-Alive`` header (``timeout=5,
+    max=100``): short of its timeout by a margin (its clock starts as it sends the answer, before this side reads
+    it), never over ``IDLE_SECONDS``; ``IDLE_SECONDS`` when the header names no usable timeout."""
+    for param in keep_alive.split(","):
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "timeout":
+            try:
+                seconds = float(value.strip().strip('"'))
+            except ValueError:
+                return IDLE_SECONDS
+            if not seconds >= 0:    # negative, NaN
+                return IDLE_SECONDS
+            return max(0.0, min(IDLE_SECONDS, seconds - min(1.0, seconds / 2)))
+    return IDLE_SECONDS
 
 
 class HTTPClientError(Exception):
@@ -223,6 +241,8 @@ class _Connection(asyncio.Protocol):
         self.response: Response | None = None
         self.closed = False
         self.idle_since = 0.0
+        self.max_idle = IDLE_SECONDS    # the server's advertised keep-alive timeout may shorten it (reuse_limit)
+        self.reuse_until = 0.0          # idle_since + max_idle
 
     # ---- asyncio.Protocol --------------------------------------------------------------------------------
 
@@ -285,6 +305,8 @@ class _Connection(asyncio.Protocol):
             self.parser = httptools.HttpResponseParser(self)
             return
         r.keep_alive = self.parser.should_keep_alive()
+        if "keep-alive" in r.headers:   # the server's idle timeout (Keep-Alive: timeout=N): reuse stops short of it
+            self.max_idle = reuse_limit(r.headers["keep-alive"])
         self.parser = None        # anything after this message is unsolicited
         r.complete = True
         if r._on_complete is not None and r._exc is None:
@@ -403,10 +425,10 @@ class Http1Client:
         if not idle:
             return None
         now = time.monotonic()
-        oldest, checked = now - IDLE_SECONDS, now - VALIDATE_AFTER_SECONDS
+        checked = now - VALIDATE_AFTER_SECONDS
         while idle:
             conn = idle.pop()                 # most recently used: the least likely to be closed by the node
-            if not conn.closed and conn.idle_since >= oldest and (conn.idle_since >= checked or not conn.stale()):
+            if not conn.closed and conn.reuse_until >= now and (conn.idle_since >= checked or not conn.stale()):
                 return conn
             conn.abort()
         return None
@@ -414,12 +436,13 @@ class Http1Client:
     def _release(self, conn: _Connection) -> None:
         idle = self._idle.setdefault(conn.key, deque())
         now = time.monotonic()
-        while idle and (idle[0].closed or idle[0].idle_since < now - IDLE_SECONDS):  # the oldest first
+        while idle and (idle[0].closed or idle[0].reuse_until < now):  # the oldest first
             idle.popleft().abort()
         if len(idle) >= MAX_IDLE_PER_HOST:
             conn.abort()
             return
         conn.idle_since = now
+        conn.reuse_until = now + conn.max_idle
         idle.append(conn)
 
     def num_idle(self, key: tuple[str, int] | None = None) -> int:

@@ -17,7 +17,8 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from pdpool.router.http1 import (HIGH_WATER, IDLE_SECONDS, NODE_KEEPALIVE_SECONDS, VALIDATE_AFTER_SECONDS,
-                                 ConnectError, ConnectionClosed, Http1Client, ProtocolError, Response, _Connection)
+                                 ConnectError, ConnectionClosed, Http1Client, ProtocolError, Response, _Connection,
+                                 reuse_limit)
 
 
 def pattern(size: int) -> bytes:
@@ -461,6 +462,57 @@ def test_a_connection_idle_a_while_that_the_node_closed_is_not_written_on(uv):
 
 def test_a_connection_is_never_reused_near_the_nodes_keep_alive():
     assert IDLE_SECONDS <= NODE_KEEPALIVE_SECONDS - 10
+
+
+@given(timeout=st.integers(0, 10_000), others=st.lists(st.sampled_from(["max=100", "foo", "bar=x y"]), max_size=3),
+       at=st.integers(0, 3), spaces=st.sampled_from(["", " ", "  "]), upper=st.booleans())
+def test_reuse_stops_short_of_any_advertised_keep_alive_timeout(timeout, others, at, spaces, upper):
+    params = [*others]
+    params.insert(min(at, len(params)), ("TIMEOUT" if upper else "timeout") + f"{spaces}={spaces}{timeout}")
+    limit = reuse_limit(f",{spaces}".join(params))
+    assert 0 <= limit <= IDLE_SECONDS
+    assert timeout - limit >= min(1.0, timeout / 2)    # short of it by a second, or by half of a shorter one
+
+
+@pytest.mark.parametrize("header", ["max=100", "timeout=", "timeout=soon", "timeout=-3", "timeout=nan", ""])
+def test_a_keep_alive_header_without_a_usable_timeout_leaves_the_own_bound(header):
+    assert reuse_limit(header) == IDLE_SECONDS
+
+
+@pytest.mark.parametrize("header", ["timeout=1", "timeout=1, max=100", "Max=7,  TIMEOUT=1"])
+def test_a_connection_is_not_reused_near_a_keep_alive_timeout_the_server_advertises(header):
+    """A server that says ``Keep-Alive: timeout=1`` (Apache, nginx, Node's http) closes a connection idle for 1 s;
+    its close may cross a request the router writes then, which is lost and never resent. Here the server's close
+    lands just as the second request arrives, after 1.2 s idle (the validate-after check sees nothing yet): the
+    router wrote it on the dying connection, and the request failed. It now goes on a new connection."""
+    answer = OK.replace(b"\r\n\r\n", f"\r\nKeep-Alive: {header}\r\n\r\n".encode(), 1)
+    received = []
+
+    def handle(conn, index):
+        while True:
+            idle_from = time.monotonic()
+            if not read_request(conn):
+                return
+            if time.monotonic() - idle_from > 1.0:   # past the advertised timeout: closed as the request came
+                return
+            received.append(index)
+            conn.sendall(answer)
+
+    server = RawServer(handle)
+    try:
+        async def go(client):
+            bodies = []
+            for _ in range(2):
+                r = await post(client, server.url + "/v1/completions")
+                bodies.append(await r.read())
+                r.close()
+                await asyncio.sleep(1.2)
+            return bodies
+
+        assert run(go) == [b"{}", b"{}"]
+        assert received == [0, 1] and server.accepted == 2
+    finally:
+        server.close()
 
 
 def test_a_new_connection_closed_before_answering_is_an_error_not_a_resend():
