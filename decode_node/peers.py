@@ -18,15 +18,36 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+from dataclasses import dataclass
+from urllib.parse import quote
 
 import aiohttp
 
 from pdpool import internal_api
-from pdpool.kv_transfer.agent import unpack_metadata
+from pdpool.kv_transfer.agent import KVTransferError, unpack_metadata
 from pdpool.kv_transfer.handle import KVHandle
 from pdpool.utils import http_url
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LeaseRef:
+    """A lease and its prefill node's address: what a release needs of a handle (``KVHandle`` has these fields)."""
+    node_id: str
+    remote_host: str
+    remote_port: int
+    lease_id: str
+
+    @classmethod
+    def of(cls, params: dict) -> "LeaseRef | None":
+        """From ``kv_transfer_params`` that are no valid handle, if they still name a lease and an address."""
+        ref = cls(*(params.get(name) for name in ("node_id", "remote_host", "remote_port", "lease_id")))
+        port = ref.remote_port
+        if (all(isinstance(v, str) and v for v in (ref.node_id, ref.remote_host, ref.lease_id))
+                and type(port) is int and 1 <= port <= 65535):
+            return ref
+        return None
 
 
 class PeerUnavailableError(RuntimeError):
@@ -43,6 +64,7 @@ class UnknownPeerError(PeerUnavailableError):
 
 class PeerDirectory:
     def __init__(self, worker, *, reader=None, session_of, token: str | None, timeout: float) -> None:
+        """``worker``: the node's ``KVWorker``; None for a node still loading, which only releases leases."""
         self.worker = worker
         self.reader = reader          # pdpool.kv_index IndexReader, or None without Redis
         self.session_of = session_of  # () -> aiohttp.ClientSession
@@ -70,6 +92,28 @@ class PeerDirectory:
             raise UnknownPeerError(f"the pool's index has no node {handle.node_id!r} at {address} "
                                    f"({'no live node of that id' if info is None else 'it is at ' + info.url})")
         self._vouched.add(peer)
+
+    async def post(self, h: KVHandle | LeaseRef, action: str, body: dict) -> dict:
+        """``POST /internal/kv/leases/{lease}/{action}`` at the lease's prefill node, its address vouched for first;
+        the reply. Raises ``KVTransferError`` (``UnknownPeerError`` for an address the index does not vouch for)."""
+        url = internal_api.url(h.remote_host, h.remote_port, f"kv/leases/{quote(h.lease_id, safe='')}/{action}")
+        await self.vouch(h)
+        try:
+            async with self.session_of().post(url, json=body, headers=internal_api.headers(self.token),
+                                              timeout=aiohttp.ClientTimeout(total=self.timeout)) as resp:
+                reply = await resp.json(content_type=None)
+                if resp.status != 200:
+                    raise KVTransferError(f"{action} at {h.node_id} answered {resp.status}: {reply}")
+                return reply
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise KVTransferError(f"{action} at {h.node_id} failed: {exc!r}") from exc
+
+    async def release(self, lease: KVHandle | LeaseRef) -> None:
+        """Best effort: tell the prefill node to free the lease's blocks now rather than at expiry."""
+        try:
+            await self.post(lease, "notify", {"release": True})
+        except Exception as exc:  # noqa: BLE001 - the lease expires on its own
+            logger.info("could not release lease %s at %s: %s", lease.lease_id, lease.node_id, exc)
 
     async def agent(self, handle: KVHandle) -> str:
         """The NIXL peer name of the handle's agent, its metadata loaded."""

@@ -27,7 +27,6 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from urllib.parse import quote
 
 import aiohttp
 
@@ -40,30 +39,11 @@ from pdpool.engine.scheduler import SchedulerOutput
 from pdpool.kv_transfer.agent import KVTransferError
 from pdpool.kv_transfer.handle import (IncompatibleKVError, KVFingerprint, KVHandle, KVHandleError,
                                        partial_block_hash)
-from pdpool.decode_node.peers import PeerDirectory
+from pdpool.decode_node.peers import LeaseRef, PeerDirectory
 
 logger = logging.getLogger(__name__)
 
 TEST_HOLD_KEY = "pdpool_test_hold"  # {"point": "before_transfer" | "after_transfer", "seconds": s}
-
-
-@dataclass(frozen=True)
-class LeaseRef:
-    """A lease and its prefill node's address: what a release needs of a handle (``KVHandle`` has these fields)."""
-    node_id: str
-    remote_host: str
-    remote_port: int
-    lease_id: str
-
-    @classmethod
-    def of(cls, params: dict) -> "LeaseRef | None":
-        """From ``kv_transfer_params`` that are no valid handle, if they still name a lease and an address."""
-        ref = cls(*(params.get(name) for name in ("node_id", "remote_host", "remote_port", "lease_id")))
-        port = ref.remote_port
-        if (all(isinstance(v, str) and v for v in (ref.node_id, ref.remote_host, ref.lease_id))
-                and type(port) is int and 1 <= port <= 65535):
-            return ref
-        return None
 
 
 class LeaseLostError(RuntimeError):
@@ -153,7 +133,7 @@ class DecodeSide:
         flight uses (a resent request refused as a duplicate carries its handle). Any thread."""
         lease = LeaseRef.of(kv_transfer_params)
         if lease is not None and all(j.handle.lease_id != lease.lease_id for j in list(self.jobs.values())):
-            self._on_loop(self._release, lease)
+            self._on_loop(self.peers.release, lease)
 
     def _check(self, request: Request, handle: KVHandle) -> None:
         try:
@@ -361,22 +341,9 @@ class DecodeSide:
         if job.test_hold.get("point") == point:
             await asyncio.sleep(float(job.test_hold.get("seconds", 0)))
 
-    async def _post(self, h: KVHandle | LeaseRef, action: str, body: dict) -> dict:
-        url = internal_api.url(h.remote_host, h.remote_port, f"kv/leases/{quote(h.lease_id, safe='')}/{action}")
-        await self.peers.vouch(h)
-        try:
-            async with self.session_of().post(url, json=body, headers=internal_api.headers(self.token),
-                                              timeout=aiohttp.ClientTimeout(total=self.timeout)) as resp:
-                reply = await resp.json(content_type=None)
-                if resp.status != 200:
-                    raise KVTransferError(f"{action} at {h.node_id} answered {resp.status}: {reply}")
-                return reply
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise KVTransferError(f"{action} at {h.node_id} failed: {exc!r}") from exc
-
     async def _notify(self, job: LoadJob) -> bool:
         job.lease_ended = True  # whatever the answer, the prefill node frees the blocks
-        reply = await self._post(job.handle, "notify", {"binding": job.handle.binding()})
+        reply = await self.peers.post(job.handle, "notify", {"binding": job.handle.binding()})
         return bool(reply.get("held"))
 
     async def _push(self, job: LoadJob, peer: str) -> bool:
@@ -386,7 +353,7 @@ class DecodeSide:
                 "binding": job.handle.binding()}
         job.push_unanswered = True
         try:
-            reply = await self._post(job.handle, "push", body)
+            reply = await self.peers.post(job.handle, "push", body)
         except KVTransferError as exc:
             if isinstance(exc.__cause__, aiohttp.ClientConnectorError):
                 job.push_unanswered = False  # it never reached the prefill node
@@ -397,11 +364,5 @@ class DecodeSide:
 
     async def _end_lease(self, job: LoadJob) -> None:
         job.lease_ended = True
-        await self._release(job.handle)
+        await self.peers.release(job.handle)
 
-    async def _release(self, lease: KVHandle | LeaseRef) -> None:
-        """Best effort: tell the prefill node to free the blocks now rather than at expiry."""
-        try:
-            await self._post(lease, "notify", {"release": True})
-        except Exception as exc:  # noqa: BLE001 - the lease expires on its own
-            logger.info("could not release lease %s at %s: %s", lease.lease_id, lease.node_id, exc)

@@ -69,7 +69,8 @@ _EMPTY_STATS = dict(num_running=0, num_waiting=0, kv_cache_usage=0.0, num_free_b
 class Node:
     def __init__(self, config, on_load_failed=None) -> None:
         """``on_load_failed()``: called on the loop when the engine fails to load (``serve``: stop the node)."""
-        from pdpool.kv_index.redis_index import new_incarnation
+        from pdpool.kv_index.keys import PoolKeys
+        from pdpool.kv_index.redis_index import IndexReader, connect, new_incarnation
 
         self.config = config
         self.on_load_failed = on_load_failed
@@ -88,7 +89,10 @@ class Node:
         self.prefill = None      # PrefillSide
         self.decode = None       # DecodeSide
         self.index = None        # NodeIndex (with --redis)
-        self.reader = None
+        d = config.disagg
+        self.reader = IndexReader(connect(d.redis, d.redis_password), PoolKeys(d.namespace, d.pool)) \
+            if self.pooled and d.redis else None   # from the start: a node still loading vouches for peers with it
+        self._releaser = None    # PeerDirectory that ends leases while the node loads (refuse_kv_transfer)
         self.heartbeat = None
         self.peer_sweeper = None  # PeerSweeper: drops the NIXL peers of nodes that left the pool
         self.metrics = ServerMetrics(self.stats, config.served_model_name)
@@ -133,9 +137,32 @@ class Node:
             lease_id = handle.get("lease_id")
             if lease_id:
                 logger.info("lease %s: the response carrying it was not delivered; releasing it", lease_id)
-                task = self.loop.create_task(self.llm.call(self.prefill.notify, lease_id))
-                self._tasks.append(task)
-                task.add_done_callback(self._tasks.remove)
+                self._track(self.loop.create_task(self.llm.call(self.prefill.notify, lease_id)))
+
+    def refuse_kv_transfer(self, kv_transfer_params: dict) -> None:
+        """A request refused before its engine took it (its fields, or the model still loading) that hands a prefill
+        node's KV handle over: end the handle's lease now rather than at its expiry. Loaded, the engine's decode side
+        does it; while loading, nothing else would (a vLLM-style proxy sends to a node without asking its
+        readiness)."""
+        if self.llm is not None:
+            self.llm.engine.refuse_kv_transfer(kv_transfer_params)
+            return
+        from pdpool.decode_node.peers import LeaseRef, PeerDirectory
+
+        lease = LeaseRef.of(kv_transfer_params)
+        decodes = self.pooled and self.role != "prefill"   # it will have a decode side once loaded
+        if lease is None or not decodes or not kv_transfer_params.get("do_remote_prefill"):
+            return
+        if self._releaser is None:
+            d = self.config.disagg
+            self._releaser = PeerDirectory(None, reader=self.reader, session_of=self.session,
+                                           token=d.internal_token, timeout=d.kv_transfer_timeout)
+        self._track(self.loop.create_task(self._releaser.release(lease)))
+
+    def _track(self, task: asyncio.Task) -> None:
+        """Keep ``task`` until it ends (a stop cancels it)."""
+        self._tasks.append(task)
+        task.add_done_callback(self._tasks.remove)
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -225,14 +252,13 @@ class Node:
             return
         from pdpool.kv_index.heartbeat import HeartbeatThread, NodeInfo, NodeLoad
         from pdpool.kv_index.keys import PoolKeys
-        from pdpool.kv_index.redis_index import IndexReader, NodeIndex, connect
+        from pdpool.kv_index.redis_index import NodeIndex, connect
 
         keys = PoolKeys(d.namespace, d.pool)
         period = d.heartbeat_seconds
         self.index = NodeIndex(connect(d.redis, d.redis_password), keys, self.node_id, self.incarnation,
                                heartbeat_ttl=3 * period, backoff_initial=min(0.2, period),
                                backoff_max=min(10.0, 4 * period))
-        self.reader = IndexReader(connect(d.redis, d.redis_password), keys)
         self.index.resync([])  # a new incarnation starts with an empty cache
         self.index.set_agent_metadata(self.worker.metadata())
         url = http_url(self.host, self.config.server.port)

@@ -52,6 +52,7 @@ class ServedNode(Protocol):
 
     def require_llm(self): ...
     def release_unclaimed(self, handles: list[dict]) -> None: ...  # KV handles no client received
+    def refuse_kv_transfer(self, kv_transfer_params: dict) -> None: ...  # a refused request's handle: end its lease
 
 
 def _auth_middleware(api_key: str | None):
@@ -173,15 +174,16 @@ async def _generation(request: web.Request, parse) -> web.StreamResponse:
     refusals (``refuse_kv_transfer``), rather than at its expiry, counted against the prefill node's
     ``--max-leased-blocks`` meanwhile."""
     body = await json_body.read_json(request)
-    llm = request.app[NODE_KEY].require_llm()
+    node = request.app[NODE_KEY]
     try:
+        llm = node.require_llm()   # a 503 while the model loads: a refusal too
         turn, req = parse(llm, body)
         req.prompt_token_ids = forwarded_token_ids(body, len(req.prompts))
         _apply_server_options(request, llm, req)
     except Exception:
         kv_transfer_params = body.get("kv_transfer_params")
         if isinstance(kv_transfer_params, dict):   # else the parse refused them: they hold no handle
-            llm.engine.refuse_kv_transfer(kv_transfer_params)
+            node.refuse_kv_transfer(kv_transfer_params)
         raise
     return await _generate(request, llm, req, turn)
 
