@@ -43,7 +43,7 @@ Prompt = str | list[int] | TextPrompt | TokensPrompt
 @dataclass
 class Logprob:
     """vLLM's ``Logprob``: one token's logprob at a position, its rank in the vocabulary (1: the model's first
-    choice; None where pdpool does not know it: a sampled token outside the top ones asked for) and its text."""
+    choice) and its text."""
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
@@ -62,9 +62,9 @@ class PositionLogprobs(dict):
             return None if tokenizer is None else tokenizer.decode([token_id])
 
         top = entry.top or []
-        rank = entry.rank
-        if rank is None:   # a sampled token: its place among the top ones, when it is there
-            rank = next((i for i, (t, _) in enumerate(top, start=1) if t == entry.token_id), None)
+        # the token's place among the top ones when it is there (vLLM's: the top entry overwrites it), else the
+        # engine's count of the ids at least as likely
+        rank = next((i for i, (t, _) in enumerate(top, start=1) if t == entry.token_id), entry.rank)
         out = cls({entry.token_id: Logprob(entry.logprob, rank, text(entry.token_id))})
         for i, (t, lp) in enumerate(top, start=1):
             if t not in out:

@@ -61,7 +61,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] | None  # (token id, logprob), best first; None when not asked
-    rank: int | None = None              # a prompt token's place in the vocabulary (1: the model's first choice)
+    rank: int | None = None              # the token's place in the vocabulary (1: the model's first choice)
 
 
 @dataclass
@@ -371,7 +371,7 @@ class LLMEngine:
         self.num_generation_tokens += len(new_ids)
         new_logprobs = None
         if request.sampling_params.logprobs is not None and sampled is not None:
-            new_logprobs = [TokenLogprobs(sampled.token_id, sampled.logprob, sampled.top_logprobs)]
+            new_logprobs = [TokenLogprobs(sampled.token_id, sampled.logprob, sampled.top_logprobs, sampled.rank)]
         prompt_logprobs = None
         if request.prompt_logprobs is not None and new_ids and not state.prompt_logprobs_sent:
             state.prompt_logprobs_sent = True     # the whole prompt was computed before its first token

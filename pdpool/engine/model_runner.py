@@ -61,6 +61,7 @@ class SampledToken:
     logprob: float
     top_logprobs: list[tuple[int, float]] | None  # when the request asked for logprobs
     error: str | None = None  # this request's own sampling failed (its batch-mates' did not)
+    rank: int | None = None  # in the vocabulary (1: the model's first choice), when some request asked for logprobs
 
 
 @dataclass
@@ -460,10 +461,12 @@ class ModelRunner:
             return {}
         self.wait(step)
         out = step.pending.result()
-        tops = out.top_logprobs or [None] * len(out.token_ids)
+        nones = [None] * len(out.token_ids)
+        tops, ranks = out.top_logprobs or nones, out.ranks or nones
         failed = out.failed
-        return {rid: SampledToken(token, logprob, top, failed.get(i) if failed else None)
-                for (rid, i), token, logprob, top in zip(step.rows.items(), out.token_ids, out.logprobs, tops)}
+        return {rid: SampledToken(token, logprob, top, failed.get(i) if failed else None, rank)
+                for (rid, i), token, logprob, top, rank in zip(step.rows.items(), out.token_ids, out.logprobs, tops,
+                                                               ranks)}
 
     sample = collect  # the name before the split
 

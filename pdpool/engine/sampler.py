@@ -55,6 +55,9 @@ class SamplerOutput:
     token_ids: list[int]  # one per row; -1 for a failed row
     logprobs: list[float]  # of each sampled token; NaN for every row when no request asked for logprobs
     top_logprobs: list[list[tuple[int, float]]] | None  # None when no request asked; [] for those that did not
+    # each sampled token's rank in the vocabulary (vLLM's: how many ids have a logprob at least its own, so 1 is
+    # the model's first choice); None when no request asked for logprobs, and for a failed row
+    ranks: list[int | None] | None = None
     failed: dict[int, str] = field(default_factory=dict)  # row -> why that request failed; {} when none did
 
 
@@ -110,17 +113,19 @@ class PendingSample:
         if len(self._host) == 1:  # a full pass over [R, V] saved: nobody asked for logprobs
             out = SamplerOutput(token_ids, [float("nan")] * len(token_ids), None)
         else:
-            sampled_logprobs = self._host[1].tolist()
+            sampled_logprobs, ranks = self._host[1].tolist(), self._host[2].tolist()
             top_logprobs = None
-            if len(self._host) == 4:
-                values, indices = self._host[2].tolist(), self._host[3].tolist()
+            if len(self._host) == 5:
+                values, indices = self._host[3].tolist(), self._host[4].tolist()
                 top_logprobs = [list(zip(indices[i][:n], values[i][:n])) for i, n in enumerate(self._top_n)]
-            out = SamplerOutput(token_ids, sampled_logprobs, top_logprobs)
+            out = SamplerOutput(token_ids, sampled_logprobs, top_logprobs, ranks=ranks)
         if self.failed:
             out.failed = dict(self.failed)
             for row in self.failed:
                 out.token_ids[row] = -1
                 out.logprobs[row] = float("nan")
+                if out.ranks is not None:
+                    out.ranks[row] = None
                 if out.top_logprobs is not None:
                     out.top_logprobs[row] = []
         return out
@@ -319,15 +324,18 @@ class Sampler:
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, params: list[SamplingParams], token_ids: torch.Tensor):
-        """Raw logprobs on the device: the sampled token's [R], and the top-n values and ids [R, max_n]."""
+        """Raw logprobs on the device: the sampled token's [R], its rank [R] (vLLM's: the ids whose logit is at
+        least its own, itself included), and the top-n values and ids [R, max_n]."""
         lse = torch.logsumexp(logits, dim=-1)  # [R], raw logprob normalizer
-        sampled = logits.gather(1, token_ids[:, None])[:, 0] - lse
+        sampled_logit = logits.gather(1, token_ids[:, None])  # [R, 1]
+        ranks = (logits >= sampled_logit).sum(-1)  # [R] int64
+        sampled = sampled_logit[:, 0] - lse
         max_n = min(max((p.logprobs or 0) for p in params), logits.shape[1])
         top_n = [min(p.logprobs or 0, max_n) for p in params]
         if not max_n:
-            return (sampled,), None
+            return (sampled, ranks), None
         values, indices = logits.topk(max_n, dim=-1)  # [R, max_n]
-        return (sampled, values - lse[:, None], indices), top_n
+        return (sampled, ranks, values - lse[:, None], indices), top_n
 
     def _mask_min_tokens(self, logits, params, output_token_ids, failed: dict[int, str],
                          rows: list[int]) -> torch.Tensor:

@@ -99,6 +99,19 @@ def test_greedy_is_argmax_and_logprobs_are_raw_log_softmax():
     greedy_only = Sampler().sample(logits, [SamplingParams(temperature=0)] * 8, prompts, outputs, [None] * 8)
     assert greedy_only.top_logprobs is None and greedy_only.token_ids == logits.argmax(-1).tolist()
     assert all(math.isnan(v) for v in greedy_only.logprobs)  # not computed when no request asks
+    assert greedy_only.ranks is None
+
+
+def test_a_sampled_tokens_rank_counts_the_ids_at_least_as_likely_as_vllms():
+    """vLLM's rank: how many vocabulary ids have a logprob at least the sampled token's (ties included), whether or
+    not the token is among the top ones asked for; a failed row has none."""
+    logits = torch.tensor([[2.0, 1.0, 2.0, 0.5, 1.0], [0.0, 9.0, 8.0, 1.0, 0.0], [3.0, 1.0, 0.0, 0.0, 0.0]])
+    bad = SamplingParams(temperature=0, min_tokens=2, logprobs=0)
+    bad.stop_token_ids = [10 ** 6]
+    params = [SamplingParams(temperature=0, allowed_token_ids=[1], logprobs=0),
+              SamplingParams(temperature=0, logprobs=None), bad]
+    out = Sampler().sample(logits, params, [[0]] * 3, [[]] * 3, [None] * 3)
+    assert out.token_ids == [1, 1, -1] and out.ranks == [4, 1, None]
 
 
 def test_seeded_request_is_independent_of_batch_composition():

@@ -1,0 +1,35 @@
+"""vLLM 0.32 offline behaviours that ``pdpool.LLM`` did not match: a sampled token's rank, the fate of a batch whose
+one request fails, and ``SamplingParams`` values vLLM takes or refuses differently."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdpool import LLM, SamplingParams
+
+QUIET = dict(use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def llm(demo_model_dir):
+    return LLM("demo", dtype="float32", num_threads=1, max_num_seqs=4, max_model_len=48, num_kv_blocks=64)
+
+
+def test_a_sampled_token_outside_the_top_ones_has_its_vocabulary_rank(llm):
+    """vLLM ranks every sampled token in the vocabulary (the count of ids whose logprob is at least its own); pdpool
+    gave None whenever the sampled token was not among the ``logprobs`` best. The ranks are checked against the
+    prompt logprobs of the same text, which rank each prompt token the same way."""
+    ids = llm.get_tokenizer().encode("Once upon a time")
+    (out,) = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=2.0, seed=3, max_tokens=12,
+                                                                    logprobs=1, ignore_eos=True), **QUIET)
+    seq = out.outputs[0]
+    ranks = [d[t].rank for d, t in zip(seq.logprobs, seq.token_ids)]
+    assert all(isinstance(r, int) and r >= 1 for r in ranks), ranks
+    assert any(r > 1 for r in ranks), ranks   # some sampled token was not the model's first choice
+    for d, t in zip(seq.logprobs, seq.token_ids):
+        best = next(lp for tok, lp in d.items() if lp.rank == 1)
+        assert (d[t].rank == 1) == (d[t].logprob == best.logprob)
+    (scored,) = llm.generate({"prompt_token_ids": ids + seq.token_ids[:-1]},
+                             SamplingParams(max_tokens=1, prompt_logprobs=0), **QUIET)
+    # the prompt's logprobs rank its last token but one (the last is what it would generate)
+    assert [d[t].rank for d, t in zip(scored.prompt_logprobs[len(ids):], seq.token_ids)] == ranks[:-1]
