@@ -84,10 +84,10 @@ async def missing_secrets(kube: Kube, pool: Pool) -> str | None:
 
 
 def announce(body: dict, result: reconcile.Result, repair: bool = False) -> None:
-    """Normal Events for what ``kubectl describe inferencepool`` should show: the children a spec change created,
-    updated or deleted, and those a status tick restored after a change made outside the pool (``repair``)."""
-    parts = [(verb, names) for verb, names in (("created", result.created), ("updated", result.patched),
-                                                ("deleted", result.deleted)) if names]
+    """Normal Events for what ``kubectl describe inferencepool`` should show: the children a spec change adopted,
+    created, updated or deleted, and those a status tick restored after a change made outside the pool (``repair``)."""
+    parts = [(verb, names) for verb, names in (("adopted", result.adopted), ("created", result.created),
+                                                ("updated", result.patched), ("deleted", result.deleted)) if names]
     if repair and parts:
         message = "; ".join(f"{verb} {', '.join(names)}" for verb, names in parts)
         kopf.event(body, type="Normal", reason="Repaired", message=f"undid changes made outside the pool: {message}")
@@ -135,7 +135,8 @@ def register(registry: kopf.OperatorRegistry, options: Options) -> None:
             kopf.warn(body, reason="ChildRejected", message=message)
             return  # as for a conflict: the timer retries, this generation's Warning is posted once
         if result.writes:
-            logger.info(f"created {result.created}, patched {result.patched}, deleted {result.deleted}")
+            logger.info(f"adopted {result.adopted}, created {result.created}, patched {result.patched}, "
+                        f"deleted {result.deleted}")
             announce(body, result)
         waiting = await missing_secrets(memo.kube, pool)
         error = ("SecretMissing", waiting) if waiting else None

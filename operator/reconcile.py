@@ -12,7 +12,10 @@
   different tokens from the next pod on;
 - a child that only some specs have (``prunable``: the managed Redis, the router's RBAC) and the current spec no
   longer wants is deleted, once everything wanted is applied, if this pool owns it: a pool moved to an external
-  Redis or back to Redis discovery leaves nothing running behind.
+  Redis or back to Redis discovery leaves nothing running behind;
+- a child's name held by an object the pool does not own → nothing is written (``ChildConflict``, naming the
+  owner), except an orphan carrying this pool's labels (``kubectl delete --cascade=orphan`` left it): it is adopted,
+  as a Deployment adopts its orphaned ReplicaSets (``adoptable``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from pdpool.operator.kube import ApiError
 from pdpool.operator.quantity import quantity
 
 CREATE_ONLY = {"Secret"}
+# The labels that make an orphan this pool's child (builders.common.labels): its pool's name and the operator.
+ADOPTION_LABELS = ("app.kubernetes.io/instance", "app.kubernetes.io/managed-by")
 RESTARTED = "pdpool.io/restarted-for"  # pod-template annotation: the Secrets recreated under running pods
 # Optional pod-spec fields the builders may stop setting; a merge patch must null them out explicitly.
 OWNED_OPTIONAL_POD_FIELDS = ("nodeSelector", "tolerations", "volumes", "initContainers", "affinity",
@@ -42,10 +47,11 @@ class Result:
     patched: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
+    adopted: list[str] = field(default_factory=list)
 
     @property
     def writes(self) -> int:
-        return len(self.created) + len(self.patched) + len(self.deleted)
+        return len(self.created) + len(self.patched) + len(self.deleted) + len(self.adopted)
 
 
 def key(obj: dict) -> str:
@@ -56,11 +62,35 @@ def is_owned_by(actual: dict, uid: str) -> bool:
     return any(ref.get("uid") == uid for ref in actual["metadata"].get("ownerReferences") or [])
 
 
-def conflict(obj: dict, actual: dict) -> str:
-    """What a child name held by an object this pool does not own says: whose it is."""
-    owners = [f"{ref.get('kind')} {ref.get('name')}" for ref in actual["metadata"].get("ownerReferences") or []]
-    return (f"{key(obj)} exists and is not owned by this InferencePool (it belongs to "
-            f"{', '.join(owners) if owners else 'no owner: created outside any pool'})")
+def adoptable(desired: dict, actual: dict) -> bool:
+    """An object with no controlling owner that carries the labels this pool's children carry."""
+    meta, labels = actual["metadata"], actual["metadata"].get("labels") or {}
+    return not any(ref.get("controller") for ref in meta.get("ownerReferences") or []) and \
+        all(labels.get(k) == desired["metadata"]["labels"].get(k) for k in ADOPTION_LABELS)
+
+
+async def may_adopt(kube, child: dict, uid: str) -> bool:
+    """The pool, read again now (not kopf's copy), is still this pool and not being deleted: ``kubectl delete
+    --cascade=orphan`` orphans the children while it deletes the pool, and a status tick that read the pool before
+    would hand them back to it (Kubernetes' controllers recheck the same way before adopting)."""
+    ref = child["metadata"]["ownerReferences"][0]
+    pool = await kube.get(ref["kind"], child["metadata"]["namespace"], ref["name"])
+    return pool is not None and pool["metadata"]["uid"] == uid and not pool["metadata"].get("deletionTimestamp")
+
+
+def owners(actual: dict) -> str:
+    refs = [f"{ref.get('kind')} {ref.get('name')}" for ref in actual["metadata"].get("ownerReferences") or []]
+    return f"owned by {', '.join(refs)}" if refs else "no owner: created outside any pool"
+
+
+def conflict(taken: list[tuple[dict, dict]], why: str = "") -> str:
+    """What child names held by objects this pool does not own say: whose they are (children grouped by owner)."""
+    by_owner: dict[str, list[str]] = {}
+    for obj, actual in taken:
+        by_owner.setdefault(owners(actual), []).append(key(obj))
+    return "; ".join(f"{', '.join(keys)} {'exists' if len(keys) == 1 else 'exist'} and "
+                     f"{'is' if len(keys) == 1 else 'are'} not owned by this InferencePool ({owner}){why}"
+                     for owner, keys in by_owner.items())
 
 
 def merge_patch(desired: dict, actual: dict) -> dict:
@@ -142,9 +172,12 @@ async def apply(kube, desired: list[dict], uid: str, prunable: list[tuple[str, s
     # Every child is read before any is written: a pool whose names another object holds (pool a-decode's router
     # Service is pool a's decode Service) starts nothing, not the half up to the first conflict.
     actuals = [await kube.get(obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"]) for obj in desired]
-    taken = [conflict(obj, actual) for obj, actual in zip(desired, actuals) if actual and not is_owned_by(actual, uid)]
+    foreign = [(obj, actual) for obj, actual in zip(desired, actuals) if actual and not is_owned_by(actual, uid)]
+    taken = [(obj, actual) for obj, actual in foreign if not adoptable(obj, actual)]
     if taken:
-        raise ChildConflict("; ".join(taken))
+        raise ChildConflict(conflict(taken))
+    if foreign and not await may_adopt(kube, desired[0], uid):
+        raise ChildConflict(conflict(foreign, "; not adopted: the pool is being deleted"))
     recreated: set[str] = set()  # Secrets created in this pass (the builders render them before their readers)
     for obj, actual in zip(desired, actuals):
         meta = obj["metadata"]
@@ -160,11 +193,18 @@ async def apply(kube, desired: list[dict], uid: str, prunable: list[tuple[str, s
             if obj["kind"] == "Secret":
                 recreated.add(meta["name"])
             continue
+        adopt = not is_owned_by(actual, uid)  # adoptable (checked above): one patch sets the owner reference
+        if adopt and obj["kind"] in CREATE_ONLY:  # a Secret keeps its value, which running pods hold
+            await kube.merge_patch(obj["kind"], meta["namespace"], meta["name"],
+                                   {"metadata": {"ownerReferences": meta["ownerReferences"]}})
+            result.adopted.append(key(obj))
+            continue
         want = meta["annotations"][SPEC_HASH]
         repair = (actual["metadata"].get("annotations") or {}).get(SPEC_HASH) == want  # else: a new rendering
         restart = sorted(secrets_read(obj) & recreated) if obj["kind"] == "Deployment" else []
         mark = f"{uid}/{key(obj)}@{want}"
-        if obj["kind"] in CREATE_ONLY or (repair and not restart and (mark in overridden or not drifted(obj, actual))):
+        if not adopt and (obj["kind"] in CREATE_ONLY or
+                          (repair and not restart and (mark in overridden or not drifted(obj, actual)))):
             result.unchanged.append(key(obj))
             continue
         patch = merge_patch(obj, actual)
@@ -172,7 +212,7 @@ async def apply(kube, desired: list[dict], uid: str, prunable: list[tuple[str, s
             patch["spec"]["template"]["metadata"].setdefault("annotations", {})[RESTARTED] = \
                 f"{','.join(restart)} recreated at {datetime.datetime.now(datetime.timezone.utc).isoformat()}"
         stored = await kube.merge_patch(obj["kind"], meta["namespace"], meta["name"], patch)
-        result.patched.append(key(obj))
+        (result.adopted if adopt else result.patched).append(key(obj))
         if repair and not restart and isinstance(stored, dict) and drifted(obj, stored):
             overridden.add(mark)
     wanted = {(o["kind"], o["metadata"]["namespace"], o["metadata"]["name"]) for o in desired}

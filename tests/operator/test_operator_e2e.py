@@ -405,6 +405,38 @@ def test_moving_to_an_external_redis_deletes_the_managed_one(cluster, operator, 
     cluster.kubectl("delete", POOL, "moving", "--timeout=20s")
 
 
+def test_a_pool_deleted_with_cascade_orphan_and_applied_again_adopts_its_children(cluster, operator):
+    """``kubectl delete --cascade=orphan`` keeps a pool's children running without owner; applying the pool again
+    takes them back, as a Deployment adopts its orphaned ReplicaSets: nothing restarts, the generated token stays.
+    Before, the new pool was Degraded (ChildConflict, 'created outside any pool') until every child was deleted
+    by hand. The operator reads the pool again before adopting (as Kubernetes' controllers do): a status tick that
+    runs while the orphaning deletion is under way must not hand the children back to the pool being deleted."""
+    body = {"apiVersion": "pdpool.io/v1alpha1", "kind": "InferencePool", "metadata": {"name": "orph"}, "spec": {}}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
+    names = ("orph-prefill", "orph-decode", "orph-router", "orph-redis")
+    wait_until(lambda: all(cluster.kubectl("get", "deployment", n, check=False).returncode == 0 for n in names),
+               what="the Deployments")
+    generation = {n: get(cluster, "deployment", n)["metadata"]["generation"] for n in names}
+    token = get(cluster, "secret", "orph-internal")["data"]["token"]
+    cluster.kubectl("delete", POOL, "orph", "--cascade=orphan", "--timeout=20s")
+    time.sleep(1.0)  # status ticks of the deleted pool, if any, come and go
+    assert not get(cluster, "deployment", "orph-decode")["metadata"].get("ownerReferences")
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
+    uid = get(cluster, POOL, "orph")["metadata"]["uid"]
+    owners = lambda kind, name: [r["uid"] for r in  # noqa: E731
+                                 get(cluster, kind, name)["metadata"].get("ownerReferences") or []]
+    wait_until(lambda: all(owners("deployment", n) == [uid] for n in names), what="the Deployments adopted")
+    for kind, name in (("secret", "orph-internal"), ("secret", "orph-redis"), ("service", "orph"),
+                       ("configmap", "orph-config"), ("networkpolicy", "orph-nodes")):
+        assert owners(kind, name) == [uid], (kind, name)
+    assert get(cluster, "secret", "orph-internal")["data"]["token"] == token
+    assert {n: get(cluster, "deployment", n)["metadata"]["generation"] for n in names} == generation
+    pool = wait_until(lambda: (p := get(cluster, POOL, "orph")).get("status", {}).get("observedGeneration") and p,
+                      what="a status")
+    assert condition(pool, "Degraded")["status"] == "False", condition(pool, "Degraded")
+    cluster.kubectl("delete", POOL, "orph", "--timeout=20s")
+
+
 def test_delete_runs_the_finalizer_on_real_redis(cluster, operator, redis_server):
     secret = get(cluster, "secret", "demo-redis")
     import base64

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import kopf
 import pytest
@@ -69,12 +70,50 @@ def test_a_pool_whose_names_are_taken_writes_nothing_and_names_every_taken_child
         cluster.clear_writes()
         with pytest.raises(reconcile.ChildConflict) as caught:
             await reconcile.apply(kube, builders.render(pool), pool.uid)
-        assert "Service/mix-decode" in str(caught.value) and "InferencePool mix-decode" in str(caught.value)
+        assert "Service/mix-decode exists and is not owned by this InferencePool (owned by InferencePool mix-decode)" \
+            in str(caught.value)
         assert "Service/mix-redis" in str(caught.value) and "InferencePool mix-redis" in str(caught.value)
         assert cluster.writes() == []
         assert await kube.get("Deployment", "default", "mix-prefill") is None
         for other in others:
             assert (await reconcile.apply(kube, builders.render(other), other.uid)).writes == 0
+        await kube.close()
+
+    asyncio.run(scenario())
+
+
+def test_orphans_are_adopted_only_by_a_pool_that_is_not_being_deleted(cluster):
+    """``kubectl delete --cascade=orphan`` orphans the children while the pool still stands (its finalizer): an
+    apply from a copy of the pool read before must not hand them back, or they would go with it. A pool of that
+    name applied afterwards adopts them, without writing anything else."""
+    from operator_examples import ROOT
+
+    cluster.kubectl("apply", "-f", str(ROOT / "operator" / "crd.yaml"))
+    manifest = {"apiVersion": "pdpool.io/v1alpha1", "kind": "InferencePool",
+                "metadata": {"name": "adopt", "finalizers": ["test/hold"]}, "spec": {}}
+
+    def stored() -> dict:
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest))
+        return cluster.kubectl.json("get", "inferencepools.pdpool.io", "adopt")
+
+    async def scenario():
+        kube = Kube(kopf.ConnectionInfo(server=cluster.emulator.url))
+        old = parse_pool(stored())
+        assert len((await reconcile.apply(kube, builders.render(old), old.uid)).created) == 13
+        cluster.kubectl("delete", "inferencepools.pdpool.io", "adopt", "--cascade=orphan", "--wait=false")
+        assert not (await kube.get("Deployment", "default", "adopt-decode"))["metadata"].get("ownerReferences")
+        cluster.clear_writes()
+        with pytest.raises(reconcile.ChildConflict, match="not adopted: the pool is being deleted"):
+            await reconcile.apply(kube, builders.render(old), old.uid)
+        assert cluster.writes() == []
+        cluster.kubectl("patch", "inferencepools.pdpool.io", "adopt", "--type=merge",
+                        "-p", '{"metadata": {"finalizers": null}}')
+        new = parse_pool(stored())
+        adopted = await reconcile.apply(kube, builders.render(new), new.uid)
+        assert (len(adopted.adopted), adopted.created, adopted.patched) == (13, [], [])
+        assert (await kube.get("Secret", "default", "adopt-internal"))["metadata"]["ownerReferences"][0]["uid"] \
+            == new.uid
+        assert (await reconcile.apply(kube, builders.render(new), new.uid)).writes == 0
         await kube.close()
 
     asyncio.run(scenario())
