@@ -233,6 +233,8 @@ def schema_errors(value, node: dict, path: str) -> list[str]:
     if "pattern" in node and t == "string" and not config.matches_pattern(node["pattern"], value):
         errors.append(f"{path}: {value!r} does not match {node['pattern']}")
     if t == "object":
+        if "maxProperties" in node and len(value) > node["maxProperties"]:
+            errors.append(f"{path}: {len(value)} properties, at most {node['maxProperties']} allowed")
         props, extra = node.get("properties"), node.get("additionalProperties")
         errors += [f"{path}.{name}: required" for name in node.get("required", []) if name not in value]
         for name, sub in value.items():

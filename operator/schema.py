@@ -80,6 +80,7 @@ _PEERS = {"type": "array", "description": "NetworkPolicy peers (podSelector, nam
 MODEL_SOURCE = {
     "type": "object", "description": "Where model.name lives when it is not 'demo' or a path baked into the image: "
     "set one of pvc, hostPath, objectStore, image; it is mounted at model.mountPath.",
+    "maxProperties": 1,
     "properties": {
         "pvc": {"type": "object", "description": "A PersistentVolumeClaim, e.g. holding a Hugging Face cache.",
                 "required": ["claimName"], "properties": {

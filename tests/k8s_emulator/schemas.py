@@ -172,6 +172,9 @@ def validate(value, schema: dict, resolve, path: str = "", root: bool = False) -
             for i, item in enumerate(value):
                 causes += validate(item, schema["items"], resolve, _join(path, i))
     if isinstance(value, dict):
+        if "maxProperties" in schema and len(value) > schema["maxProperties"]:  # as maxItems (field.TooMany)
+            causes.append({"reason": "FieldValueTooMany", "field": path,
+                           "message": f"Too many: {len(value)}: must have at most {schema['maxProperties']} items"})
         for key in schema.get("required", []):
             if key not in value and not (root and key in ("apiVersion", "kind", "metadata")):
                 causes.append({"reason": "FieldValueRequired", "field": _join(path, key),

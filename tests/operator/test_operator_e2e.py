@@ -16,6 +16,7 @@ from operator_examples import EXAMPLES, ROOT
 from operator_procs import OperatorProcess, wait_until
 from pdpool import config
 from pdpool.kv_index.keys import key_prefix
+from pdpool.operator import crd
 from pdpool.router import settings
 
 POOL = "inferencepools.pdpool.io"
@@ -213,6 +214,23 @@ def test_invalid_pool_is_rejected_by_the_schema(cluster, operator, tmp_path):
     assert out.returncode != 0
     assert "maxNumSeqs" in out.stderr and "device" in out.stderr, out.stderr
     assert cluster.kubectl("get", POOL, "bad", check=False).returncode != 0
+
+
+def test_two_model_sources_are_refused_by_the_schema(cluster, operator, tmp_path):
+    """model.source takes one of pvc, hostPath, objectStore, image. Before, a pool setting two was stored and only
+    then marked Degraded (InvalidSpec); the schema's maxProperties refuses it at kubectl apply, as pdpool up's
+    check of a pool file does."""
+    spec = {"model": {"name": "/models/m", "source": {"pvc": {"claimName": "weights"},
+                                                       "hostPath": {"path": "/data/m"}}}}
+    path = tmp_path / "two.yaml"
+    path.write_text(yaml.safe_dump({"apiVersion": "pdpool.io/v1alpha1", "kind": "InferencePool",
+                                    "metadata": {"name": "two-sources"}, "spec": spec}))
+    out = cluster.kubectl("apply", "-f", str(path), check=False)
+    assert out.returncode != 0 and "spec.model.source: Too many: 2: must have at most 1 items" in out.stderr, \
+        out.stderr
+    assert cluster.kubectl("get", POOL, "two-sources", check=False).returncode != 0
+    root = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert crd.schema_errors(spec, root, "spec") == ["spec.model.source: 2 properties, at most 1 allowed"]
 
 
 def test_a_pool_name_its_services_cannot_carry_is_refused(cluster, operator, tmp_path):
