@@ -73,13 +73,14 @@ async def observe(kube: Kube, body: dict, pool: Pool | None, error: tuple[str, s
 
 
 async def missing_secrets(kube: Kube, pool: Pool) -> str | None:
-    """Secrets the pool references but does not generate (API key, external Redis password), if absent."""
-    refs = [pool.api_key, None if pool.managed_redis else pool.redis_password]
+    """Secrets the pool references but does not generate (API key, external Redis password, object store
+    credentials), if absent."""
+    refs = [pool.api_key, None if pool.managed_redis else pool.redis_password, pool.object_store_credentials]
     missing = []
     for ref in filter(None, refs):
         secret = await kube.get("Secret", pool.namespace, ref.name)
-        if ref.key not in ((secret or {}).get("data") or {}):
-            missing.append(f"{ref.name} (key {ref.key})")
+        if secret is None or (ref.key is not None and ref.key not in (secret.get("data") or {})):
+            missing.append(ref.name if ref.key is None else f"{ref.name} (key {ref.key})")
     return f"waiting for Secret {', '.join(missing)} in {pool.namespace}" if missing else None
 
 

@@ -27,7 +27,7 @@ class SpecError(ValueError):
 @dataclass(frozen=True)
 class SecretRef:
     name: str
-    key: str
+    key: str | None  # None: the whole Secret (envFrom)
 
 
 @dataclass
@@ -75,6 +75,12 @@ class Pool:
     def api_key(self) -> SecretRef | None:
         ref = self.spec["router"].get("apiKeySecretRef")
         return SecretRef(ref["name"], ref.get("key", "api-key")) if ref else None
+
+    @property
+    def object_store_credentials(self) -> SecretRef | None:
+        """The Secret whose keys the model download's init container reads (envFrom), if any."""
+        ref = ((self.spec["model"].get("source") or {}).get("objectStore") or {}).get("credentialsSecretRef")
+        return SecretRef(ref["name"], None) if ref else None
 
     @property
     def redis_url(self) -> str:

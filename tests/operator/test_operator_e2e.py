@@ -317,6 +317,25 @@ def test_a_missing_secret_is_reported_until_it_exists(cluster, operator, tmp_pat
     cluster.kubectl("delete", POOL, "keyed", "--timeout=20s")
 
 
+def test_missing_object_store_credentials_are_reported_until_they_exist(cluster, operator):
+    """model.source.objectStore.credentialsSecretRef is every node's and the router's init container's envFrom:
+    without it no pod starts (CreateContainerConfigError). Before, the pool said only 'not ready: prefill (0/1
+    ready)', as for a slow start; now SecretMissing names it, as for the API key."""
+    store = {"uri": "s3://models/m", "credentialsSecretRef": {"name": "s3-creds"}}
+    body = {"apiVersion": "pdpool.io/v1alpha1", "kind": "InferencePool", "metadata": {"name": "s3"},
+            "spec": {"model": {"name": "/models/m", "source": {"objectStore": store}}}}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(body))
+    pool = wait_condition(cluster, "s3", "Degraded", "True")
+    assert condition(pool, "Degraded")["reason"] == "SecretMissing"
+    assert "waiting for Secret s3-creds in default" in condition(pool, "Degraded")["message"], condition(pool,
+                                                                                                      "Degraded")
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3-creds"},
+              "stringData": {"AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "key"}}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(secret))
+    wait_condition(cluster, "s3", "Degraded", "False")
+    cluster.kubectl("delete", POOL, "s3", "--timeout=20s")
+
+
 def test_kubernetes_discovery_and_changed_children_are_patched(cluster, operator):
     """router.discovery: kubernetes adds the router's ServiceAccount, Role and RoleBinding; a changed ConfigMap,
     NetworkPolicy and Service are patched; RBAC children rendered differently (an operator upgrade) are too."""
