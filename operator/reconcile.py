@@ -78,8 +78,16 @@ async def may_adopt(kube, child: dict, uid: str) -> bool:
     return pool is not None and pool["metadata"]["uid"] == uid and not pool["metadata"].get("deletionTimestamp")
 
 
-def owners(actual: dict) -> str:
-    refs = [f"{ref.get('kind')} {ref.get('name')}" for ref in actual["metadata"].get("ownerReferences") or []]
+def owners(actual: dict, pool: dict) -> str:
+    """Whose ``actual`` is. ``pool``: the owner reference this pool's children carry; one of the same kind and name
+    with another uid is a deleted pool's (``kubectl delete`` and ``kubectl apply`` again, before the garbage
+    collector has caught up)."""
+    def owner(ref: dict) -> str:
+        if (ref.get("kind"), ref.get("name")) == (pool["kind"], pool["name"]):
+            return (f"the deleted {pool['kind']} {pool['name']}, uid {ref.get('uid')}: the garbage collector deletes "
+                    f"it, then this pool creates it")
+        return f"{ref.get('kind')} {ref.get('name')}"
+    refs = [owner(ref) for ref in actual["metadata"].get("ownerReferences") or []]
     return f"owned by {', '.join(refs)}" if refs else "no owner: created outside any pool"
 
 
@@ -87,7 +95,7 @@ def conflict(taken: list[tuple[dict, dict]], why: str = "") -> str:
     """What child names held by objects this pool does not own say: whose they are (children grouped by owner)."""
     by_owner: dict[str, list[str]] = {}
     for obj, actual in taken:
-        by_owner.setdefault(owners(actual), []).append(key(obj))
+        by_owner.setdefault(owners(actual, obj["metadata"]["ownerReferences"][0]), []).append(key(obj))
     return "; ".join(f"{', '.join(keys)} {'exists' if len(keys) == 1 else 'exist'} and "
                      f"{'is' if len(keys) == 1 else 'are'} not owned by this InferencePool ({owner}){why}"
                      for owner, keys in by_owner.items())

@@ -117,3 +117,24 @@ def test_orphans_are_adopted_only_by_a_pool_that_is_not_being_deleted(cluster):
         await kube.close()
 
     asyncio.run(scenario())
+
+
+def test_a_child_left_by_a_deleted_pool_of_the_same_name_is_named_as_such(cluster):
+    """``kubectl delete`` then ``kubectl apply`` of a pool: the new pool (new uid) may run before the garbage
+    collector has deleted the old one's children. The conflict said 'owned by InferencePool same' to pool
+    ``same`` itself; it now says the owner is the deleted pool and that the garbage collector removes it."""
+    async def scenario():
+        kube = Kube(kopf.ConnectionInfo(server=cluster.emulator.url))
+        old = example_body("cpu-demo", uid="uid-old")
+        old["metadata"]["name"] = "same"
+        await kube.create(builders.config_map(parse_pool(old)))
+        new = example_body("cpu-demo", uid="uid-new")
+        new["metadata"]["name"] = "same"
+        with pytest.raises(reconcile.ChildConflict) as caught:
+            await reconcile.apply(kube, builders.render(parse_pool(new)), "uid-new")
+        assert str(caught.value) == ("ConfigMap/same-config exists and is not owned by this InferencePool (owned by "
+                                     "the deleted InferencePool same, uid uid-old: the garbage collector deletes it, "
+                                     "then this pool creates it)")
+        await kube.close()
+
+    asyncio.run(scenario())
