@@ -92,7 +92,7 @@ class Node:
         d = config.disagg
         self.reader = IndexReader(connect(d.redis, d.redis_password), PoolKeys(d.namespace, d.pool)) \
             if self.pooled and d.redis else None   # from the start: a node still loading vouches for peers with it
-        self._releaser = None    # PeerDirectory that ends leases while the node loads (refuse_kv_transfer)
+        self._releaser = None    # PeerDirectory that ends refused handles' leases no decode side ends
         self.heartbeat = None
         self.peer_sweeper = None  # PeerSweeper: drops the NIXL peers of nodes that left the pool
         self.metrics = ServerMetrics(self.stats, config.served_model_name)
@@ -141,18 +141,26 @@ class Node:
 
     def refuse_kv_transfer(self, kv_transfer_params: dict) -> None:
         """A request refused before its engine took it (its fields, or the model still loading) that hands a prefill
-        node's KV handle over: end the handle's lease now rather than at its expiry. Loaded, the engine's decode side
+        node's KV handle over: end the handle's lease now rather than at its expiry. Loaded, the engine's connector
         does it; while loading, nothing else would (a vLLM-style proxy sends to a node without asking its
         readiness)."""
         if self.llm is not None:
             self.llm.engine.refuse_kv_transfer(kv_transfer_params)
-            return
-        from pdpool.decode_node.peers import LeaseRef, PeerDirectory
+        elif self.pooled:
+            self._release_handle(kv_transfer_params)
+
+    def _release_handle(self, kv_transfer_params: dict) -> None:
+        """End the lease a refused KV handle names where no decode side does (the node loads, or has none: a prefill
+        node). Any thread."""
+        from pdpool.decode_node.peers import LeaseRef
 
         lease = LeaseRef.of(kv_transfer_params)
-        decodes = self.pooled and self.role != "prefill"   # it will have a decode side once loaded
-        if lease is None or not decodes or not kv_transfer_params.get("do_remote_prefill"):
-            return
+        if lease is not None and kv_transfer_params.get("do_remote_prefill"):
+            self.loop.call_soon_threadsafe(self._start_release, lease)
+
+    def _start_release(self, lease) -> None:
+        from pdpool.decode_node.peers import PeerDirectory
+
         if self._releaser is None:
             d = self.config.disagg
             self._releaser = PeerDirectory(None, reader=self.reader, session_of=self.session,
@@ -244,7 +252,7 @@ class Node:
                                         on_removed=[self.decode.peers.forget] if self.decode is not None else [])
         self.kv_metrics.peers_loaded = lambda: len(self.worker.agent.peers)
         self.kv_metrics.peers_removed = lambda: self.peer_sweeper.num_removed
-        return KVConnector(engine.kv_cache_manager, sides, index=self.index)
+        return KVConnector(engine.kv_cache_manager, sides, index=self.index, release=self._release_handle)
 
     def _make_index(self, engine) -> None:
         d = self.config.disagg

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from pdpool.engine.llm_engine import EngineOutput, InvalidRequestError, LLMEngine
 from pdpool.engine.request import Request
@@ -88,10 +88,14 @@ class KVConnector:
     """
     supports_overlap = True
 
-    def __init__(self, kv_cache_manager, sides: Sequence[RoleSide] = (), index: Any = None) -> None:
+    def __init__(self, kv_cache_manager, sides: Sequence[RoleSide] = (), index: Any = None,
+                 release: Callable[[dict], None] | None = None) -> None:
+        """``release(kv_transfer_params)``: ends the lease of refused params that no side takes (a prefill node's KV
+        handle sent to a node with no decode side); from any thread."""
         self.kv_cache_manager = kv_cache_manager
         self.sides = list(sides)
         self.index = index  # pdpool.kv_index NodeIndex or None
+        self.release = release
 
     def on_add(self, request: Request, kv_transfer_params: dict | None) -> dict | None:
         """May set the request's ``kv_load``/``hold_blocks_on_finish``; returns the params to keep on it."""
@@ -101,6 +105,7 @@ class KVConnector:
             if side.wants(kv_transfer_params):
                 return side.on_add(request, kv_transfer_params)
         if kv_transfer_params.get("do_remote_decode") or kv_transfer_params.get("do_remote_prefill"):
+            self.on_refused(kv_transfer_params)
             raise InvalidRequestError("this node's role does not take these kv_transfer_params "
                                       "(do_remote_decode goes to a prefill node, do_remote_prefill to a decode node)",
                                       param="kv_transfer_params")
@@ -126,6 +131,8 @@ class KVConnector:
             if side.wants(kv_transfer_params):
                 side.on_refused(kv_transfer_params)
                 return
+        if self.release is not None:
+            self.release(kv_transfer_params)
 
     def on_abort(self, request_ids: list[str]) -> set[str]:
         """Ids whose abort must wait: a transfer still writes into their blocks."""

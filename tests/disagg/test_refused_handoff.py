@@ -142,3 +142,16 @@ def test_a_handoff_whose_client_leaves_while_its_prompt_is_tokenized_ends_its_le
                    timeout=httpx.Timeout(60, read=0.5))
     wait_for(lambda: pr.kv()["leases"] == 0, 3, "the decode node to release the lease of the request that left")
     assert pr.kv()["expiries"] == 0
+
+
+@pytest.mark.parametrize("body", [HANDOFF, completion_body(PROMPT, 4, temperature=-1)], ids=["role", "edge"])
+def test_a_handoff_sent_to_a_prefill_node_is_a_400_and_ends_its_lease(nodes, body):
+    """A proxy that sends the decode leg to a prefill node (a Service over every node of the pool, say): the node
+    has no decode side to take the handle, and refused it without ending its lease, held to its expiry."""
+    pr, dr = nodes["pr"], nodes["dr"]
+    handle = DisaggProxy(pr.url, dr.url).handle(HANDOFF)
+    assert pr.kv()["leases"] == 1
+    r = DisaggProxy(pr.url, pr.url).decode(body, handle)
+    assert r.status_code == 400 and r.json()["error"]["param"] in ("kv_transfer_params", "temperature"), r.text
+    wait_for(lambda: pr.kv()["leases"] == 0, 3, "the prefill node to release the lease it refused")
+    assert pr.kv()["expiries"] == 0
