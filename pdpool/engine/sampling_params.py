@@ -26,6 +26,7 @@ MAX_LOGPROBS = 20
 # seed s to 2**64 + s, so every seed in this range seeds a generator, negative ones included.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 GREEDY_TEMPERATURE = 1e-5  # below it a request is greedy (vLLM's _SAMPLING_EPS): 1/T would overflow the logits
+MAX_TEMPERATURE = 2.0  # vLLM's bound (0.32's SamplingParams refuses a higher one)
 _FLOAT32_MAX = 3.4028234663852886e38
 LOGIT_BIAS_MAX = 100.0  # |bias| is clamped to it (OpenAI's documented range, vLLM's clamp)
 # Entries a logit_bias may have before its ids are checked against the vocabulary: above any common vocabulary
@@ -82,6 +83,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if type(self.seed) is int and self.seed == -1:   # vLLM's: -1 is no seed (random), not a generator's seed
             self.seed = None
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is True:   # vLLM's: True asks for the one best beside the token
+                setattr(self, name, 1)
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
@@ -123,6 +127,8 @@ class SamplingParams:
         sampling field; a test compares the two)."""
         if max_tokens is not None:
             _int("max_tokens", max_tokens, 1, None)   # then min_tokens 0 <= max_tokens holds
+        if logprobs is True:
+            logprobs = 1
         if logprobs is not None:
             _int("logprobs", logprobs, 0, MAX_LOGPROBS)
         params = object.__new__(cls)
@@ -181,13 +187,13 @@ class SamplingParams:
         if self.max_tokens is not None:
             _int("max_tokens", self.max_tokens, 1, None)
         _int("min_tokens", self.min_tokens, 0, self.max_tokens, "at most max_tokens" if self.max_tokens else "")
-        _num("temperature", self.temperature, 0.0, None)
+        _num("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         _num("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _int("top_k", self.top_k, -1, None, "-1 or 0 disables it")
         _num("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
             _int("seed", self.seed, SEED_MIN, SEED_MAX)
-        _num("repetition_penalty", self.repetition_penalty, 0.0, 2.0, low_open=True)
+        _num("repetition_penalty", self.repetition_penalty, 0.0, None, low_open=True)   # vLLM's: > 0, finite
         _num("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _num("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         if self.logprobs is not None:

@@ -33,3 +33,26 @@ def test_a_sampled_token_outside_the_top_ones_has_its_vocabulary_rank(llm):
                              SamplingParams(max_tokens=1, prompt_logprobs=0), **QUIET)
     # the prompt's logprobs rank its last token but one (the last is what it would generate)
     assert [d[t].rank for d, t in zip(scored.prompt_logprobs[len(ids):], seq.token_ids)] == ranks[:-1]
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=2.5), dict(temperature=3e38), dict(repetition_penalty=0.0),
+                                    dict(repetition_penalty=float("inf"))])
+def test_sampling_params_vllm_refuses_are_refused(kwargs):
+    """vLLM 0.32 checks temperature in [0, 2] (pdpool took any finite one) and repetition_penalty > 0, finite."""
+    with pytest.raises(ValueError, match=next(iter(kwargs))) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == next(iter(kwargs))
+
+
+def test_sampling_params_vllm_takes_are_taken(llm):
+    """vLLM 0.32 maps logprobs=True and prompt_logprobs=True to 1 and takes any positive finite repetition_penalty
+    (pdpool refused the booleans and penalties above 2)."""
+    params = SamplingParams(logprobs=True, prompt_logprobs=True, repetition_penalty=3.5, max_tokens=3,
+                            seed=0)
+    assert (params.logprobs, params.prompt_logprobs) == (1, 1)
+    assert SamplingParams(temperature=2.0).temperature == 2.0 and SamplingParams(temperature=0).temperature == 0
+    (out,) = llm.generate("Hello there", params, **QUIET)
+    seq = out.outputs[0]
+    assert len(seq.token_ids) == 3 and all(len(d) in (1, 2) for d in seq.logprobs)
+    assert all(d is None or len(d) in (1, 2) for d in out.prompt_logprobs)
+    assert not llm.engine.has_unfinished_requests()

@@ -252,7 +252,7 @@ def _num(lo, hi):  # mostly valid values, sometimes anything
 
 @settings(max_examples=300, deadline=None)
 @given(temperature=_num(0, 3), top_p=_num(1e-9, 1), top_k=st.integers(-3, 10 ** 30), min_p=_num(0, 1),
-       repetition_penalty=_num(1e-9, 2), presence_penalty=_num(-2, 2), frequency_penalty=_num(-2, 2),
+       repetition_penalty=_num(1e-9, 1e38), presence_penalty=_num(-2, 2), frequency_penalty=_num(-2, 2),
        seed=st.one_of(st.none(), st.integers(-2 ** 70, 2 ** 70)), min_tokens=st.integers(-1, 4),
        stop_token_ids=st.lists(st.integers(-2, VOCAB + 2), max_size=3),
        logprobs=st.one_of(st.none(), st.integers(-1, 25)))

@@ -30,7 +30,8 @@ def test_is_greedy(kwargs, greedy):
     ("max_tokens", 0, "[1, inf)"),
     ("min_tokens", -1, "[0, 16]"),
     ("min_tokens", 17, "at most max_tokens"),
-    ("temperature", -0.1, "[0.0, inf)"),
+    ("temperature", -0.1, "[0.0, 2.0]"),
+    ("temperature", 2.5, "[0.0, 2.0]"),   # vLLM 0.32's bound
     ("temperature", float("nan"), "a number"),
     ("top_p", 0.0, "(0.0, 1.0]"),
     ("top_p", 1.5, "(0.0, 1.0]"),
@@ -38,8 +39,7 @@ def test_is_greedy(kwargs, greedy):
     ("top_k", 2.5, "an integer"),
     ("min_p", 1.1, "[0.0, 1.0]"),
     ("seed", "7", "an integer"),
-    ("repetition_penalty", 0.0, "(0.0, 2.0]"),
-    ("repetition_penalty", 2.5, "(0.0, 2.0]"),
+    ("repetition_penalty", 0.0, "(0.0, inf)"),   # vLLM's: any positive finite one
     ("presence_penalty", -2.5, "[-2.0, 2.0]"),
     ("frequency_penalty", 3, "[-2.0, 2.0]"),
     ("logprobs", 21, "[0, 20]"),
@@ -81,11 +81,11 @@ def test_every_float_field_refuses_non_finite_and_non_numbers(param, value):
     assert len(str(err.value)) < 300
 
 
-def test_temperature_must_be_finite_in_float32_and_a_tiny_one_is_greedy():
-    with pytest.raises(SamplingParamsError, match="float32") as err:
+def test_temperature_is_at_most_2_as_vllms_and_a_tiny_one_is_greedy():
+    with pytest.raises(SamplingParamsError, match=r"\[0.0, 2.0\]") as err:
         SamplingParams(temperature=1e39)
     assert err.value.param == "temperature"
-    assert SamplingParams(temperature=3e38).is_greedy is False
+    assert SamplingParams(temperature=2.0).is_greedy is False
     assert SamplingParams(temperature=1e-300).is_greedy  # 1/T would overflow: vLLM treats T < 1e-5 as greedy
     assert SamplingParams(temperature=1e-5).is_greedy is False
 
@@ -114,7 +114,7 @@ def test_stop_token_ids_are_checked_against_the_vocabulary_when_it_is_known():
 @pytest.mark.parametrize("param, value", [
     ("stop", 5), ("stop", {"a": 1}), ("stop", [None]), ("stop_token_ids", 5), ("stop_token_ids", "12"),
     ("stop_token_ids", [1.5]), ("stop_token_ids", [True]), ("max_tokens", 2.0), ("min_tokens", None),
-    ("top_k", 10 ** 30 + 0.5), ("logprobs", True), ("skip_special_tokens", 1),
+    ("top_k", 10 ** 30 + 0.5), ("logprobs", 1.5), ("skip_special_tokens", 1),   # logprobs=True is 1 (vLLM)
 ])
 def test_wrong_types_are_sampling_params_errors(param, value):
     with pytest.raises(SamplingParamsError) as err:
