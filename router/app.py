@@ -48,6 +48,7 @@ GENERATE = ("/v1/completions", "/v1/chat/completions", "/v1/responses", anthropi
 # for every path under /v1/models/ (OpenAI's retrieve: the rest of the path is the model's name, slashes and all).
 MODEL_PATH = "/v1/models/{model}"
 PRIORITY_KEY = protocol.PRIORITY_HEADER.lower()   # request.headers' keys are lower case
+RETRY_AFTER = "1"      # seconds, on the router's own 429
 ROUTES = {("POST", "/v1/completions"): "generate", ("POST", "/v1/chat/completions"): "generate",
           ("POST", "/v1/responses"): "generate", ("POST", anthropic_messages.PATH): "generate",
           ("POST", anthropic_messages.COUNT_TOKENS_PATH): "count_tokens_page",
@@ -216,6 +217,8 @@ class Router:
     def _error(exchange: Exchange, err: APIError, rid: str, path: str, headers: dict | None = None) -> None:
         if exchange.started:          # mid-stream: the request path already sent its error event
             return
+        if err.status == 429:         # the router's own (--max-inflight): in flight requests end within seconds
+            headers = {"Retry-After": RETRY_AFTER, **(headers or {})}
         exchange.respond(err.status, json.dumps(err.body_for(path)).encode(), "application/json",
                          {REQUEST_ID_HEADER: rid, **(headers or {})})
 

@@ -21,13 +21,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 
 from pdpool.logs import HEADER as REQUEST_ID_HEADER
 from pdpool.router import log_lines
 from pdpool.router.request import RoutedRequest
 from pdpool.router.scheduler import NoNodeError, RoutePlan
 from pdpool.router.sse import SSERelay
-from pdpool.router.upstream import TRANSPORT_ERRORS, ClientErrorReply, UpstreamError, classify_status
+from pdpool.router.upstream import TRANSPORT_ERRORS, ClientErrorReply, UpstreamError, busy_reply, classify_status
 from pdpool.server import anthropic_messages
 from pdpool.server.errors import APIError
 from pdpool.server.stream_events import sse_frame
@@ -58,6 +59,8 @@ class RequestPath:
         self.metrics = metrics
         self.max_retries = max_retries
         self.prefill_timeout = prefill_timeout
+        # a node's 429 without its own Retry-After: the router leaves the node out this long (its cooldown)
+        self.retry_after = str(max(1, math.ceil(pool.cooldown_seconds)))
         self._background: set[asyncio.Task] = set()
 
     # ---- bookkeeping --------------------------------------------------------------------------------
@@ -186,6 +189,7 @@ class RequestPath:
         hits (``prefill_realized``), unless the decode node refuses the handle: then it is a "fallback"."""
         tries = plan.decode[:1 + self.max_retries]
         last: UpstreamError | None = None
+        busy: ClientErrorReply | None = None   # the latest node's 429: the client's answer if no node answers
         all_unreachable = True   # every decode node tried failed at the connection: no status, no byte
         decode_only_again = -1   # the attempt that sends a refused handle's request decode-only: the fallback's own
         for attempt, d in enumerate(tries):
@@ -213,6 +217,7 @@ class RequestPath:
             except UpstreamError as err:
                 self._announce(note)
                 last = err
+                busy = err.reply or busy
                 self._failed(d, err)
                 if handle is not None:  # the next node prefills locally; free the lease now
                     self._release(plan.prefill, handle, rr.request_id)
@@ -248,6 +253,8 @@ class RequestPath:
                 raise
             finally:
                 ticket.done()
+        if busy is not None:   # a node at capacity: its 429 (and when to retry), not a 503
+            raise _PassThrough(busy)
         raise APIError(f"every decode node tried failed; last: {last}", status=503, code="upstream_unavailable")
 
     def _prefill_fallback(self, plan: RoutePlan):
@@ -275,7 +282,9 @@ class RequestPath:
             if kind or resp.status != 200:
                 data = await _read_or(resp, b"")
                 if kind:
-                    raise UpstreamError(kind, f"{d.node_id} answered {resp.status}: {data[:300]!r}", resp.status)
+                    busy = busy_reply(resp, data, self.retry_after) if resp.status == 429 else None
+                    raise UpstreamError(kind, f"{d.node_id} answered {resp.status}: {data[:300]!r}", resp.status,
+                                        busy)
                 raise _PassThrough(ClientErrorReply(resp.status, data, resp.content_type))
             if not rr.stream:
                 data = relay.body
@@ -379,4 +388,5 @@ async def _read_or(resp, default: bytes) -> bytes:
 
 def pass_through(exchange, exc: _PassThrough, request_id: str) -> None:
     r = exc.reply
-    exchange.respond(r.status, r.body, r.content_type or "application/json", {REQUEST_ID_HEADER: request_id})
+    exchange.respond(r.status, r.body, r.content_type or "application/json",
+                     {REQUEST_ID_HEADER: request_id, **r.headers} if r.headers else {REQUEST_ID_HEADER: request_id})

@@ -25,24 +25,34 @@ TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, HTTPClientError)
 logger = logging.getLogger("pdpool.router")
 
 
-class UpstreamError(Exception):
-    """A leg failed before the client saw anything: ``kind`` is connect, timeout, http_5xx, http_429 or
-    stream_broken."""
-
-    def __init__(self, kind: str, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.status = status
-
-
 class ClientErrorReply(Exception):
-    """A node refused the request itself (4xx other than 429): the client gets the node's answer as is."""
+    """A node refused the request itself (4xx other than 429): the client gets the node's answer as is.
+    ``headers``: the node's that go with it (a 429's ``Retry-After``)."""
 
-    def __init__(self, status: int, body: bytes, content_type: str) -> None:
+    def __init__(self, status: int, body: bytes, content_type: str, headers: dict | None = None) -> None:
         super().__init__(f"node answered {status}")
         self.status = status
         self.body = body
         self.content_type = content_type
+        self.headers = headers
+
+
+class UpstreamError(Exception):
+    """A leg failed before the client saw anything: ``kind`` is connect, timeout, http_5xx, http_429 or
+    stream_broken. ``reply``: a 429's answer, for the client when no other node answers."""
+
+    def __init__(self, kind: str, message: str, status: int | None = None,
+                 reply: ClientErrorReply | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.status = status
+        self.reply = reply
+
+
+def busy_reply(resp, body: bytes, retry_after: str) -> ClientErrorReply:
+    """A node's 429 as the client gets it: its body, and its ``Retry-After``, else ``retry_after``."""
+    return ClientErrorReply(resp.status, body, resp.content_type,
+                            {"Retry-After": resp.headers.get("retry-after") or retry_after})
 
 
 def classify_status(status: int) -> str | None:
@@ -56,12 +66,13 @@ def classify_status(status: int) -> str | None:
 class _AiohttpResponse:
     """An aiohttp response behind the lean client's response interface."""
 
-    __slots__ = ("_resp", "status", "content_type")
+    __slots__ = ("_resp", "status", "content_type", "headers")
 
     def __init__(self, resp: aiohttp.ClientResponse) -> None:
         self._resp = resp
         self.status = resp.status
         self.content_type = resp.content_type
+        self.headers = resp.headers
 
     async def readany(self) -> bytes:
         return await self._resp.content.readany()

@@ -47,7 +47,8 @@ class APIError(Exception):
 
 
 def error_response(err: APIError, headers: dict | None = None, path: str = "") -> web.Response:
-    return web.json_response(err.body_for(path), status=err.status, headers=headers)
+    return web.json_response(err.body_for(path), status=err.status,
+                             headers={"Retry-After": "1", **(headers or {})} if err.status == 429 else headers)
 
 
 def _client_left(request: web.Request) -> bool:
