@@ -20,7 +20,6 @@ from typing import Any, Callable, NotRequired, Sequence, TypedDict
 from pdpool import config
 from pdpool.engine.llm_engine import LLMEngine, TokenLogprobs
 from pdpool.engine.output_processor import OutputProcessor, RequestOutput
-from pdpool.engine.sampler import RequestFault
 from pdpool.engine.sampling_params import SamplingParams, generation_defaults, short_repr
 from pdpool.engine.structured import Grammars
 from pdpool.frontend import Frontend, InvalidRequestError, ModelFiles, Tokenizer, message_text
@@ -386,11 +385,8 @@ class LLM:
                 if stopped:
                     self.engine.abort_request(stopped)
                 for out in results:
-                    if out.finish_reason == "error":
-                        message = f"request {out.request_id} failed: {out.error}"
-                        if isinstance(out.error, RequestFault):   # its own parameters (the server's 400)
-                            raise InvalidRequestError(message, param=out.error.param)
-                        raise RuntimeError(message)
+                    # a request the engine failed alone is finished, with finish_reason "error" (vLLM's: the
+                    # engine logged why), and its batch-mates' results are kept
                     if out.finished:
                         final[out.request_id] = out
                         if bar is not None:

@@ -348,8 +348,9 @@ class LLMEngine:
             del sampled[rid]
             logger.log(logging.WARNING if isinstance(message, RequestFault) else logging.ERROR,
                        "request %s: sampling failed (%s); finishing it alone", rid, message)
-            if rid in self._states:
-                outputs.append(EngineOutput(rid, [], None, True, "error", error=message))
+            state = self._states.get(rid)
+            if state is not None:   # with what it had not sent yet (a final-only request: all its tokens so far)
+                outputs.append(self._make_output(state, None, error=message))
             self.num_request_errors += 1
             self.abort_request(rid)
         return outputs
@@ -364,7 +365,8 @@ class LLMEngine:
             outputs.append(self._make_output(state, sampled.get(request.request_id)))
         return outputs
 
-    def _make_output(self, state: _State, sampled) -> EngineOutput:
+    def _make_output(self, state: _State, sampled, error: str | None = None) -> EngineOutput:
+        """``error``: the request failed (finish_reason "error"); the caller aborts it in the scheduler."""
         request = state.request
         new_ids = request.output_token_ids[state.num_emitted_tokens:]
         state.num_emitted_tokens = len(request.output_token_ids)
@@ -376,15 +378,17 @@ class LLMEngine:
         if request.prompt_logprobs is not None and new_ids and not state.prompt_logprobs_sent:
             state.prompt_logprobs_sent = True     # the whole prompt was computed before its first token
             prompt_logprobs = [None if e is None else TokenLogprobs(*e) for e in request.prompt_logprobs]
-        finished = request.is_finished
+        finished = error is not None or request.is_finished
         if finished:
             del self._states[request.request_id]
             self.num_finished += 1
         return EngineOutput(
             request_id=request.request_id, new_token_ids=new_ids, new_logprobs=new_logprobs, finished=finished,
-            finish_reason=request.finish_reason if finished else None,
-            stop_reason=request.stop_reason if finished else None, num_cached_tokens=request.num_cached_tokens or 0,
-            kv_transfer_params=state.kv_transfer_params if finished else None, prompt_logprobs=prompt_logprobs)
+            finish_reason="error" if error is not None else request.finish_reason if finished else None,
+            stop_reason=request.stop_reason if finished and error is None else None,
+            num_cached_tokens=request.num_cached_tokens or 0,
+            kv_transfer_params=state.kv_transfer_params if finished else None, error=error,
+            prompt_logprobs=prompt_logprobs)
 
     # ---- stats -----------------------------------------------------------------------------------
 

@@ -56,3 +56,25 @@ def test_sampling_params_vllm_takes_are_taken(llm):
     assert len(seq.token_ids) == 3 and all(len(d) in (1, 2) for d in seq.logprobs)
     assert all(d is None or len(d) in (1, 2) for d in out.prompt_logprobs)
     assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("final_only", [True, False], ids=["plain", "with-logprobs"])
+def test_one_request_failing_mid_batch_keeps_the_others_results(llm, final_only):
+    """vLLM's offline generate collects every finished output, and a request its engine fails alone (its grammar
+    rejects a token, say) finishes with finish_reason "error", its tokens so far kept. pdpool raised for the whole
+    call, so the batch's other results were lost. Here the bad request may only generate " the" and must never
+    generate " the the": its second token has nothing left to sample. Its blocks go back as the others' do."""
+    the = llm.get_tokenizer().encode(" the", add_special_tokens=False)
+    extra = {} if final_only else dict(logprobs=1)
+    bad = SamplingParams(max_tokens=5, temperature=0, allowed_token_ids=the, bad_words=[" the the"], **extra)
+    good = SamplingParams(max_tokens=4, temperature=0, **extra)
+    free = llm.engine.kv_cache_manager.num_free_blocks
+    outs = llm.generate(["Hello", "Once upon a time", "World"], [good, bad, good], **QUIET)
+    alone = llm.generate(["Hello", "World"], good, **QUIET)
+    assert [o.outputs[0].finish_reason for o in outs] == ["length", "error", "length"]
+    assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == [a.outputs[0].token_ids for a in alone]
+    failed = outs[1].outputs[0]
+    assert failed.token_ids == the and failed.text == " the" and failed.stop_reason is None and outs[1].finished
+    if not final_only:
+        assert len(failed.logprobs) == 1 and failed.cumulative_logprob == failed.logprobs[0][the[0]].logprob
+    assert llm.engine.kv_cache_manager.num_free_blocks == free and not llm.engine.has_unfinished_requests()

@@ -235,15 +235,16 @@ def test_get_tokenizer_applies_the_chat_template_as_transformers(llm):
     assert tok.apply_chat_template(conv, tokenize=False) != text   # transformers' default: no generation prompt
 
 
-def test_masks_that_leave_nothing_to_sample_are_a_value_error(llm):
+def test_masks_that_leave_nothing_to_sample_finish_that_request_with_error(llm):
     """allowed_token_ids and a grammar that share no token: the request's own parameters, known only once it runs
-    (the server answers 400); generate raised RuntimeError, as for an engine failure."""
+    (the server answers 400). Offline, as vLLM's generate, that request finishes with finish_reason "error" and
+    the others' results are returned (generate raised, and lost them)."""
     tok = llm.get_tokenizer()
     allowed = [t for t in range(100, 400) if not tok.decode([t]).lstrip().startswith(("a", "b"))][:3]
     params = SamplingParams(max_tokens=3, allowed_token_ids=allowed, structured_outputs={"choice": ["a", "bb"]})
-    with pytest.raises(ValueError, match="no token is left to sample") as info:
-        llm.generate(["Hello", "World"], [SamplingParams(max_tokens=2), params], **QUIET)
-    assert info.value.param in ("allowed_token_ids", "structured_outputs", None)
+    ok, failed = llm.generate(["Hello", "World"], [SamplingParams(max_tokens=2), params], **QUIET)
+    assert ok.outputs[0].finish_reason == "length" and len(ok.outputs[0].token_ids) == 2
+    assert failed.finished and failed.outputs[0].finish_reason == "error" and failed.outputs[0].token_ids == []
     assert not llm.engine.has_unfinished_requests()
     (after,) = llm.generate("Hello", SamplingParams(max_tokens=2), **QUIET)   # the engine goes on
     assert len(after.outputs[0].token_ids) == 2
@@ -274,5 +275,7 @@ def test_sampling_params_construct_or_refuse_and_then_run(llm, kwargs, max_token
         assert any(name in str(exc) for name in (*kwargs, "max_tokens", "prompt")), exc
     else:
         assert out.finished and len(out.outputs) == params.n
-        assert all(c.finish_reason in ("stop", "length") for c in out.outputs)
+        # "error": the request's own masks left nothing to sample (vLLM finishes it so too)
+        masks = {"allowed_token_ids", "bad_words", "min_tokens"} & set(kwargs)
+        assert all(c.finish_reason in ("stop", "length", *(("error",) if masks else ())) for c in out.outputs)
     assert not llm.engine.has_unfinished_requests()
