@@ -261,10 +261,18 @@ class Rope:
             self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def _on_meta() -> bool:
+    """Whether modules are being built on the meta device (the loader builds there, then fills every tensor):
+    no initial values are computed then, since torch imports torch._dynamo for the first computation on meta
+    (about 0.5-0.8 s of CPU in every node's start) whose result would be discarded."""
+    return torch.get_default_device().type == "meta"
+
+
 class Backbone(nn.Module):
     def __init__(self, config, arch: str):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        shape = (config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape)) if _on_meta() else nn.Embedding(*shape)
         self.layers = nn.ModuleList(DecoderLayer(config, arch, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -280,7 +288,8 @@ class LlamaForCausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         head_dim = self.model.layers[0].self_attn.head_dim
-        self.register_buffer("inv_freq", inv_frequencies(config, head_dim), persistent=False)  # [D/2] fp32
+        inv_freq = torch.empty(head_dim // 2, dtype=torch.float32) if _on_meta() else inv_frequencies(config, head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.fused_ops: bool | None = None  # None: on CUDA unless PDPOOL_FUSED_OPS=0 (see the module docstring)
         self.gemv_ops = gemv_default()  # one-row GEMV kernels for one-token forwards (with fused ops)
         self.logits_linear = None  # CPU: the logits weight through pdpool.models.cpu_linear (native kernel / oneDNN)
