@@ -118,6 +118,7 @@ class AsyncLLM:
         self.config = node_config
         path = self.engine.model_path
         self.frontend = frontend or Frontend(ModelFiles.read(path), Tokenizer(path, node_config.model.chat_template))
+        self.engine.set_tokenizer_eos(self.frontend.tokenizer.eos_token_id)
         Grammars.of(self.frontend)
         self.generation_defaults = generation_defaults(path, node_config.model)   # the server applies them
         self.latency_observer = latency_observer

@@ -254,6 +254,7 @@ class LLM:
         self.engine = LLMEngine(self.config)
         path = self.engine.model_path
         self.frontend = Frontend(ModelFiles.read(path), Tokenizer(path, self.config.model.chat_template))
+        self.engine.set_tokenizer_eos(self.tokenizer.eos_token_id)
         Grammars.of(self.frontend)
         self.generation_defaults = generation_defaults(path, self.config.model)
         self.output_processor = OutputProcessor(self.frontend.tokenizer)

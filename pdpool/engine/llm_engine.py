@@ -216,6 +216,11 @@ class LLMEngine:
         if self.connector is not None and kv_transfer_params:
             self.connector.on_refused(kv_transfer_params)
 
+    def set_tokenizer_eos(self, token_id: int | None) -> None:
+        """The tokenizer's EOS id (the front end knows it). vLLM stops on it with stop_reason None and makes the
+        model's other EOS ids (its generation config's) stop_token_ids, so a stop on one of those gives the id."""
+        self.scheduler.eos_stop_reasons = frozenset(self.eos_token_ids) - {token_id}
+
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Abort requests in any state; unknown ids are ignored. A request whose blocks a KV transfer still
         writes is aborted once the transfer ended (the connector defers it)."""

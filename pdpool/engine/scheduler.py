@@ -128,6 +128,8 @@ class Scheduler:
         self.prefix_cache_queried_tokens = 0
         self.prefix_cache_hit_tokens = 0
         self.num_preemptions = 0
+        # EOS ids whose stop gives stop_reason = the id (``LLMEngine.set_tokenizer_eos``); the others give None
+        self.eos_stop_reasons: frozenset[int] = frozenset()
 
     # ---- stats
     @property
@@ -282,6 +284,8 @@ class Scheduler:
         last = request.output_token_ids[-1]
         if request.num_output_tokens >= request.min_tokens:
             if last in request.eos_token_ids and not getattr(params, "ignore_eos", False):
+                if last in self.eos_stop_reasons:
+                    request.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
             if last in (getattr(params, "stop_token_ids", None) or ()):
                 request.stop_reason = last

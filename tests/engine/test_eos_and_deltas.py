@@ -20,7 +20,9 @@ def llm(demo_model_dir):
 
 
 def test_every_eos_id_of_generation_config_stops(llm, demo_model_dir, tmp_path):
-    """Llama-3-Instruct lists three EOS ids in generation_config.json; each one must stop, not only the first."""
+    """Llama-3-Instruct lists three EOS ids in generation_config.json; each one must stop, not only the first. As
+    vLLM's, an EOS id other than the tokenizer's (its eos_token_id) is one of the request's stop_token_ids: its
+    stop_reason is that id (pdpool gave None); the tokenizer's own EOS gives None."""
     (free,) = llm.generate(PROMPT, SamplingParams(max_tokens=6, ignore_eos=True, **GREEDY), use_tqdm=False)
     third = free.output_token_ids[2]
     assert third not in free.output_token_ids[:2]
@@ -35,8 +37,10 @@ def test_every_eos_id_of_generation_config_stops(llm, demo_model_dir, tmp_path):
     assert several.engine.eos_token_ids == [2, third]
     (out,) = several.generate(PROMPT, SamplingParams(max_tokens=6, **GREEDY), use_tqdm=False)
     assert out.output_token_ids == free.output_token_ids[:3]
-    assert out.finish_reason == "stop" and out.stop_reason is None
+    assert out.finish_reason == "stop" and out.stop_reason == third
     assert out.outputs[0].text == several.tokenizer.decode(free.output_token_ids[:2])  # the EOS is not text
+    (own,) = several.generate(PROMPT, SamplingParams(max_tokens=6, allowed_token_ids=[2], **GREEDY), use_tqdm=False)
+    assert own.output_token_ids == [2] and own.finish_reason == "stop" and own.stop_reason is None
     (masked,) = several.generate(PROMPT, SamplingParams(max_tokens=6, min_tokens=4, **GREEDY), use_tqdm=False)
     assert third not in masked.output_token_ids[:4]  # min_tokens masks every EOS id
 
