@@ -110,11 +110,19 @@ class DecodeSide:
         except InvalidRequestError:
             self._on_loop(self._end_lease, job)  # the prefill node need not hold blocks nobody will read
             raise
+        num_logprobs = getattr(request.sampling_params, "logprobs", None)
+        first_logprobs = _first_logprobs(handle, num_logprobs)
+        if num_logprobs is not None and first_logprobs is None:
+            # The prefill leg asked for fewer logprobs of its token than this request (a proxy that sends the legs
+            # different fields): the prompt is computed here, as without a handle, so that every token has them.
+            logger.info("request %s asks for %d logprobs a token; the KV handle of %s has fewer for its first token: "
+                        "computing the prompt here", request.request_id, num_logprobs, handle.node_id)
+            self._on_loop(self._end_lease, job)
+            self.loop.call_soon_threadsafe(self.metrics.outcome, "recompute")
+            return None
         request.append_output_token(handle.first_token_id)
-        lp = handle.first_token_logprobs
-        if lp is not None and getattr(request.sampling_params, "logprobs", None) is not None:
-            top = [(int(t), float(v)) for t, v in lp["top"]] if lp.get("top") is not None else None
-            self.first_logprobs[request.request_id] = TokenLogprobs(handle.first_token_id, float(lp["logprob"]), top)
+        if first_logprobs is not None:
+            self.first_logprobs[request.request_id] = first_logprobs
         status = self.scheduler.check_stop(request)
         if status is not None:  # EOS, a stop token id or max_tokens 1: the answer is complete, load nothing
             self._on_loop(self._end_lease, job)
@@ -366,3 +374,15 @@ class DecodeSide:
         job.lease_ended = True
         await self.peers.release(job.handle)
 
+
+def _first_logprobs(handle: KVHandle, num_logprobs: int | None) -> TokenLogprobs | None:
+    """The first token's logprobs from ``handle`` for a request asking for ``num_logprobs`` top ones a token (None:
+    no logprobs); None also when the handle has fewer (its prefill leg asked for fewer)."""
+    lp = handle.first_token_logprobs
+    if num_logprobs is None or lp is None:
+        return None
+    top = lp.get("top") or []
+    if len(top) < num_logprobs:
+        return None
+    return TokenLogprobs(handle.first_token_id, float(lp["logprob"]),
+                         [(int(t), float(v)) for t, v in top[:num_logprobs]])

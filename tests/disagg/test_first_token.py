@@ -149,3 +149,25 @@ def test_a_seeded_sampled_answer_is_the_colocated_one(nodes):
         assert token_ids(proxy.complete(body)) == colocated, seed
         streamed = [t for e in proxy.stream(body) for c in e["choices"] for t in c.get("token_ids") or []]
         assert streamed == colocated, seed
+
+
+@pytest.mark.parametrize("prefill_logprobs, logprobs", [(None, 2), (1, 3), (3, 1), (None, 0), (2, 0)])
+def test_logprobs_the_prefill_leg_did_not_ask_for_are_the_colocated_ones(nodes, prefill_logprobs, logprobs):
+    """The first token's logprobs come with the handle, as many as the prefill leg asked for. A decode request asking
+    for other ones (a proxy that sends the legs different fields) got a first token without logprobs (one entry short:
+    the tokens and text offsets no longer matched the text) or with the prefill leg's number of top logprobs."""
+    pe, de = nodes["pe"], nodes["de"]
+    body = completion_body(PROMPT + " Rodin", 4, logprobs=logprobs)
+    prefill = {**body, "logprobs": prefill_logprobs} if prefill_logprobs is not None else \
+        {k: v for k, v in body.items() if k != "logprobs"}
+    handle = DisaggProxy(pe.url, de.url).handle(prefill)
+    r = DisaggProxy(pe.url, de.url).decode(body, handle)
+    assert r.status_code == 200, r.text
+    disagg = r.json()["choices"][0]
+    colocated = de.complete(body)["choices"][0]
+    assert disagg["text"] == colocated["text"] and disagg["token_ids"] == colocated["token_ids"]
+    got, want = disagg["logprobs"], colocated["logprobs"]
+    assert got["tokens"] == want["tokens"] and got["text_offset"] == want["text_offset"], (got, want)
+    assert got["token_logprobs"] == pytest.approx(want["token_logprobs"], abs=1e-3)
+    assert [sorted(t) for t in got["top_logprobs"]] == [sorted(t) for t in want["top_logprobs"]]
+    wait_for(lambda: pe.kv()["leases"] == 0, 5, "the decode node to end the lease")
