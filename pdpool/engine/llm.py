@@ -215,6 +215,16 @@ def chat_messages(conversation: Sequence[dict]) -> list[dict]:
     return out
 
 
+_POOLING_ONLY = "LLM.{}() is only supported for pooling models; pdpool serves generative models"
+
+
+def _unset_only(**arguments: Any) -> None:
+    """vLLM's arguments whose default (None or empty) is what pdpool does: anything else is a ValueError naming it."""
+    for name, value in arguments.items():
+        if value:
+            raise ValueError(f"{name}={short_repr(value)}: pdpool takes no {name} (leave it unset)")
+
+
 def _is_one_prompt(prompts: Any) -> bool:
     return isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
                                                 and isinstance(prompts[0], int))
@@ -272,9 +282,11 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool | Callable[..., Any] = True, lora_request: None = None,
-                 priority: int | Sequence[int] | None = None) -> list[GenerationResult]:
+                 priority: int | Sequence[int] | None = None, tokenization_kwargs: dict | None = None,
+                 mm_processor_kwargs: dict | None = None) -> list[GenerationResult]:
         """Run every prompt to completion; one result per prompt, in input order. ``use_tqdm``: a bool, or a
         callable making the progress bar (``functools.partial(tqdm, leave=False)``), as vLLM's."""
+        _unset_only(tokenization_kwargs=tokenization_kwargs, mm_processor_kwargs=mm_processor_kwargs)
         if _is_one_prompt(prompts):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -287,11 +299,19 @@ class LLM:
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool | Callable[..., Any] = True, lora_request: None = None,
-             priority: int | Sequence[int] | None = None, chat_template: str | None = None, *,
-             add_generation_prompt: bool = True, continue_final_message: bool = False,
-             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[GenerationResult]:
+             priority: int | Sequence[int] | None = None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None, tokenization_kwargs: dict | None = None,
+             mm_processor_kwargs: dict | None = None) -> list[GenerationResult]:
         """One conversation (a list of messages) or a list of them, each rendered with the chat template; a list
-        of results, one per conversation, as vLLM's."""
+        of results, one per conversation, as vLLM's (its arguments in its order). A message's content reaches the
+        template as a string (``chat_template_content_format`` "auto" or "string"; vLLM's "openai", a list of
+        parts, is refused)."""
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat_template_content_format={short_repr(chat_template_content_format)}: pdpool "
+                             "renders each message's content as a string ('auto' or 'string')")
+        _unset_only(tokenization_kwargs=tokenization_kwargs, mm_processor_kwargs=mm_processor_kwargs)
         if not isinstance(messages, (list, tuple)):
             raise TypeError(f"messages must be a list of messages or a list of such lists, got "
                             f"{short_repr(messages)}")
@@ -307,6 +327,20 @@ class LLM:
         raise NotImplementedError("pdpool's offline LLM has no beam search: use generate with SamplingParams "
                                   "(temperature=0 for greedy, n > 1 for several samples), or a server's "
                                   "use_beam_search")
+
+    def encode(self, *args: Any, **kwargs: Any) -> list:
+        """vLLM's pooling calls (``encode``, ``embed``, ``classify``, ``score``) on a generative model: vLLM's
+        ValueError."""
+        raise ValueError(_POOLING_ONLY.format("encode"))
+
+    def embed(self, *args: Any, **kwargs: Any) -> list:
+        raise ValueError(_POOLING_ONLY.format("embed"))
+
+    def classify(self, *args: Any, **kwargs: Any) -> list:
+        raise ValueError(_POOLING_ONLY.format("classify"))
+
+    def score(self, *args: Any, **kwargs: Any) -> list:
+        raise ValueError(_POOLING_ONLY.format("score"))
 
     def _priorities(self, priority, count: int) -> list[int]:
         """Each prompt's priority (lower runs first, as vLLM's): taken with ``LLM(scheduling_policy="priority")``;

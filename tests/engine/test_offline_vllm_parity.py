@@ -78,3 +78,29 @@ def test_one_request_failing_mid_batch_keeps_the_others_results(llm, final_only)
     if not final_only:
         assert len(failed.logprobs) == 1 and failed.cumulative_logprob == failed.logprobs[0][the[0]].logprob
     assert llm.engine.kv_cache_manager.num_free_blocks == free and not llm.engine.has_unfinished_requests()
+
+
+def test_vllm_call_shapes_pdpool_has_no_use_for_are_taken_or_refused_as_vllm(llm):
+    """vLLM 0.32's generate and chat take tokenization_kwargs and mm_processor_kwargs, and chat takes
+    chat_template_content_format: a script passing their defaults got a TypeError. Passing more than the defaults
+    is a ValueError naming the argument. encode/embed/classify/score on a generative model are vLLM's ValueError
+    ("only supported for pooling models"); pdpool had no such methods (AttributeError)."""
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    (plain,) = llm.generate("Hello", sp, **QUIET)
+    (same,) = llm.generate("Hello", sp, tokenization_kwargs=None, mm_processor_kwargs={}, **QUIET)
+    assert same.outputs[0].token_ids == plain.outputs[0].token_ids
+    conv = [{"role": "user", "content": "Hello"}]
+    (chat,) = llm.chat(conv, sp, use_tqdm=False)
+    for fmt in ("auto", "string"):
+        (again,) = llm.chat(conv, sp, use_tqdm=False, chat_template_content_format=fmt, tokenization_kwargs=None,
+                            mm_processor_kwargs=None)
+        assert again.prompt == chat.prompt and again.outputs[0].token_ids == chat.outputs[0].token_ids
+    for kwargs in (dict(tokenization_kwargs={"truncation": True}), dict(mm_processor_kwargs={"fps": 1})):
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            llm.generate("Hello", sp, **kwargs, **QUIET)
+    with pytest.raises(ValueError, match="chat_template_content_format"):
+        llm.chat(conv, sp, use_tqdm=False, chat_template_content_format="openai")
+    for name in ("encode", "embed", "classify", "score"):
+        with pytest.raises(ValueError, match=rf"LLM\.{name}\(\) is only supported for pooling models"):
+            getattr(llm, name)("Hello")
+    assert not llm.engine.has_unfinished_requests()
