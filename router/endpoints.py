@@ -49,6 +49,7 @@ class Pool:
         self._by_source: dict[str, dict[str, Endpoint]] = {}
         self.endpoints: dict[str, Endpoint] = {}
         self._cooldown_until: dict[str, float] = {}
+        self._busy: set[str] = set()        # nodes whose cooldown is for a 429: up, at capacity
         self.listeners: list = []           # fn(old: Endpoint | None, new: Endpoint | None) on every change
 
     def replace(self, source: str, endpoints: list[Endpoint]) -> None:
@@ -64,6 +65,7 @@ class Pool:
                     fn(old, cur)
             if cur is None:   # gone (node ids change at every rollout): its cooldown goes with it
                 self._cooldown_until.pop(node_id, None)
+                self._busy.discard(node_id)
         self.endpoints = merged
 
     def usable(self, e: Endpoint, now: float | None = None) -> bool:
@@ -72,9 +74,22 @@ class Pool:
         until = self._cooldown_until.get(e.node_id)
         return until is None or (now or time.monotonic()) >= until
 
-    def cool_down(self, node_id: str, seconds: float | None = None) -> None:
-        """Leave a node out for a while: it refused a connection, timed out, or answered 5xx/429."""
+    def cool_down(self, node_id: str, seconds: float | None = None, busy: bool = False) -> None:
+        """Leave a node out for a while: it refused a connection, timed out, or answered 5xx, or 429 (``busy``)."""
         self._cooldown_until[node_id] = time.monotonic() + (self.cooldown_seconds if seconds is None else seconds)
+        if busy:
+            self._busy.add(node_id)
+        else:
+            self._busy.discard(node_id)
+
+    def busy_seconds(self) -> float | None:
+        """How long until the first node left out for its 429 (up, at capacity) may be tried again; None when no
+        such cooldown runs. An entry of ``_busy`` whose cooldown ended (``recovered``) counts for nothing."""
+        now = time.monotonic()
+        waits = [self._cooldown_until.get(n, now) - now for n in self._busy
+                 if n in self.endpoints and self.endpoints[n].ready and not self.endpoints[n].draining]
+        waits = [w for w in waits if w > 0]
+        return min(waits) if waits else None
 
     def recovered(self, node_id: str) -> None:
         self._cooldown_until.pop(node_id, None)

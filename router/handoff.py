@@ -72,7 +72,7 @@ class RequestPath:
 
     def _failed(self, endpoint, err: UpstreamError) -> None:
         self.metrics.upstream_errors.labels(endpoint.node_id, err.kind).inc()
-        self.pool.cool_down(endpoint.node_id)
+        self.pool.cool_down(endpoint.node_id, busy=err.kind == "http_429")
         if err.kind in ("connect", "timeout"):
             self.index.distrust(endpoint.node_id, endpoint.incarnation)  # maybe restarted: entries unproven
         logger.warning("%s leg on %s failed (%s): %s", endpoint.role, endpoint.node_id, err.kind, err)
@@ -104,6 +104,9 @@ class RequestPath:
         try:
             plan = await self.scheduler.plan(rr.num_prompt_tokens, rr.block_hashes, disaggregable=rr.disaggregable)
         except NoNodeError as exc:
+            wait = self.pool.busy_seconds()
+            if wait is not None:   # left out for their 429s: the nodes are up and at capacity, so a 429 too
+                raise _at_capacity(rr.path, wait) from None
             raise APIError(f"no ready node can serve the request: {exc}", status=503, code="no_ready_node") from None
         if plan.prefill is None:  # decode-only: its bookkeeping runs once the decode leg is on the wire
             return await self._decode(exchange, rr, plan, None, "decode_only")
@@ -377,6 +380,14 @@ class _PassThrough(Exception):
     def __init__(self, reply: ClientErrorReply) -> None:
         super().__init__(str(reply))
         self.reply = reply
+
+
+def _at_capacity(path: str, seconds: float) -> _PassThrough:
+    wait = max(1, math.ceil(seconds))
+    err = APIError(f"every node that can serve the request is at capacity (it answered 429); retry in {wait} s",
+                   status=429, code="pool_at_capacity")
+    return _PassThrough(ClientErrorReply(429, json.dumps(err.body_for(path)).encode(), "application/json",
+                                         {"Retry-After": str(wait)}))
 
 
 async def _read_or(resp, default: bytes) -> bytes:

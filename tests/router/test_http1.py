@@ -16,6 +16,8 @@ import pytest
 from aiohttp import web
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from threaded_app import ThreadedApp
+
 from pdpool.router.http1 import (HIGH_WATER, IDLE_SECONDS, NODE_KEEPALIVE_SECONDS, VALIDATE_AFTER_SECONDS,
                                  ConnectError, ConnectionClosed, Http1Client, ProtocolError, Response, _Connection,
                                  reuse_limit)
@@ -25,42 +27,20 @@ def pattern(size: int) -> bytes:
     return (bytes(range(251)) * (size // 251 + 1))[:size]
 
 
-class Upstream:
+class Upstream(ThreadedApp):
     """An aiohttp server on its own thread and loop; records the connections it served and the requests the
     client abandoned."""
 
     def __init__(self, keepalive_timeout: float = 75.0) -> None:
         self.peers: list = []
         self.abandoned = threading.Event()
-        self.loop = asyncio.new_event_loop()
-        self.port = 0
-        ready = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(ready, keepalive_timeout), daemon=True)
-        self.thread.start()
-        assert ready.wait(10)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def _run(self, ready: threading.Event, keepalive_timeout: float) -> None:
-        asyncio.set_event_loop(self.loop)
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_post("/body", self.body)
         app.router.add_post("/echo", self.echo)
         app.router.add_post("/sse", self.sse)
         app.router.add_post("/slow", self.slow)
         app.router.add_post("/stall", self.stall)
-        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                                    keepalive_timeout=keepalive_timeout)
-        self.loop.run_until_complete(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        self.loop.run_until_complete(site.start())
-        self.port = site._server.sockets[0].getsockname()[1]
-        ready.set()
-        self.loop.run_forever()
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        super().__init__(app, handler_cancellation=True, access_log=None, keepalive_timeout=keepalive_timeout)
 
     def _seen(self, request: web.Request) -> None:
         self.peers.append(request.transport.get_extra_info("peername"))
@@ -500,16 +480,7 @@ def test_a_connection_is_not_reused_near_a_keep_alive_timeout_the_server_adverti
 
     server = RawServer(handle)
     try:
-        async def go(client):
-            bodies = []
-            for _ in range(2):
-                r = await post(client, server.url + "/v1/completions")
-                bodies.append(await r.read())
-                r.close()
-                await asyncio.sleep(1.2)
-            return bodies
-
-        assert run(go) == [b"{}", b"{}"]
+        assert two_posts_with_the_loop_blocked_after_each(server, False, 1.2) == [b"{}", b"{}"]
         assert received == [0, 1] and server.accepted == 2
     finally:
         server.close()

@@ -18,6 +18,7 @@ import pytest
 from aiohttp import web
 
 from cluster import wait_for  # noqa: E402  (tests/disagg, put on sys.path by conftest.py)
+from threaded_app import ThreadedApp  # noqa: E402
 
 BUSY = {"error": {"message": "the server is busy", "type": "rate_limit_error", "param": None, "code": "busy"}}
 COMPLETION = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "demo",
@@ -25,35 +26,22 @@ COMPLETION = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model"
               "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}}
 
 
-class ForeignServer:
+class ForeignServer(ThreadedApp):
     """An OpenAI server that is not pdpool, on its own thread: ``busy`` (None, or the ``Retry-After`` value of
-    its 429, "" for none) decides its answer to ``/v1/completions``; ``hold`` keeps an answer back until set."""
+    its 429, "" for none) decides its answer to ``/v1/completions`` (and a chat's: the same, a completion's 200 when
+    not busy); ``hold`` keeps an answer back until set."""
 
     def __init__(self) -> None:
         self.busy: str | None = None
         self.hold = threading.Event()
         self.hold.set()
         self.seen = 0
-        self.loop = asyncio.new_event_loop()
-        ready = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
-        self.thread.start()
-        assert ready.wait(10)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def _run(self, ready: threading.Event) -> None:
-        asyncio.set_event_loop(self.loop)
         app = web.Application()
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/completions", self.completions)
-        self.runner = web.AppRunner(app, access_log=None)
-        self.loop.run_until_complete(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        self.loop.run_until_complete(site.start())
-        self.port = site._server.sockets[0].getsockname()[1]
-        ready.set()
-        self.loop.run_forever()
+        app.router.add_post("/v1/chat/completions", self.completions)   # its 429s only
+        super().__init__(app, access_log=None)
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "demo", "object": "model", "owned_by": "vllm"}]})
@@ -69,11 +57,6 @@ class ForeignServer:
         while not self.hold.is_set():
             await asyncio.sleep(0.01)
         return web.json_response(COMPLETION)
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +130,8 @@ def small_queue(launch_server):
 
 def test_a_pdpool_nodes_queue_full_429_through_the_router(small_queue, start_router):
     """The node's own 429 says when to retry, and the router passes it on (its cooldown, 3 s here, would be its
-    own default)."""
+    own default); a request that comes while the node is left out for its 429 is the router's own 429, never a
+    503 (it was "no ready node", though the node was up and only full)."""
     router = start_router(["--both", small_queue.url, "--node-cooldown", "3"], name="router-small-queue")
     body = {"model": "demo", "prompt": "Count to one hundred:", "max_tokens": 24, "ignore_eos": True,
             "temperature": 0}
@@ -161,6 +145,28 @@ def test_a_pdpool_nodes_queue_full_429_through_the_router(small_queue, start_rou
         replies = burst(url)
         assert {r.status_code for r in replies} == {200, 429}, [(r.status_code, r.text) for r in replies]
         for r in replies:
-            if r.status_code == 429:
+            if r.status_code == 429 and r.json()["error"]["code"] == "pool_at_capacity":
+                assert url == router.url and 1 <= seconds(r.headers.get("Retry-After")) <= 3, r.headers
+            elif r.status_code == 429:
                 assert r.json()["error"]["code"] == "queue_full", r.text
                 assert r.headers.get("Retry-After") == "1", (url, r.headers)
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "hi"}),
+                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+def test_a_request_while_every_node_is_left_out_for_its_429_is_a_429(foreign, start_router, path, body):
+    """The router leaves a node that answered 429 out for --node-cooldown (5 s here); a request meanwhile was a
+    503 "no ready node" without Retry-After, though the node was up and only full. It is a 429 that says when the
+    node may be tried again; a node that is down still makes a 503 (test_router_e2e.py)."""
+    router = start_router(["--decode", foreign.url, "--node-cooldown", "5"], name=f"router-cooldown-{path[4:8]}")
+    body = {"model": "demo", "max_tokens": 1, **body}
+    foreign.busy = "2"
+    try:
+        first = router.post(path, body)
+        assert first.status_code == 429 and first.json()["error"]["code"] == "busy", first.text
+        then = router.post(path, body)
+    finally:
+        foreign.busy = None
+    assert then.status_code == 429 and then.json()["error"]["code"] == "pool_at_capacity", then.text
+    assert 4 <= seconds(then.headers.get("Retry-After")) <= 5, then.headers
+    wait_for(lambda: router.post(path, body).status_code == 200, 10, "the node's cooldown to end")
