@@ -168,6 +168,9 @@ class Tokenizer:
         template = compile_chat_template(chat_template) if chat_template else self._template
         if template is None:
             raise ValueError("this model's tokenizer has no chat template")
+        if any(m.get("role") == "developer" for m in messages) and not names_developer(chat_template or
+                                                                                        self.chat_template):
+            messages = developer_as_system(messages)
         if continue_final_message:
             if add_generation_prompt:
                 raise ValueError("continue_final_message and add_generation_prompt are not compatible")
@@ -201,6 +204,23 @@ class Tokenizer:
     @cached_property
     def _template(self):
         return None if self.chat_template is None else _chat_template_env().from_string(self.chat_template)
+
+
+def names_developer(source: str) -> bool:
+    """Whether a chat template knows OpenAI's ``developer`` role (vLLM's test: the quoted name in its text)."""
+    return '"developer"' in source or "'developer'" in source
+
+
+def developer_as_system(messages: list[dict]) -> list[dict]:
+    """vLLM's (0.32) messages for a template that does not know the ``developer`` role: each developer message is a
+    system one (without its ``tools``); when that leaves a system message past the first place, or more than one,
+    every system message merges into one at the start, their non-empty texts joined by a blank line."""
+    messages = [{**{k: v for k, v in m.items() if k != "tools"}, "role": "system"} if m.get("role") == "developer"
+                else m for m in messages]
+    if [i for i, m in enumerate(messages) if m.get("role") == "system"] == [0]:
+        return messages
+    texts = [m["content"] for m in messages if m.get("role") == "system" and m.get("content")]
+    return [{"role": "system", "content": "\n\n".join(texts)}, *(m for m in messages if m.get("role") != "system")]
 
 
 @lru_cache(maxsize=1)

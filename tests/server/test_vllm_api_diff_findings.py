@@ -1,0 +1,54 @@
+"""Requests that `pdpool serve` answered otherwise than `vllm serve` 0.32 on the same model, found by
+benchmarks/vllm_api_diff.py (docs/openai_compat.md lists what still differs and why). None needs vLLM here."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+ROLES = ("system", "developer", "user", "assistant")
+TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), min_size=1, max_size=12)
+
+
+def node_tokens(server, messages: list[dict]) -> list[int]:
+    r = httpx.post(server.url + "/tokenize", json={"model": "demo", "messages": messages},
+                   headers=server.headers(), timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+def test_developer_messages_render_as_system_ones_when_the_template_lacks_the_role(server):
+    """OpenAI's ``developer`` role (what newer clients send for instructions): vLLM renders it as ``system`` for a
+    template that does not name it (the demo model's), merging the system messages into one at the start when one
+    is not first. pdpool passed ``<|im_start|>developer`` to the model, after the template's default system prompt."""
+    user = {"role": "user", "content": "hi"}
+    assert node_tokens(server, [{"role": "developer", "content": "be terse"}, user]) == \
+        node_tokens(server, [{"role": "system", "content": "be terse"}, user])
+    assert node_tokens(server, [user, {"role": "developer", "content": "be terse"}]) == \
+        node_tokens(server, [{"role": "system", "content": "be terse"}, user])
+    assert node_tokens(server, [{"role": "system", "content": "a"}, {"role": "developer", "content": "b"}, user]) == \
+        node_tokens(server, [{"role": "system", "content": "a\n\nb"}, user])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(ROLES), TEXT), min_size=1, max_size=6))
+def test_a_template_without_the_developer_role_never_sees_it_and_loses_no_message(frontend, turns):
+    messages = [{"role": role, "content": text} for role, text in turns]
+    prompt = frontend.render_chat(messages)
+    assert "<|im_start|>developer" not in prompt
+    merged = any(role == "developer" for role, _ in turns)   # else the system messages stay where they are
+    at = 0
+    for role, text in turns:   # every other message in order; with a developer one, each instruction up front
+        if role not in ("system", "developer"):
+            at = prompt.index(f"<|im_start|>{role}\n{text}<|im_end|>", at) + 1
+        elif merged:
+            assert text in prompt[:prompt.index("<|im_end|>")]
+
+
+def test_a_template_that_names_the_developer_role_gets_it(frontend):
+    template = ("{% for m in messages %}{% if m.role == 'developer' %}[dev]{% endif %}<{{ m.role }}>{{ m.content }}"
+                "{% endfor %}")
+    messages = [{"role": "user", "content": "hi"}, {"role": "developer", "content": "be terse"}]
+    assert frontend.render_chat(messages, chat_template=template) == "<user>hi[dev]<developer>be terse"
