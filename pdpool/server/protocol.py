@@ -461,6 +461,8 @@ def _messages(body: dict) -> list[dict]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(f"messages[{i}] must be an object with a 'role'", param="messages")
+        if m.get("content", "") is None and m["role"] != "assistant":   # vLLM's (OpenAI's) rule; absent is ""
+            raise APIError(f"messages[{i}].content may be null only in an assistant message", param="messages")
         try:
             content = message_text(m.get("content"), i)
         except InvalidRequestError as exc:

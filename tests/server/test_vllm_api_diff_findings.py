@@ -8,6 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdpool.server import protocol
+from pdpool.server.errors import APIError
+
 ROLES = ("system", "developer", "user", "assistant")
 TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), min_size=1, max_size=12)
 
@@ -52,3 +55,20 @@ def test_a_template_that_names_the_developer_role_gets_it(frontend):
                 "{% endfor %}")
     messages = [{"role": "user", "content": "hi"}, {"role": "developer", "content": "be terse"}]
     assert frontend.render_chat(messages, chat_template=template) == "<user>hi[dev]<developer>be terse"
+
+
+@pytest.mark.parametrize("role", ["user", "system", "developer", "tool", "robot"])
+def test_null_content_is_refused_outside_an_assistant_message(role):
+    """vLLM 0.32 (and OpenAI) refuse ``content: null`` but in an assistant message (one that only calls tools);
+    pdpool read it as "" and answered."""
+    body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}, {"role": role, "content": None}]}
+    with pytest.raises(APIError) as err:
+        protocol.parse_chat(body, ["demo"], lambda messages, *flags: "prompt")
+    assert err.value.status == 400 and err.value.param == "messages" and "messages[1]" in err.value.message
+
+
+def test_null_or_absent_content_is_taken_where_vllm_takes_it():
+    for message in ({"role": "assistant", "content": None}, {"role": "user"}, {"role": "assistant", "content": None,
+                    "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}):
+        body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}, message]}
+        assert protocol.parse_chat(body, ["demo"], lambda messages, *flags: "prompt").prompts == ["prompt"]
