@@ -64,7 +64,8 @@ class UnknownPeerError(PeerUnavailableError):
 
 class PeerDirectory:
     def __init__(self, worker, *, reader=None, session_of, token: str | None, timeout: float) -> None:
-        """``worker``: the node's ``KVWorker``; None for a node still loading, which only releases leases."""
+        """``worker``: the node's ``KVWorker``; None where it only releases leases (a node still loading, or one
+        with no decode side: ``Node._release_handle``)."""
         self.worker = worker
         self.reader = reader          # pdpool.kv_index IndexReader, or None without Redis
         self.session_of = session_of  # () -> aiohttp.ClientSession
