@@ -56,9 +56,10 @@ class PositionLogprobs(dict):
 
     @classmethod
     def of(cls, entry: TokenLogprobs, tokenizer: Tokenizer | None) -> "PositionLogprobs":
-        """``tokenizer``: each token's ``decoded_token`` (None without: ``detokenize=False``)."""
+        """``tokenizer``: each token's ``decoded_token`` (None without: ``detokenize=False``), the id decoded alone
+        with special tokens kept, as vLLM's (transformers' ``decode`` default)."""
         def text(token_id: int) -> str | None:
-            return None if tokenizer is None else tokenizer.decode([token_id])
+            return None if tokenizer is None else tokenizer.decode([token_id], skip_special_tokens=False)
 
         top = entry.top or []
         # the token's place among the top ones when it is there (vLLM's: the top entry overwrites it), else the

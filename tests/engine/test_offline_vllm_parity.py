@@ -104,3 +104,16 @@ def test_vllm_call_shapes_pdpool_has_no_use_for_are_taken_or_refused_as_vllm(llm
         with pytest.raises(ValueError, match=rf"LLM\.{name}\(\) is only supported for pooling models"):
             getattr(llm, name)("Hello")
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_special_tokens_logprob_names_it_as_vllms(llm):
+    """vLLM's decoded_token is the tokenizer's decode of the id alone, special tokens kept (transformers' default):
+    an EOS sampled with logprobs reads '<|im_end|>'; pdpool's skipped special tokens and gave ''."""
+    tok = llm.get_tokenizer()
+    (out,) = llm.generate("Hello", SamplingParams(max_tokens=2, logprobs=1, prompt_logprobs=1,
+                                                  allowed_token_ids=[tok.eos_token_id]), **QUIET)
+    seq = out.outputs[0]
+    assert seq.token_ids == [tok.eos_token_id] and seq.text == ""
+    assert seq.logprobs[0][tok.eos_token_id].decoded_token == tok.eos_token == "<|im_end|>"
+    assert all(lp.decoded_token == tok.decode([t]) for d in [*seq.logprobs, *out.prompt_logprobs[1:]]
+               for t, lp in d.items())
