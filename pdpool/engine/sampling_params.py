@@ -188,6 +188,8 @@ class SamplingParams:
             _int("max_tokens", self.max_tokens, 1, None)
         _int("min_tokens", self.min_tokens, 0, self.max_tokens, "at most max_tokens" if self.max_tokens else "")
         _num("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        if self.n > 1 and self.temperature < GREEDY_TEMPERATURE:   # vLLM's: the n choices would be one sequence
+            raise SamplingParamsError("n", f"n must be 1 when using greedy sampling (temperature 0), got {self.n}")
         _num("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _int("top_k", self.top_k, -1, None, "-1 or 0 disables it")
         _num("min_p", self.min_p, 0.0, 1.0)

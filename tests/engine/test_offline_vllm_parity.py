@@ -117,3 +117,14 @@ def test_a_special_tokens_logprob_names_it_as_vllms(llm):
     assert seq.logprobs[0][tok.eos_token_id].decoded_token == tok.eos_token == "<|im_end|>"
     assert all(lp.decoded_token == tok.decode([t]) for d in [*seq.logprobs, *out.prompt_logprobs[1:]]
                for t, lp in d.items())
+
+
+@pytest.mark.parametrize("make", [SamplingParams, SamplingParams.from_optional])
+def test_several_greedy_samples_are_refused_as_vllm(make):
+    """vLLM 0.32 refuses n > 1 with temperature 0 ("n must be 1 when using greedy sampling"): the n choices would be
+    the same sequence. pdpool gave n copies. top_k=1 is greedy too, yet vLLM takes it (its check reads the
+    temperature only), and so does pdpool."""
+    with pytest.raises(ValueError, match="greedy") as info:
+        make(n=2, temperature=0)
+    assert info.value.param == "n"
+    assert make(n=2, temperature=0.5).n == 2 and make(n=2, top_k=1).n == 2 and make(n=1, temperature=0).n == 1
