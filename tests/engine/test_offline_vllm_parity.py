@@ -128,3 +128,37 @@ def test_several_greedy_samples_are_refused_as_vllm(make):
         make(n=2, temperature=0)
     assert info.value.param == "n"
     assert make(n=2, temperature=0.5).n == 2 and make(n=2, top_k=1).n == 2 and make(n=1, temperature=0).n == 1
+
+
+class _Interrupting:
+    """A progress bar (vLLM's use_tqdm callable) that interrupts the run at the first finished request."""
+
+    def __init__(self, **kwargs):
+        pass
+
+    def update(self, n):
+        raise KeyboardInterrupt
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("bad_at", [None, 2], ids=["interrupted", "third-prompt-too-long"])
+def test_a_call_that_stops_early_leaves_no_request_or_block_behind(llm, bad_at):
+    """A generate interrupted mid-run (Ctrl-C) or refused at its third prompt (after two were added) leaves the
+    engine as it found it: no request, every KV block free, nothing in the output processor; the next call runs."""
+    free = llm.engine.kv_cache_manager.num_free_blocks
+    prompts = ["Hello there", "Once upon a time", "The sky is"]
+    sp = [SamplingParams(max_tokens=1), SamplingParams(max_tokens=20, ignore_eos=True),
+          SamplingParams(max_tokens=20, ignore_eos=True)]
+    if bad_at is None:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts, sp, use_tqdm=_Interrupting)
+    else:
+        prompts[bad_at] = "word " * 100
+        with pytest.raises(ValueError, match="context length"):
+            llm.generate(prompts, sp, **QUIET)
+    assert not llm.engine.has_unfinished_requests() and len(llm.output_processor) == 0
+    assert llm.engine.kv_cache_manager.num_free_blocks == free
+    (after,) = llm.generate("Hello", SamplingParams(max_tokens=2, temperature=0), **QUIET)
+    assert len(after.outputs[0].token_ids) == 2
