@@ -85,6 +85,15 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None
     finish_reason: str | None
     stop_reason: str | int | None
+    # vLLM's, None here as there without their feature: LoRA, routed experts, a sampling mask, speculative decoding
+    lora_request: None = None
+    routed_experts: None = None
+    sampling_mask: None = None
+    spec_decode_metrics: None = None
+    weight_versions: None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -101,6 +110,14 @@ class GenerationResult:
     # with the params' prompt_logprobs, as vLLM's: None for the first token, then one {token id: Logprob} each
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: None = None
+    # vLLM's, None here as there without their feature: LoRA, an encoder-decoder model, a KV connector, an encoder
+    # cache transfer, prompt_logprob_token_ids
+    lora_request: None = None
+    encoder_prompt: None = None
+    encoder_prompt_token_ids: None = None
+    kv_transfer_params: None = None
+    ec_transfer_params: None = None
+    prompt_token_id_logprobs: None = None
 
     @classmethod
     def from_final(cls, outs: Sequence[RequestOutput], tokenizer: Tokenizer | None) -> "GenerationResult":

@@ -162,3 +162,17 @@ def test_a_call_that_stops_early_leaves_no_request_or_block_behind(llm, bad_at):
     assert llm.engine.kv_cache_manager.num_free_blocks == free
     (after,) = llm.generate("Hello", SamplingParams(max_tokens=2, temperature=0), **QUIET)
     assert len(after.outputs[0].token_ids) == 2
+
+
+def test_results_have_vllms_attributes(llm):
+    """vLLM 0.32's RequestOutput and CompletionOutput attributes that stay None where their feature is off (LoRA,
+    an encoder, a KV connector, routed experts, a sampling mask, speculative decoding) and CompletionOutput's
+    finished(): a script reading them got an AttributeError."""
+    (out,) = llm.generate("Hello", SamplingParams(max_tokens=2), **QUIET)
+    for name in ("lora_request", "encoder_prompt", "encoder_prompt_token_ids", "kv_transfer_params",
+                 "ec_transfer_params", "prompt_token_id_logprobs"):
+        assert getattr(out, name) is None, name
+    seq = out.outputs[0]
+    for name in ("lora_request", "routed_experts", "sampling_mask", "spec_decode_metrics", "weight_versions"):
+        assert getattr(seq, name) is None, name
+    assert seq.finished() is True
