@@ -114,6 +114,28 @@ def test_a_sampled_tokens_rank_counts_the_ids_at_least_as_likely_as_vllms():
     assert out.token_ids == [1, 1, -1] and out.ranks == [4, 1, None]
 
 
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 5), vocab=st.integers(2, 40), seed=st.integers(0, 2 ** 16),
+       asks=st.lists(st.one_of(st.none(), st.integers(0, 5)), min_size=5, max_size=5),
+       temperature=st.sampled_from([0.0, 0.7, 1.5]))
+def test_sampled_ranks_are_vllms_for_any_batch(rows, vocab, seed, asks, temperature):
+    """Ranks from logits with many ties (small integers), any batch shape and mix of rows asking for logprobs or
+    not: each sampled token's rank is the count of ids whose logit is at least its own, so a greedy token's is the
+    number of ids tied at the top; with no row asking, there are none."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-3, 3, (rows, vocab), generator=gen).float()
+    params = [SamplingParams(temperature=temperature, seed=seed + i, logprobs=asks[i]) for i in range(rows)]
+    gens = [make_generator(p.seed) for p in params]
+    out = Sampler().sample(logits, params, [[0]] * rows, [[]] * rows, gens)
+    if all(a is None for a in asks[:rows]):
+        assert out.ranks is None
+        return
+    for i, t in enumerate(out.token_ids):
+        assert out.ranks[i] == int((logits[i] >= logits[i, t]).sum())
+        if temperature == 0.0:
+            assert out.ranks[i] == int((logits[i] == logits[i].max()).sum())
+
+
 def test_seeded_request_is_independent_of_batch_composition():
     vocab, steps = 1000, 6
     seeded = SamplingParams(seed=1234, temperature=0.9, top_p=0.95, top_k=200, repetition_penalty=1.2)
