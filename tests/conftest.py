@@ -100,20 +100,32 @@ class Server(NodeProcess):
 
         return [r.choices[0].model_extra["token_ids"] for r in asyncio.run(run())]
 
+    def greedy_token_ids_beside(self, reference, prompts: list, max_tokens: int, **extra) -> tuple[list, object]:
+        """(``greedy_token_ids`` once the node is ready, ``reference()``): the reference (HF's, one torch thread)
+        runs in a thread meanwhile, on the core the node (one torch thread) leaves free as it starts and answers."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1) as pool:
+            expected = pool.submit(reference)
+            return self.wait_ready().greedy_token_ids(prompts, max_tokens, **extra), expected.result()
+
     def headers(self) -> dict:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
 @pytest.fixture(scope="session")
 def launch_server(demo_model_dir, tmp_path_factory):
-    """``launch_server(*flags, api_key=None)`` starts a server and stops it at the end of the session
-    (module fixtures stop theirs earlier with ``server.stop()``)."""
+    """``launch_server(*flags, api_key=None, wait=True)`` starts a server and stops it at the end of the session
+    (module fixtures stop theirs earlier with ``server.stop()``). With ``wait=False`` it returns at once: the test
+    does other work while the node starts (a few seconds of one core), then calls ``server.wait_ready()``."""
     started: list[Server] = []
 
-    def launch(*flags: str, api_key: str | None = None) -> Server:
+    def launch(*flags: str, api_key: str | None = None, wait: bool = True) -> Server:
         log = tmp_path_factory.mktemp("server") / "server.log"
         server = Server(list(flags), log, api_key=api_key)
         started.append(server)
+        if not wait:
+            return server
         try:
             return server.wait_ready()
         except BaseException:

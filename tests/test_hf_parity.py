@@ -12,8 +12,6 @@ divergence, less 10%). A broken bf16 path (a wrong rounding, a lost residual) di
 
 from __future__ import annotations
 
-import pytest
-
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    ",
@@ -34,30 +32,31 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-@pytest.fixture(scope="module")
-def hf_expected(hf_reference):
-    return [hf_reference.greedy(hf_reference.encode(p), NEW_TOKENS) for p in PROMPTS]
+def greedy(hf) -> list[list[int]]:
+    """``hf``'s greedy continuations of the prompts (HFReference keeps them: the second call is free)."""
+    return [hf.greedy(hf.encode(p), NEW_TOKENS) for p in PROMPTS]
 
 
-def test_float32_greedy_is_token_identical_to_hf(launch_server, hf_expected):
-    server = launch_server("--dtype", "float32", "--max-num-seqs", "8")
+def served_beside(server, reference):
+    """The node's greedy token ids, with HF's ``reference()`` computed meanwhile (about as long as the node's
+    start and answers); the node stopped."""
     try:
-        got = server.greedy_token_ids(PROMPTS, NEW_TOKENS)
+        return server.greedy_token_ids_beside(reference, PROMPTS, NEW_TOKENS)
     finally:
         server.stop()
+
+
+def test_float32_greedy_is_token_identical_to_hf(launch_server, hf_reference):
+    server = launch_server("--dtype", "float32", "--max-num-seqs", "8", wait=False)
+    got, hf_expected = served_beside(server, lambda: greedy(hf_reference))
     assert sum(len(e) == NEW_TOKENS for e in hf_expected) >= 6, "most prompts should run to max_tokens"
     for prompt, g, e in zip(PROMPTS, got, hf_expected):
         assert g == e, f"{prompt!r}: first divergence at {first_divergence(g, e)}"
 
 
-def test_bfloat16_agrees_on_the_first_16_tokens(launch_server, hf_reference_bf16, hf_expected, record_property):
-    hf = hf_reference_bf16
-    expected = [hf.greedy(hf.encode(p), NEW_TOKENS) for p in PROMPTS]
-    server = launch_server("--dtype", "bfloat16", "--max-num-seqs", "8")
-    try:
-        got = server.greedy_token_ids(PROMPTS, NEW_TOKENS)
-    finally:
-        server.stop()
+def test_bfloat16_agrees_on_the_first_16_tokens(launch_server, hf_reference_bf16, hf_reference, record_property):
+    server = launch_server("--dtype", "bfloat16", "--max-num-seqs", "8", wait=False)
+    got, (expected, hf_expected) = served_beside(server, lambda: (greedy(hf_reference_bf16), greedy(hf_reference)))
     divergence = [first_divergence(g, e) for g, e in zip(got, expected)]
     vs_float32 = [first_divergence(g, e) for g, e in zip(got, hf_expected)]
     record_property("bf16_first_divergence_vs_hf_bf16", divergence)

@@ -61,16 +61,19 @@ PREEMPT_BLOCKS = 12  # 4 requests x ceil((~10 + 64) / 16) = 20 blocks wanted
 
 def test_small_kv_pool_preempts_and_outputs_still_match(launch_server, hf_reference):
     server = launch_server("--dtype", "float32", "--num-kv-blocks", str(PREEMPT_BLOCKS), "--block-size", "16",
-                           "--max-num-seqs", "8")
+                           "--max-num-seqs", "8", wait=False)
     try:
-        got = server.greedy_token_ids(PREEMPT_PROMPTS, PREEMPT_NEW, ignore_eos=True)
+        hf = hf_reference
+        got, expected = server.greedy_token_ids_beside(
+            lambda: [hf.greedy(hf.encode(p), PREEMPT_NEW, ignore_eos=True) for p in PREEMPT_PROMPTS],
+            PREEMPT_PROMPTS, PREEMPT_NEW, ignore_eos=True)
         m = server.metrics()
     finally:
         server.stop()
     assert m["pdpool_preemptions_total"] > 0
-    for prompt, g in zip(PREEMPT_PROMPTS, got):
+    for prompt, g, e in zip(PREEMPT_PROMPTS, got, expected):
         assert len(g) == PREEMPT_NEW
-        assert g == hf_reference.greedy(hf_reference.encode(prompt), PREEMPT_NEW, ignore_eos=True), prompt
+        assert g == e, prompt
 
 
 def test_requests_run_concurrently(chunking_server):
