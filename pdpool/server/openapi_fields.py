@@ -185,12 +185,14 @@ def chat_messages() -> dict:
     call = {"type": "object", "required": ["function"], "properties": {   # protocol._history_tool_calls
         "type": {"const": "function"},
         "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}
-    message = {"type": "object", "required": ["role"], "properties": {
-        "role": {"type": "string"},
-        "content": nullable({"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}),
-        "tool_calls": nullable({"type": "array", "items": call}),
-        "tool_call_id": nullable({"type": "string"}), "name": nullable({"type": "string"})}}
-    return {"type": "array", "items": message, "minItems": 1}
+    content = {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}
+    properties = {"role": {"type": "string"}, "content": content,
+                  "tool_calls": nullable({"type": "array", "items": call}),
+                  "tool_call_id": nullable({"type": "string"}), "name": nullable({"type": "string"})}
+    message = {"type": "object", "required": ["role"], "properties": properties}
+    # content null: an assistant's alone (protocol._messages)
+    assistant = {**message, "properties": {**properties, "role": {"const": "assistant"}, "content": nullable(content)}}
+    return {"type": "array", "items": {"anyOf": [message, assistant]}, "minItems": 1}
 
 
 def chat_template_field(trusted: bool) -> dict:
