@@ -65,13 +65,14 @@ def spec(routes, *, title: str, served_model_names: list[str], api_key: bool, vo
     ``max_model_len``, where known, bound token ids and lengths. ``auto_tool_choice``: tool_choice "auto" is
     served (--enable-auto-tool-choice). ``chat_template``: a request's is taken (--trust-request-chat-template)."""
     model = {"type": "string", "enum": list(served_model_names)}
-    bodies = {"/v1/completions": completion_body(model, vocab_size, max_model_len),
-              "/v1/chat/completions": chat_body(model, vocab_size, max_model_len, auto_tool_choice, chat_template),
-              "/v1/responses": responses_body(model, vocab_size, max_model_len, auto_tool_choice, chat_template),
+    named = {"type": "string", "enum": [*served_model_names, ""]}   # OpenAI's bodies: "", as null, is the first
+    bodies = {"/v1/completions": completion_body(named, vocab_size, max_model_len),
+              "/v1/chat/completions": chat_body(named, vocab_size, max_model_len, auto_tool_choice, chat_template),
+              "/v1/responses": responses_body(named, vocab_size, max_model_len, auto_tool_choice, chat_template),
               anthropic_messages.PATH: anthropic_body(model, vocab_size, max_model_len, auto_tool_choice,
                                                        chat_template),
               anthropic_messages.COUNT_TOKENS_PATH: count_tokens_body(model, chat_template),
-              "/tokenize": tokenize_body(model, chat_template), "/detokenize": detokenize_body(model, vocab_size)}
+              "/tokenize": tokenize_body(named, chat_template), "/detokenize": detokenize_body(named, vocab_size)}
     paths: dict = {}
     for method, path in sorted(set(routes)):
         summary = _DOCS.get((method, path))

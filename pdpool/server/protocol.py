@@ -186,7 +186,7 @@ def _common(body: dict, kind: str, served_model_names: list[str]) -> dict:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise APIError("'model' must be a string", param="model")
-    if model is not None and model not in served_model_names:
+    if model and model not in served_model_names:   # "", as null, is the served model (vLLM's rule)
         raise model_not_found(model, served_model_names)
     model = served_model_names[0]
     stream = get_bool(body, "stream")

@@ -24,7 +24,7 @@ def _check_model(body: dict, served_model_names: list[str]) -> None:
         return
     if not isinstance(model, str):
         raise APIError("'model' must be a string", param="model")
-    if model not in served_model_names:
+    if model and model not in served_model_names:   # "", as null, is the served model (vLLM's rule)
         raise model_not_found(model, served_model_names)
 
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdpool.server import protocol
+from pdpool.server import openapi, protocol, tokenize
 from pdpool.server.errors import APIError
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -72,3 +72,23 @@ def test_null_or_absent_content_is_taken_where_vllm_takes_it():
                     "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}):
         body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}, message]}
         assert protocol.parse_chat(body, ["demo"], lambda messages, *flags: "prompt").prompts == ["prompt"]
+
+
+def test_an_empty_model_name_is_the_served_model(frontend):
+    """vLLM 0.32 takes ``"model": ""`` as it takes null or absent (some clients send an empty name); pdpool answered
+    404 model_not_found. Another name is still a 404."""
+    names = ["demo", "alias"]
+    assert protocol.parse_completion({"model": "", "prompt": "hi"}, names).model == "demo"
+    assert protocol.parse_chat({"model": "", "messages": [{"role": "user", "content": "hi"}]}, names,
+                               lambda messages, *flags: "prompt").model == "demo"
+    assert tokenize.tokenize({"model": "", "prompt": "hi"}, frontend, names, None)["tokens"]
+    for call in (lambda: protocol.parse_completion({"model": "nope", "prompt": "hi"}, names),
+                 lambda: tokenize.tokenize({"model": " ", "prompt": "hi"}, frontend, names, None)):
+        with pytest.raises(APIError) as err:
+            call()
+        assert err.value.status == 404 and err.value.code == "model_not_found"
+    spec = openapi.spec([("POST", "/v1/completions"), ("POST", "/v1/messages")], title="t", served_model_names=names,
+                        api_key=False)
+    model = {path: spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["properties"]
+             ["model"]["enum"] for path in ("/v1/completions", "/v1/messages")}
+    assert "" in model["/v1/completions"] and "" not in model["/v1/messages"]   # Anthropic's API names its model
