@@ -826,8 +826,10 @@ def compare(p: dict, v: dict) -> dict[str, list[str]]:
     return diffs
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def diff_args(doc: str, prefix: str):
+    """The command line both comparisons take (this one and vllm_api_diff.py): the parsed arguments, the demo
+    model's folder, the output folder (``prefix``: a new temporary one's) and the results ``--load`` names."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-venv", default=DEFAULT_VLLM_VENV)
     ap.add_argument("--only", default="pdpool,vllm")
     ap.add_argument("--pdpool-url")
@@ -839,13 +841,17 @@ def main() -> None:
 
     from pdpool.models.demo import resolve_model
 
-    model = str(resolve_model("demo"))
-    out_dir = Path(args.out or tempfile.mkdtemp(prefix="response-diff-"))
+    out_dir = Path(args.out or tempfile.mkdtemp(prefix=prefix))
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {}
     for item in args.load:
         engine, file = item.split("=", 1)
         results[engine] = json.loads(Path(file).read_text())
+    return args, str(resolve_model("demo")), out_dir, results
+
+
+def main() -> None:
+    args, model, out_dir, results = diff_args(__doc__, "response-diff-")
     for engine in args.only.split(","):
         if engine in results:
             continue
