@@ -82,13 +82,13 @@ def sampling_fields(vocab_size: int | None, max_model_len: int | None) -> dict:
     token = token_id(vocab_size)
     word = {"type": "string", "minLength": 1}
     return {
-        "temperature": nullable(number(0, None)),
+        "temperature": nullable(number(0, 2)),
         "top_p": nullable(number(0, 1, low_open=True)),
         "top_k": nullable({**integer(-1), "description": "-1 or 0: no top-k"}),
         "min_p": nullable(number(0, 1)),
         "presence_penalty": nullable(number(-2, 2)),
         "frequency_penalty": nullable(number(-2, 2)),
-        "repetition_penalty": nullable(number(0, 2, low_open=True)),
+        "repetition_penalty": nullable(number(0, None, low_open=True)),
         "seed": nullable({**integer(SEED_MIN, SEED_MAX), "description": "with n > 1, choice j is seeded seed + j, so "
                                                                       "seed + n - 1 must stay in range"}),
         "stop": nullable({"anyOf": [word, {"type": "array", "items": word}]}),
