@@ -23,15 +23,16 @@ CLUSTER = {
 }
 
 
-COLOCATED_MAX_MODEL_LEN = 384
+COLOCATED_MAX_MODEL_LEN = 512   # schemathesis' shaped prompts fit (tests/schemathesis_run.py)
 
 
 @pytest.fixture(scope="package")
 def colocated_node(launch_server):
     """One colocated node without an API key, for the modules whose routers front a single node (CORS, the model
-    card): started once for the package; they send it requests and change nothing on it."""
+    card, served names, schemathesis): started once for the package; they send it requests and change nothing on
+    it."""
     srv = launch_server("--dtype", "float32", "--max-model-len", str(COLOCATED_MAX_MODEL_LEN), "--num-kv-blocks",
-                        "64", "--block-size", "16", "--max-num-seqs", "4")
+                        "96", "--block-size", "16", "--max-num-seqs", "4")
     srv.max_model_len = COLOCATED_MAX_MODEL_LEN
     yield srv
     srv.stop()

@@ -1,5 +1,6 @@
 """schemathesis against the router's /openapi.json (``tests/schemathesis_run.py``): a router with an API key in
-front of a real node (static discovery)."""
+front of a real node (static discovery), the package's colocated node (a 512-token context; no key: the router's
+legs present none)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,8 @@ API_KEY = "st-key-42"
 
 
 @pytest.fixture(scope="module")
-def router(launch_server, start_router):
-    node = launch_server("--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "96")   # no key: the
-    try:                                                                  # router's legs present none
-        yield start_router(["--both", node.url], name="router-schemathesis", api_key=API_KEY)
-    finally:
-        node.stop()
+def router(colocated_node, start_router):
+    return start_router(["--both", colocated_node.url], name="router-schemathesis", api_key=API_KEY)
 
 
 @pytest.mark.timeout(600)
