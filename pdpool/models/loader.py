@@ -112,6 +112,10 @@ def load_safetensors(model: nn.Module, path: Path) -> None:
     tied = getattr(model, "tie_word_embeddings", False)
     with torch.no_grad():
         for file in files:
+            # opened here first, where the wait releases the GIL: safetensors' own open holds it, so a shard whose
+            # open blocks (a hung network mount, a FIFO) froze the whole node, its health endpoints and SIGTERM too
+            with open(file, "rb"):
+                pass
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
                     if name.endswith(SKIPPED_SUFFIXES) or (tied and name == "lm_head.weight"):
